@@ -1,0 +1,34 @@
+# `make demo` trains the demo GPT with Muon on Megatron-FSDP; `make test` runs the whole suite.
+# Both create or refresh .venv (Python >= 3.12) whenever setup.py changes.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+DEMO_ARGS ?=
+
+PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
+	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; \
+	then echo $$p; break; fi; done)
+
+.PHONY: venv demo test clean
+
+$(VENV)/.installed: setup.py
+	@if [ -z "$(PYTHON)" ]; then \
+		echo "error: megatron-muon needs Python >= 3.12 (megatron-core and emerging-optimizers require it)."; \
+		echo "Install one (e.g. 'pyenv install 3.12' or your distribution's python3.12) and run make again."; \
+		exit 1; fi
+	@[ -x $(PY) ] && $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/pretrain_gpt.py $(DEMO_ARGS)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,1 @@
+"""Muon for Megatron-FSDP."""
