@@ -1,1 +1,5 @@
 """Muon for Megatron-FSDP."""
+
+from .zero_muon import ZeROTensorParallelMuon
+
+__all__ = ["ZeROTensorParallelMuon"]

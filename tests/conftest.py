@@ -1,0 +1,62 @@
+import os
+import socket
+import sys
+import traceback
+
+import pytest
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, errors):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_muon.cpu import apply_cpu_compat
+
+    apply_cpu_compat()
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300):
+    """Run fn(rank, world_size, *args) on world_size gloo processes; re-raise the first failure."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+    if not errors.empty():
+        pytest.fail(errors.get(), pytrace=False)
+    if hung:
+        pytest.fail(f"{len(hung)} of {world_size} ranks did not finish within {timeout}s (deadlock?)")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        pytest.fail(f"ranks exited with codes {bad}")
+
+
+@pytest.fixture
+def distributed():
+    return run_distributed
