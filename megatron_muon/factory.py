@@ -1,11 +1,113 @@
-"""get_megatron_optimizer with megatron-core's signature (placeholder: forwards to megatron-core)."""
+"""get_megatron_optimizer with megatron-core's signature: Muon on Megatron-FSDP builds ours,
+every other request goes to megatron-core unchanged."""
 
+import copy
+
+from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer
+from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups, _get_param_groups
 from megatron.core.optimizer import get_megatron_optimizer as _core_get_megatron_optimizer
+from megatron.core.optimizer import get_standard_config_overrides
+from megatron.core.optimizer.emerging_optimizers import (
+    _EMERGING_OPTIMIZERS,
+    _eopt_init_state_fn,
+    _get_qkv_split_shapes,
+    _muon_config_to_kwargs,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
+from .zero_muon import ZeROTensorParallelMuon
 
 
 def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
                            pg_collection=None, dump_param_to_param_group_map=None):
-    return _core_get_megatron_optimizer(
-        config, model_chunks, config_overrides=config_overrides,
-        use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
-        dump_param_to_param_group_map=dump_param_to_param_group_map)
+    """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` on Megatron-FSDP chunks."""
+    if config.optimizer != "muon" or not all(find_megatron_fsdp(c) for c in model_chunks):
+        return _core_get_megatron_optimizer(
+            config, model_chunks, config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
+            dump_param_to_param_group_map=dump_param_to_param_group_map)
+    if config.fp16:
+        raise ValueError("Muon on Megatron-FSDP does not support fp16; use --bf16")
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    chain = ChainedOptimizer(
+        _build_parts(config, model_chunks, config_overrides, use_gloo_process_groups, pg_collection))
+    return FSDPMuonChainedOptimizer(chain, model_chunks)
+
+
+def is_expert_param(name, param) -> bool:
+    """Megatron marks expert params with allreduce=False on the model param; Megatron-FSDP's main
+    weight keeps it as `orig_param`."""
+    model_param = getattr(param, "orig_param", param)
+    if hasattr(model_param, "allreduce"):
+        return not model_param.allreduce
+    return ".experts." in name and "shared_expert" not in name
+
+
+def _tag_params(model_chunks):
+    """The tags megatron-core's Muon path sets, set on the main weights the optimizer sees."""
+    for chunk in model_chunks:
+        qkv_split_shapes = _get_qkv_split_shapes(chunk.config)
+        for name, param in chunk.named_parameters():
+            param.allreduce = not is_expert_param(name, param)  # read by _get_param_groups
+            if not param.allreduce:
+                param.expert_tp = True
+            if ("linear_qkv.weight" in name and param.dim() == 2
+                    and param.shape[0] % sum(qkv_split_shapes) == 0):
+                param.is_qkv = True
+                param.qkv_split_shapes = qkv_split_shapes
+
+
+def _muon_overrides(config, config_overrides):
+    """The caller's overrides plus Muon's own: non-matrix and embedding params go to the scalar
+    optimizer (`muon_scalar_optimizer`)."""
+    overrides = dict(get_standard_config_overrides(config) if config_overrides is None
+                     else config_overrides)
+    for key, override in _EMERGING_OPTIMIZERS["muon"].default_param_overrides.items():
+        overrides[key] = {**override, "optimizer": config.muon_scalar_optimizer}
+    return overrides
+
+
+def _build_parts(config, model_chunks, config_overrides, use_gloo_process_groups, pg_collection):
+    _tag_params(model_chunks)
+    groups = _get_param_groups(model_chunks, config, _muon_overrides(config, config_overrides))
+    process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
+        pg_collection, model_chunks, use_gloo_process_groups)
+    ddp_config = model_chunks[0].ddp_config
+    # Replicated grads (no_shard) are norm-reduced over model parallelism only, as megatron-core's
+    # Megatron-FSDP path does.
+    grad_stats_group = (process_groups["mp_group"]
+                        if ddp_config.data_parallel_sharding_strategy == "no_shard"
+                        else process_groups["intra_dist_opt_group"])
+    # Megatron-FSDP's main weights already are fp32 and it installs them into the model itself:
+    # the parts step them in place with no precision wrapper and no distributed optimizer.
+    part_config = copy.copy(config)
+    part_config.bf16 = False
+    part_config.use_distributed_optimizer = False
+
+    parts = []
+    for is_expert in (False, True):
+        for optimizer_name in ("muon", config.muon_scalar_optimizer):
+            selected = [g for g in groups if g["is_expert_parallel"] == is_expert
+                        and g.get("optimizer", "muon") == optimizer_name]
+            if not selected:
+                continue
+            if optimizer_name == "muon":
+                dp_group = pg_collection.expt_dp if is_expert else pg_collection.dp_cp
+                muon = ZeROTensorParallelMuon(
+                    selected, dp_group=dp_group,
+                    **_muon_config_to_kwargs(config, model_chunks, pg_collection))
+                part = FP32Optimizer(muon, part_config, _eopt_init_state_fn)
+            else:
+                scalar_config = copy.copy(part_config)
+                scalar_config.optimizer = optimizer_name
+                part = _get_megatron_optimizer_based_on_param_groups(
+                    config=scalar_config, model_chunks=model_chunks, param_groups=selected,
+                    pg_collection=pg_collection)
+            part.config = config  # ChainedOptimizer expects one config across its parts
+            part.grad_stats_parallel_group = grad_stats_group
+            part.tp_group = pg_collection.tp
+            part.expert_tp_group = getattr(pg_collection, "expt_tp", pg_collection.tp)
+            parts.append(part)
+    return parts

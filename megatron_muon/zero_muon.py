@@ -30,6 +30,20 @@ def _fsdp_shard_mesh_dim(p: DTensor) -> int | None:
     return dims[0] if dims else None
 
 
+class _ParamAttributes:
+    """Megatron's tags (is_qkv, partition_dim, expert_tp, ...) of a main-weight param: its own,
+    else those of the model param Megatron-FSDP made it from."""
+
+    def __init__(self, param):
+        self._param = param
+
+    def __getattr__(self, name):
+        try:
+            return getattr(self._param, name)
+        except AttributeError:
+            return getattr(self._param.orig_param, name)
+
+
 class ZeROTensorParallelMuon(TensorParallelMuon):
     """megatron-core's TensorParallelMuon for Megatron-FSDP main weights.
 
@@ -129,7 +143,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         """Orthogonalize a DTensor update: assemble its full (TP-local) matrix, run
         TensorParallelMuon.orthogonalize on it, and return this rank's rows with grad's
         placements, shape and stride."""
-        attrs = getattr(p, "orig_param", p)  # is_qkv, partition_dim, expert_tp live on the model param
+        attrs = _ParamAttributes(p)
         local = grad.to_local()
         if p not in self._row_layouts:
             return self._as_dtensor(super().orthogonalize(attrs, local, **kwargs), like=grad)
