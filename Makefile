@@ -25,7 +25,7 @@ $(VENV)/.installed: setup.py
 venv: $(VENV)/.installed
 
 demo: venv
-	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/pretrain_gpt.py $(DEMO_ARGS)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/pretrain_gpt.py $(DEMO_ARGS)
 
 test: venv
 	$(PY) -m pytest -q tests

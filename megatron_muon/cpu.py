@@ -1,10 +1,14 @@
 """Run Megatron-FSDP and megatron-core on a machine without CUDA (CPU, gloo).
 
 Megatron-FSDP schedules its collectives on CUDA streams and events; on CPU every collective is
-synchronous, so that bookkeeping can be a no-op. Nothing here runs when CUDA is available.
+synchronous, so that bookkeeping can be a no-op (apply_cpu_compat). megatron.training's pretrain()
+further asks for CUDA tensors, RNG states and devices (apply_megatron_training_compat). Nothing
+here runs when CUDA is available.
 """
 
 import contextlib
+import datetime
+import functools
 
 import torch
 
@@ -73,3 +77,96 @@ def apply_cpu_compat() -> bool:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     _applied = True
     return True
+
+
+def _is_cuda_device(device) -> bool:
+    # Megatron names devices as 'cuda', 'cuda:N', torch.device('cuda', N) or a bare index
+    # (torch.cuda.current_device()), which torch resolves to CUDA.
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == 'cuda'
+
+
+class _CudaTensorsOnCpu(torch.overrides.TorchFunctionMode):
+    """Create on CPU the tensors Megatron asks for on CUDA; let CPU tensors pass its CUDA checks.
+
+    Megatron and Megatron-FSDP create tensors with device='cuda', torch.cuda.current_device() or
+    torch.device('cuda', N) throughout (first at training/initialize.py:508, then training.py,
+    schedules.py:749, timers.py:302, optimizer.py:315, clip_grads.py:108, tensor_parallel/
+    layers.py:302, megatron_fsdp/param_and_grad_buffer.py:514...) and move tensors with
+    .to(current_device) (megatron_fsdp.py:251, param_and_grad_buffer.py:5149).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get('device')):
+            kwargs['device'] = 'cpu'
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], 'cpu', *args[2:])
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # clip_grads.py:174 asserts grad.type() == 'torch.cuda.FloatTensor'.
+            return result.replace('torch.', 'torch.cuda.', 1)
+        return result
+
+
+_training_compat_applied = False
+
+
+def apply_megatron_training_compat() -> bool:
+    """Also make megatron.training's pretrain() run on CPU/gloo; implies apply_cpu_compat().
+
+    Call before pretrain(). Returns True when the patches are (or already were) in place, False
+    on a CUDA machine, where nothing is touched.
+    """
+    global _training_compat_applied
+    if not apply_cpu_compat():
+        return False
+    if _training_compat_applied:
+        return True
+    import megatron.training.arguments
+    import megatron.training.initialize
+    import megatron.training.training
+
+    # rerun_state_machine.py:979 saves the CUDA RNG state every step (and :992 restores it on a
+    # rerun, next to the CPU state it also restores); CPU has no other generator.
+    torch.cuda.get_rng_state = lambda device='cuda': torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device='cuda': None
+    _CudaTensorsOnCpu().__enter__()
+    # arguments.py:1444 reads the device's compute capability when Megatron-FSDP is on.
+    megatron.training.arguments.get_device_arch_version = lambda: 0
+    # pretrain() calls initialize_megatron without allow_no_cuda (initialize.py:66 asserts CUDA).
+    initialize_megatron = megatron.training.training.initialize_megatron
+    megatron.training.training.initialize_megatron = (
+        lambda *args, **kwargs: initialize_megatron(*args, **{**kwargs, 'allow_no_cuda': True}))
+    megatron.training.initialize._initialize_distributed = functools.partial(
+        _initialize_distributed_on_cpu, megatron.training.initialize._initialize_distributed)
+    _training_compat_applied = True
+    return True
+
+
+def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
+    """Megatron sets up model parallelism only when it sees a GPU (initialize.py:358).
+
+    Start the process group here, then let Megatron's own code build the model-parallel groups
+    with a GPU presented (it only skips process-group setup, already done, and runs mpu init).
+    """
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
+    from megatron.training import get_args
+
+    megatron_args = get_args()
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=megatron_args.distributed_backend, world_size=megatron_args.world_size,
+            rank=megatron_args.rank,
+            timeout=datetime.timedelta(minutes=megatron_args.distributed_timeout_minutes))
+    device_count = torch.cuda.device_count
+    torch.cuda.device_count = lambda: 1
+    try:
+        initialize_distributed(*args, **kwargs)
+    finally:
+        torch.cuda.device_count = device_count
+    # _set_random_seed (initialize.py:447) builds the CUDA RNG tracker only when it sees a GPU, and
+    # get_cuda_rng_tracker() would otherwise build one that forks CUDA generators. The inference
+    # tracker's fork() is a no-op: on CPU, dropout draws from the default generator.
+    tensor_parallel_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

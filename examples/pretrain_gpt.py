@@ -1,0 +1,109 @@
+"""Pretrain a small megatron-core GPT on Megatron-FSDP with megatron.training, Muon by default.
+
+    torchrun --nproc-per-node 2 examples/pretrain_gpt.py [megatron flags...]
+
+Trains on a synthetic Markov-chain corpus (examples/synthetic_data.py), with the defaults below;
+any Megatron flag given on the command line overrides them (e.g. `--optimizer adam`). Runs on GPUs
+(NCCL) as is, and on CPU (gloo) when CUDA is absent.
+"""
+
+import functools
+from pathlib import Path
+
+import torch
+import megatron.core.datasets.utils
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.training import get_args, pretrain
+from megatron.training.argument_utils import (core_transformer_config_from_args,
+                                              pretrain_cfg_container_from_args)
+from megatron.training.arguments import parse_and_validate_args
+
+import megatron_muon.training
+from megatron_muon.arguments import add_muon_args
+from megatron_muon.cpu import apply_megatron_training_compat
+from synthetic_data import markov_chain_datasets
+
+ON_CPU = not torch.cuda.is_available()
+
+DEMO_DEFAULTS = dict(
+    # Model: 4 layers, hidden 256, 4 heads, vocabulary 1024, sequences of 256 tokens.
+    num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4,
+    seq_length=256, max_position_embeddings=256, vocab_size=1024,
+    tokenizer_type='NullTokenizer', transformer_impl='local',
+    # Optimizer and schedule.
+    optimizer='muon', lr=3e-3, min_lr=3e-4, lr_decay_style='cosine', lr_warmup_fraction=0.1,
+    weight_decay=0.01, clip_grad=1.0, train_iters=100, micro_batch_size=4,
+    # Megatron-FSDP, ZeRO-3.
+    use_megatron_fsdp=True, data_parallel_sharding_strategy='optim_grads_params',
+    ckpt_format='fsdp_dtensor',
+    # Logging and evaluation: log every iteration, evaluate only at the end.
+    log_interval=1, eval_interval=100, eval_iters=2, num_workers=0,
+    distributed_backend='gloo' if ON_CPU else 'nccl',
+    # gloo has no PREMUL_SUM: divide gradients apart from the reduction.
+    gradient_reduce_div_fusion=False,
+    # Fused kernels that need apex/TransformerEngine, or torch.compile (a C++ toolchain) on CPU.
+    gradient_accumulation_fusion=False, no_persist_layer_norm=True,
+    bias_dropout_fusion=False, bias_gelu_fusion=False,
+)
+
+
+def add_demo_args(parser):
+    """Muon's flags, and the demo's defaults in place of Megatron's (the command line wins)."""
+    add_muon_args(parser)
+    parser.set_defaults(**DEMO_DEFAULTS)
+    return parser
+
+
+def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None,
+                   vp_stage=None):
+    args = get_args()
+    return GPTModel(
+        config=config or core_transformer_config_from_args(args),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process,
+        position_embedding_type=args.position_embedding_type,
+        pg_collection=pg_collection, vp_stage=vp_stage)
+
+
+def train_valid_test_datasets_provider(num_samples):
+    args = get_args()
+    return markov_chain_datasets(num_samples, args.seq_length, args.vocab_size, seed=args.seed)
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of token losses and token count; Megatron averages over the global batch."""
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(output_tensor.view(-1).float() * loss_mask)
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss, num_tokens, {'lm loss': torch.stack([loss.detach(), num_tokens.float()])}
+
+
+def forward_step(data_iterator, model):
+    device = torch.cuda.current_device() if torch.cuda.is_available() else 'cpu'
+    batch = {key: value.to(device, non_blocking=True) for key, value in next(data_iterator).items()}
+    output_tensor = model(batch['tokens'], batch['position_ids'], batch['attention_mask'],
+                          labels=batch['labels'])
+    return output_tensor, functools.partial(loss_func, batch['loss_mask'])
+
+
+def use_prebuilt_dataset_helpers():
+    """The megatron-core wheel ships its dataset helpers built but no Makefile to build them with:
+    skip the build that initialize_megatron runs (it would exit), also on GPUs."""
+    if not (Path(megatron.core.datasets.utils.__file__).parent / 'Makefile').exists():
+        megatron.core.datasets.utils.compile_helpers = lambda: None
+
+
+def main():
+    apply_megatron_training_compat()  # Inert when CUDA is available.
+    use_prebuilt_dataset_helpers()
+    megatron_muon.training.install()
+    args = parse_and_validate_args(extra_args_provider=add_demo_args)
+    pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
+             ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,45 @@
+"""Command-line flags for Muon on Megatron-FSDP, as a Megatron `extra_args_provider`.
+
+megatron.training already defines `--optimizer muon` and the `--muon-*` hyper-parameters
+(momentum, nesterov, scale mode, Newton-Schulz steps and coefficients, tp mode...); this adds only
+what Megatron lacks.
+"""
+
+import argparse
+
+MUON_DIST_MODES = ('allgather', 'owner')
+MUON_TP_MODES = ('blockwise', 'duplicated', 'distributed')
+
+
+def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group(title='muon on megatron-fsdp')
+    group.add_argument('--muon-dist-mode', choices=MUON_DIST_MODES, default='owner',
+                       help='How Muon orthogonalizes FSDP-sharded matrices: "owner" gathers each '
+                       'matrix on one rank, which runs Newton-Schulz and scatters the result; '
+                       '"allgather" gathers every matrix on every rank.')
+    return parser
+
+
+def validate_muon_args(args: argparse.Namespace) -> None:
+    """Refuse, with a clear message, what Muon on Megatron-FSDP does not support."""
+    if args.optimizer != 'muon' or not args.use_megatron_fsdp:
+        return
+    if not hasattr(args, 'muon_dist_mode'):
+        raise ValueError('--optimizer muon with --use-megatron-fsdp needs Muon\'s flags: parse the '
+                         'arguments with extra_args_provider=megatron_muon.arguments.add_muon_args')
+    problems = []
+    if args.fp16:
+        problems.append('--fp16 (use --bf16 or fp32)')
+    if args.muon_tp_mode not in MUON_TP_MODES:
+        problems.append(f'--muon-tp-mode {args.muon_tp_mode!r} (choose from {MUON_TP_MODES})')
+    if args.muon_dist_mode not in MUON_DIST_MODES:
+        problems.append(f'--muon-dist-mode {args.muon_dist_mode!r} (choose from {MUON_DIST_MODES})')
+    if args.use_torch_fsdp2:
+        problems.append('--use-torch-fsdp2 (Muon supports Megatron-FSDP only)')
+    if args.optimizer_cpu_offload:
+        problems.append('--optimizer-cpu-offload')
+    if args.use_precision_aware_optimizer:
+        problems.append('--use-precision-aware-optimizer')
+    if problems:
+        raise ValueError('--optimizer muon with --use-megatron-fsdp does not support: '
+                         + '; '.join(problems))

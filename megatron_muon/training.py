@@ -1,0 +1,46 @@
+"""The switch that lets megatron.training train with `--optimizer muon --use-megatron-fsdp`.
+
+Call `install()` once, before Megatron parses its arguments (it is idempotent). It
+
+* makes `validate_args` accept muon with Megatron-FSDP, which Megatron refuses twice
+  (arguments.py:1127 "Megatron-FSDP does not support the muon optimizer yet" and arguments.py:1685
+  "Emerging optimizer does not support Megatron-FSDP for now"). Megatron validates that
+  combination as it would Adam on Megatron-FSDP, after `validate_muon_args` has refused what
+  Muon on Megatron-FSDP lacks; every other combination is validated, and refused, as before;
+* routes megatron.training's optimizer factory to `megatron_muon.factory.get_megatron_optimizer`
+  (training.py imports the name, so megatron.core.optimizer's attribute is not the one it calls).
+"""
+
+import megatron.training.arguments
+import megatron.training.training
+
+from megatron_muon import factory
+from megatron_muon.arguments import validate_muon_args
+
+_megatron_validate_args = megatron.training.arguments.validate_args
+
+
+def _validate_args(args, defaults={}):
+    if not (args.optimizer == 'muon' and args.use_megatron_fsdp):
+        return _megatron_validate_args(args, defaults)
+    validate_muon_args(args)
+    print_args = megatron.training.arguments._print_args
+
+    def print_args_as_given(title, args_to_print):
+        # validate_args prints the arguments once every check has run: show the real optimizer.
+        args_to_print.optimizer = 'muon'
+        print_args(title, args_to_print)
+
+    args.optimizer = 'adam'
+    megatron.training.arguments._print_args = print_args_as_given
+    try:
+        return _megatron_validate_args(args, defaults)
+    finally:
+        args.optimizer = 'muon'
+        megatron.training.arguments._print_args = print_args
+
+
+def install() -> None:
+    """Point megatron.training's argument validation and optimizer factory at Muon-on-FSDP."""
+    megatron.training.arguments.validate_args = _validate_args
+    megatron.training.training.get_megatron_optimizer = factory.get_megatron_optimizer

@@ -1,0 +1,41 @@
+"""End to end: examples/pretrain_gpt.py trains the demo GPT with megatron.training at W=2."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name('torchrun')
+ITERATIONS = 25
+# Megatron's per-iteration log line, e.g. "iteration        3/      25 | ... | lm loss: 6.72E+00 |".
+ITERATION_LOSS = re.compile(r' iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([-+.\dEe]+) \|')
+
+
+def train(*flags: str) -> list[float]:
+    """Run the demo for ITERATIONS iterations on 2 processes; return the logged training losses."""
+    run = subprocess.run(
+        [str(TORCHRUN), '--standalone', '--nproc-per-node', '2', 'examples/pretrain_gpt.py',
+         '--train-iters', str(ITERATIONS), '--eval-iters', '0', *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert run.returncode == 0, f'training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}'
+    losses = {int(i): float(loss) for i, loss in ITERATION_LOSS.findall(run.stdout)}
+    assert sorted(losses) == list(range(1, ITERATIONS + 1)), run.stdout[-3000:]
+    return [losses[i] for i in sorted(losses)]
+
+
+def assert_loss_falls(losses: list[float]) -> None:
+    # Untrained: ~ln(1024) = 6.9; the corpus's floor is ~1.1 (examples/synthetic_data.py).
+    first, last = losses[0], sum(losses[-3:]) / 3
+    assert first > 6.5 and last < first - 1.0, losses
+
+
+def test_adam_on_megatron_fsdp_loss_falls():
+    assert_loss_falls(train('--optimizer', 'adam'))
+
+
+def test_muon_on_megatron_fsdp_loss_falls():
+    """The default: --optimizer muon through megatron_muon.training's switch and factory."""
+    assert_loss_falls(train('--optimizer', 'muon'))
