@@ -29,20 +29,22 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
             dump_param_to_param_group_map=dump_param_to_param_group_map)
     if config.fp16:
         raise ValueError("Muon on Megatron-FSDP does not support fp16; use --bf16")
+    # No part is a DistributedOptimizer, so no gloo groups are needed.
+    process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
+        pg_collection, model_chunks, use_gloo_process_groups=False)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    chain = ChainedOptimizer(
-        _build_parts(config, model_chunks, config_overrides, use_gloo_process_groups, pg_collection))
+    chain = ChainedOptimizer(_build_parts(config, model_chunks, config_overrides, process_groups,
+                                          pg_collection))
     return FSDPMuonChainedOptimizer(chain, model_chunks)
 
 
 def is_expert_param(name, param) -> bool:
-    """Megatron marks expert params with allreduce=False on the model param; Megatron-FSDP's main
-    weight keeps it as `orig_param`."""
+    """Megatron's expert flag (allreduce=False on the model param, which Megatron-FSDP's main
+    weight keeps as `orig_param`), or Megatron-FSDP's own rule, which picks the expert mesh:
+    '.experts.' in the name. Local-spec experts carry only the name."""
     model_param = getattr(param, "orig_param", param)
-    if hasattr(model_param, "allreduce"):
-        return not model_param.allreduce
-    return ".experts." in name and "shared_expert" not in name
+    return not getattr(model_param, "allreduce", True) or ".experts." in name
 
 
 def _tag_params(model_chunks):
@@ -69,11 +71,9 @@ def _muon_overrides(config, config_overrides):
     return overrides
 
 
-def _build_parts(config, model_chunks, config_overrides, use_gloo_process_groups, pg_collection):
+def _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection):
     _tag_params(model_chunks)
     groups = _get_param_groups(model_chunks, config, _muon_overrides(config, config_overrides))
-    process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
-        pg_collection, model_chunks, use_gloo_process_groups)
     ddp_config = model_chunks[0].ddp_config
     # Replicated grads (no_shard) are norm-reduced over model parallelism only, as megatron-core's
     # Megatron-FSDP path does.

@@ -1,0 +1,85 @@
+"""Phase 3: the factory on real megatron-core objects (a tiny GPT in FullyShardedDataParallel)."""
+
+import pytest
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from gpt_models import fsdp_gpt, gpt, init_parallel_state, lm_loss, optimizer_config
+from megatron_muon import FSDPMuonChainedOptimizer, ZeROTensorParallelMuon, get_megatron_optimizer
+
+
+def _part(optimizer, cls):
+    (part,) = [p.optimizer for p in optimizer.optimizer.chained_optimizers
+               if isinstance(p.optimizer, cls)]
+    return part
+
+
+def _routes_and_trains(rank, world_size):
+    init_parallel_state()
+    model = fsdp_gpt()
+    optimizer = get_megatron_optimizer(optimizer_config(), [model])
+    assert isinstance(optimizer, FSDPMuonChainedOptimizer)
+    muon, adam = _part(optimizer, ZeROTensorParallelMuon), _part(optimizer, torch.optim.Adam)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    adam_names = {names[id(p)] for g in adam.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        # megatron-core's rule: word embeddings and the output layer are tagged; learned position
+        # embeddings are not, and go to Muon there too.
+        wants_muon = p.dim() == 2 and "word_embeddings" not in name and "output_layer" not in name
+        assert (name in muon_names) == wants_muon and (name in adam_names) != wants_muon, name
+    assert any("linear_qkv" in n for n in muon_names)
+    assert muon.dp_group is ProcessGroupCollection.use_mpu_process_groups().dp_cp
+
+    _assert_loss_falls(model, optimizer, rank)
+
+
+def _assert_loss_falls(model, optimizer, rank):
+    losses = []
+    for _ in range(4):
+        optimizer.zero_grad()
+        loss = lm_loss(model, 0, rank)  # the same batch every step: the loss must fall
+        loss.backward()
+        update_successful, _, _ = optimizer.step()
+        assert update_successful
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+
+
+def _falls_through(rank, world_size):
+    init_parallel_state()
+    adam_on_fsdp = get_megatron_optimizer(optimizer_config("adam"), [fsdp_gpt()])
+    assert not isinstance(adam_on_fsdp, FSDPMuonChainedOptimizer)
+    muon_unsharded = get_megatron_optimizer(optimizer_config(use_distributed_optimizer=False), [gpt()])
+    assert not isinstance(muon_unsharded, FSDPMuonChainedOptimizer)
+    assert not any(isinstance(p.optimizer, ZeROTensorParallelMuon)
+                   for p in muon_unsharded.chained_optimizers)
+
+
+def _experts_gather_over_expert_dp(rank, world_size):
+    init_parallel_state()
+    model = fsdp_gpt(num_experts=4)
+    optimizer = get_megatron_optimizer(optimizer_config(), [model])
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    muon_parts = [p.optimizer for p in optimizer.optimizer.chained_optimizers
+                  if isinstance(p.optimizer, ZeROTensorParallelMuon)]
+    by_group = {id(m.dp_group): m for m in muon_parts}
+    expert = by_group[id(groups.expt_dp)]
+    dense = by_group[id(groups.dp_cp)]
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(".experts." in names[id(p)] for g in expert.param_groups for p in g["params"])
+    assert not any(".experts." in names[id(p)] for g in dense.param_groups for p in g["params"])
+    _assert_loss_falls(model, optimizer, rank)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_muon_on_fsdp_routes_matrices_to_muon_and_trains(distributed, world_size):
+    distributed(_routes_and_trains, world_size)
+
+
+def test_other_requests_fall_through_to_megatron_core(distributed):
+    distributed(_falls_through, 2)
+
+
+def test_expert_matrices_gather_over_expert_data_parallel_group(distributed):
+    distributed(_experts_gather_over_expert_dp, 2)
