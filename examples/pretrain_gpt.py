@@ -52,6 +52,9 @@ DEMO_DEFAULTS = dict(
 def add_demo_args(parser):
     """Muon's flags, and the demo's defaults in place of Megatron's (the command line wins)."""
     add_muon_args(parser)
+    parser.add_argument('--no-use-megatron-fsdp', dest='use_megatron_fsdp', action='store_false',
+                        help='Train with Megatron DDP instead, e.g. to compare with the unsharded '
+                        'model (also pass --ckpt-format torch_dist).')
     parser.set_defaults(**DEMO_DEFAULTS)
     return parser
 
