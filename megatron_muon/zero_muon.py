@@ -112,9 +112,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for p in group["params"]:
             state = self.state[p]
             if len(state) == 0:
-                state["momentum_buffer"] = DTensor.from_local(
-                    torch.zeros_like(p.to_local()), p.device_mesh, p.placements,
-                    shape=p.shape, stride=p.stride())
+                state["momentum_buffer"] = self._as_dtensor(torch.zeros_like(p.to_local()), like=p)
 
     @torch.no_grad()
     def step(self, closure=None):
