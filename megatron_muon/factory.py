@@ -20,8 +20,11 @@ from .zero_muon import ZeROTensorParallelMuon
 
 
 def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
-                           pg_collection=None, dump_param_to_param_group_map=None):
-    """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` on Megatron-FSDP chunks."""
+                           pg_collection=None, dump_param_to_param_group_map=None,
+                           muon_dist_mode="owner"):
+    """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` on Megatron-FSDP chunks.
+
+    `muon_dist_mode` is ZeROTensorParallelMuon's `dist_mode` ("owner" or "allgather")."""
     if config.optimizer != "muon" or not all(find_megatron_fsdp(c) for c in model_chunks):
         return _core_get_megatron_optimizer(
             config, model_chunks, config_overrides=config_overrides,
@@ -35,7 +38,7 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     chain = ChainedOptimizer(_build_parts(config, model_chunks, config_overrides, process_groups,
-                                          pg_collection))
+                                          pg_collection, muon_dist_mode))
     return FSDPMuonChainedOptimizer(chain, model_chunks)
 
 
@@ -71,7 +74,8 @@ def _muon_overrides(config, config_overrides):
     return overrides
 
 
-def _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection):
+def _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
+                 muon_dist_mode):
     _tag_params(model_chunks)
     groups = _get_param_groups(model_chunks, config, _muon_overrides(config, config_overrides))
     ddp_config = model_chunks[0].ddp_config
@@ -96,7 +100,7 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
             if optimizer_name == "muon":
                 dp_group = pg_collection.expt_dp if is_expert else pg_collection.dp_cp
                 muon = ZeROTensorParallelMuon(
-                    selected, dp_group=dp_group,
+                    selected, dp_group=dp_group, dist_mode=muon_dist_mode,
                     **_muon_config_to_kwargs(config, model_chunks, pg_collection))
                 part = FP32Optimizer(muon, part_config, _eopt_init_state_fn)
             else:

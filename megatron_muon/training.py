@@ -8,7 +8,8 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   combination as it would Adam on Megatron-FSDP, after `validate_muon_args` has refused what
   Muon on Megatron-FSDP lacks; every other combination is validated, and refused, as before;
 * routes megatron.training's optimizer factory to `megatron_muon.factory.get_megatron_optimizer`
-  (training.py imports the name, so megatron.core.optimizer's attribute is not the one it calls).
+  with `--muon-dist-mode` (training.py imports the name, so megatron.core.optimizer's attribute is
+  not the one it calls).
 """
 
 import megatron.training.arguments
@@ -40,7 +41,12 @@ def _validate_args(args, defaults={}):
         megatron.training.arguments._print_args = print_args
 
 
+def _get_megatron_optimizer(*args, **kwargs):
+    muon_dist_mode = getattr(megatron.training.get_args(), 'muon_dist_mode', 'owner')
+    return factory.get_megatron_optimizer(*args, muon_dist_mode=muon_dist_mode, **kwargs)
+
+
 def install() -> None:
     """Point megatron.training's argument validation and optimizer factory at Muon-on-FSDP."""
     megatron.training.arguments.validate_args = _validate_args
-    megatron.training.training.get_megatron_optimizer = factory.get_megatron_optimizer
+    megatron.training.training.get_megatron_optimizer = _get_megatron_optimizer

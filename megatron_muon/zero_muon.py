@@ -1,6 +1,6 @@
 """Muon on Megatron-FSDP's sharded main weights (ZeRO-1/2/3), exact and TP-aware."""
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -8,9 +8,11 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .exchange import all_gather_row_counts, all_gather_rows
+from .exchange import OwnerExchange, all_gather_row_counts, all_gather_rows
 from .muon_math import momentum_update_
-from .plan import RowLayout, row_layouts
+from .plan import Matrix, batch_matrices, choose_owners, row_layouts
+
+DistMode = Literal["owner", "allgather"]
 
 
 def _fsdp_shard_mesh_dim(p: DTensor) -> int | None:
@@ -30,6 +32,15 @@ def _fsdp_shard_mesh_dim(p: DTensor) -> int | None:
     return dims[0] if dims else None
 
 
+def _tp_local_rows(p: DTensor) -> int:
+    """Rows of the matrix the DP shards tile: the TP-local matrix when TP splits dim 0."""
+    rows = p.shape[0]
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement == Shard(0) and mesh_dim != _fsdp_shard_mesh_dim(p):
+            rows //= p.device_mesh.size(mesh_dim)
+    return rows
+
+
 class _ParamAttributes:
     """Megatron's tags (is_qkv, partition_dim, expert_tp, ...) of a main-weight param: its own,
     else those of the model param Megatron-FSDP made it from."""
@@ -44,25 +55,48 @@ class _ParamAttributes:
             return getattr(self._param.orig_param, name)
 
 
+class _ShardGroupPlan:
+    """The sharded matrices of one shard group, their owners and batches, fixed at construction."""
+
+    def __init__(self, params, matrices, owners, batches, group):
+        self.params, self.matrices, self.owners, self.group = params, matrices, owners, group
+        rank = dist.get_rank(group)
+        self.exchanges = [OwnerExchange(matrices, owners, batch, rank, group) for batch in batches]
+        self.batch_bytes = [sum(matrices[i].layout.num_rows * matrices[i].cols
+                                * params[i].element_size() for i in batch) for batch in batches]
+
+
 class ZeROTensorParallelMuon(TensorParallelMuon):
     """megatron-core's TensorParallelMuon for Megatron-FSDP main weights.
 
     Params are `nn.Parameter(DTensor)` whose rows are sharded unevenly (`Shard(0)`, a rank may
-    hold none) or replicated (`no_shard`). Momentum lives on the local rows with the param's
-    placements; each momentum update is gathered into its full matrix over the shard group, run
-    through TensorParallelMuon's orthogonalize (TP Newton-Schulz, QKV split, scale modes), and
-    this rank's rows are applied.
+    hold none) or replicated (`no_shard`). Momentum and weight decay run on the local rows; each
+    momentum update is assembled into its full matrix and run through TensorParallelMuon's
+    orthogonalize (TP Newton-Schulz, QKV split, scale modes); each rank applies its own rows.
 
     Args:
         dp_group: group over which the `Shard(0)` rows are gathered; by default the group of the
             param's data-parallel shard mesh dim.
+        dist_mode: "owner" (default) assembles each matrix on one owner, which alone runs its
+            Newton-Schulz and sends the rows back; "allgather" assembles every matrix on every
+            rank (each rank repeats all Newton-Schulz work; kept as the reference).
+        byte_slack: owner mode may move up to this fraction more than the layout's minimum bytes
+            to balance Newton-Schulz work across ranks.
+        max_batch_bytes: same-shape matrices are orthogonalized together in batches of at most
+            this size; it also bounds the gathers launched ahead of the running batch.
         **kwargs: TensorParallelMuon's arguments.
     """
 
-    def __init__(self, params, *, dp_group=None, **kwargs: Any):
+    def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
+                 byte_slack: float = 0.05, max_batch_bytes: int = 64 << 20, **kwargs: Any):
+        if dist_mode not in ("owner", "allgather"):
+            raise ValueError(f"dist_mode must be 'owner' or 'allgather', got {dist_mode!r}")
         super().__init__(params, **kwargs)
         self.dp_group = dp_group
-        self._row_layouts = self._learn_row_layouts()
+        self.dist_mode = dist_mode
+        self.max_batch_bytes = max_batch_bytes
+        self._batched_ns_exact: dict[tuple, bool] = {}
+        self._plans = self._plan(byte_slack)
 
     def _shard_group(self, p: DTensor):
         mesh_dim = _fsdp_shard_mesh_dim(p)
@@ -70,10 +104,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             return None
         return self.dp_group if self.dp_group is not None else p.device_mesh.get_group(mesh_dim)
 
-    def _learn_row_layouts(self) -> dict[torch.Tensor, tuple[RowLayout, Any]]:
-        """Validate every param and learn each sharded matrix's row layout: one collective per
-        shard group, here at construction, never per step."""
-        by_group: dict[Any, list[torch.Tensor]] = {}
+    def _plan(self, byte_slack: float) -> list[_ShardGroupPlan]:
+        """Validate every param and plan each shard group: its row layouts are learned with one
+        collective per group, here at construction, never per step."""
+        by_group: dict[Any, list[DTensor]] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if not isinstance(p, DTensor):
@@ -82,28 +116,37 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                         f"{type(p).__name__} of shape {tuple(p.shape)}")
                 if p.dim() != 2:
                     raise ValueError(f"Muon orthogonalizes 2-D matrices; got shape {tuple(p.shape)}")
-                bad = [pl for pl in p.placements if not isinstance(pl, (Shard, Replicate))]
-                if bad:
+                if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
                     raise ValueError(f"unsupported DTensor placements {p.placements}")
                 shard_group = self._shard_group(p)
                 if shard_group is not None:
                     by_group.setdefault(shard_group, []).append(p)
-        layouts = {}
+        plans = []
         for shard_group, params in by_group.items():
             table = all_gather_row_counts([p.to_local().shape[0] for p in params], shard_group)
-            expected_rows = [self._tp_local_rows(p) for p in params]
-            for p, layout in zip(params, row_layouts(table, expected_rows)):
-                layouts[p] = (layout, shard_group)
-        return layouts
+            layouts = row_layouts(table, [_tp_local_rows(p) for p in params])
+            matrices = [Matrix(layout, p.to_local().shape[1], self._batch_key(p))
+                        for p, layout in zip(params, layouts)]
+            element_bytes = params[0].element_size()
+            owners = choose_owners(matrices, element_bytes, byte_slack)
+            batches = batch_matrices(matrices, self.max_batch_bytes // element_bytes)
+            plans.append(_ShardGroupPlan(params, matrices, owners, batches, shard_group))
+        return plans
 
-    @staticmethod
-    def _tp_local_rows(p: DTensor) -> int:
-        """Rows of the matrix the DP shards tile: the TP-local matrix when TP splits dim 0."""
-        rows = p.shape[0]
-        for mesh_dim, placement in enumerate(p.placements):
-            if placement == Shard(0) and mesh_dim != _fsdp_shard_mesh_dim(p):
-                rows //= p.device_mesh.size(mesh_dim)
-        return rows
+    def _tp_group(self, attrs):
+        # As TensorParallelMuon.orthogonalize chooses it.
+        if not self.pg_collection:
+            return None
+        return self.pg_collection.expt_tp if getattr(attrs, "expert_tp", False) else self.pg_collection.tp
+
+    def _batch_key(self, p) -> tuple | None:
+        """Matrices with equal keys (and shapes) are orthogonalized identically and may share one
+        batched Newton-Schulz; None: orthogonalize alone (QKV split, or TP Newton-Schulz)."""
+        attrs = _ParamAttributes(p)
+        tp_group = self._tp_group(attrs)
+        if (self.split_qkv and self.is_qkv_fn(attrs)) or (tp_group is not None and tp_group.size() > 1):
+            return None
+        return (getattr(attrs, "partition_dim", None), getattr(attrs, "expert_tp", False))
 
     @torch.no_grad()
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
@@ -112,41 +155,89 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for p in group["params"]:
             state = self.state[p]
             if len(state) == 0:
-                state["momentum_buffer"] = self._as_dtensor(torch.zeros_like(p.to_local()), like=p)
+                state["momentum_buffer"] = DTensor.from_local(
+                    torch.zeros_like(p.to_local()), p.device_mesh, p.placements, run_check=False,
+                    shape=p.shape, stride=p.stride())
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closure is not supported")
+        updates = {}
         for group in self.param_groups:
             self._init_group(group)
-            # Every rank visits every param in the same order: the gathers stay in lockstep even
-            # where Megatron-FSDP left grad=None for an empty shard.
             for p in group["params"]:
+                # Megatron-FSDP leaves grad=None where a rank's shard is empty.
                 local_param = p.to_local()
                 local_grad = p.grad.to_local() if p.grad is not None else torch.zeros_like(local_param)
-                update = momentum_update_(
+                updates[p] = momentum_update_(
                     self, local_param, local_grad, self.state[p]["momentum_buffer"].to_local(), group)
-                with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-                    orth = self.orthogonalize(p, self._as_dtensor(update, like=p))
-                local_param.add_(orth.to_local(), alpha=-group["lr"])
+        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
+            orthogonalized = self._orthogonalize_all(updates)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.to_local().add_(orthogonalized[p], alpha=-group["lr"])
         return None
 
-    @staticmethod
-    def _as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
-        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                                  shape=like.shape, stride=like.stride())
+    def _orthogonalize_all(self, updates: dict) -> dict:
+        """This rank's rows of every param's orthogonalized update."""
+        result = {}
+        for p, update in updates.items():
+            if self._shard_group(p) is None:  # replicated: every rank has the whole matrix
+                result[p] = self.orthogonalize(_ParamAttributes(p), update)
+        for plan in self._plans:
+            local = {i: updates[p] for i, p in enumerate(plan.params)}
+            rows = (self._owner_orthogonalize(plan, local) if self.dist_mode == "owner"
+                    else self._allgather_orthogonalize(plan, local))
+            result.update((plan.params[i], r) for i, r in rows.items())
+        return result
 
-    def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """Orthogonalize a DTensor update: assemble its full (TP-local) matrix, run
-        TensorParallelMuon.orthogonalize on it, and return this rank's rows with grad's
-        placements, shape and stride."""
-        attrs = _ParamAttributes(p)
-        local = grad.to_local()
-        if p not in self._row_layouts:
-            return self._as_dtensor(super().orthogonalize(attrs, local, **kwargs), like=grad)
-        layout, shard_group = self._row_layouts[p]
-        full = all_gather_rows(local, layout, shard_group)
-        start, stop = layout.row_range(dist.get_rank(shard_group))
-        orth = super().orthogonalize(attrs, full, **kwargs)[start:stop]
-        return self._as_dtensor(orth, like=grad)
+    def _allgather_orthogonalize(self, plan: _ShardGroupPlan, local: dict) -> dict:
+        rank = dist.get_rank(plan.group)
+        rows = {}
+        for i, p in enumerate(plan.params):
+            layout = plan.matrices[i].layout
+            full = all_gather_rows(local[i], layout, plan.group)
+            start, stop = layout.row_range(rank)
+            rows[i] = self.orthogonalize(_ParamAttributes(p), full)[start:stop]
+        return rows
+
+    def _owner_orthogonalize(self, plan: _ShardGroupPlan, local: dict) -> dict:
+        """Gather each batch to its owners, orthogonalize there, send the rows back. The gathers
+        of later batches are launched while a batch computes, up to max_batch_bytes ahead; the
+        launch order depends only on the plan, so every rank issues the same collectives."""
+        exchanges, rows = plan.exchanges, {}
+        launched, in_flight = 0, 0
+        for current, exchange in enumerate(exchanges):
+            while launched < len(exchanges) and (
+                    launched == current or in_flight + plan.batch_bytes[launched] <= self.max_batch_bytes):
+                exchanges[launched].start_gather({i: local[i] for i in exchanges[launched].batch})
+                in_flight += plan.batch_bytes[launched]
+                launched += 1
+            owned = exchange.finish_gather()
+            in_flight -= plan.batch_bytes[current]
+            exchange.start_scatter(self._orthogonalize_owned(
+                [plan.params[i] for i in exchange.owned], owned, plan.matrices[exchange.batch[0]].batch_key))
+        for exchange in exchanges:
+            rows.update(exchange.finish_scatter())
+        return rows
+
+    def _orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
+        """Newton-Schulz on the full matrices this rank owns in one batch: one batched call where
+        that is bit-identical to one call per matrix on this backend, else one call each."""
+        if len(fulls) > 1 and batch_key is not None and self._batched_is_exact(params[0], fulls[0].shape):
+            return list(self.orthogonalize(_ParamAttributes(params[0]), torch.stack(fulls)).unbind())
+        return [self.orthogonalize(_ParamAttributes(p), full) for p, full in zip(params, fulls)]
+
+    def _batched_is_exact(self, p, shape) -> bool:
+        """Whether batched Newton-Schulz reproduces the per-matrix bits for this shape here: the
+        backend may pick other kernels for 3-D input (seen on CPU for 7x13, not for 256x1024).
+        Checked once per shape and orthogonalization on random input."""
+        key = (tuple(shape), self._batch_key(p))
+        if key not in self._batched_ns_exact:
+            sample = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
+            attrs = _ParamAttributes(p)
+            batched = self.orthogonalize(attrs, sample)
+            single = torch.stack([self.orthogonalize(attrs, m) for m in sample])
+            self._batched_ns_exact[key] = torch.equal(batched, single)
+        return self._batched_ns_exact[key]

@@ -41,7 +41,7 @@ def batch(step: int, rank: int):
     return torch.randn(6, 16, generator=g), torch.randn(6, 5, generator=g)
 
 
-def make_models(strategy: str, world_size: int):
+def make_models(strategy: str, world_size: int, unit_modules: bool = True):
     """(reference Net, Megatron-FSDP-wrapped copy) with identical initial weights."""
     torch.manual_seed(0)
     ref = Net()
@@ -50,7 +50,8 @@ def make_models(strategy: str, world_size: int):
     unsharded.qkv.weight.is_qkv = True  # deepcopy drops Parameter attributes
     fsdp = megatron_fsdp.fully_shard_model(
         unsharded, device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp", zero_dp_strategy=strategy,
-        device=torch.device("cpu"), fsdp_unit_modules=[torch.nn.Linear])
+        device=torch.device("cpu"),
+        fsdp_unit_modules=[torch.nn.Linear] if unit_modules else [Net])
     fsdp.ddp_config.gradient_reduce_div_fusion = False  # gloo has no PREMUL_SUM
     return ref, fsdp
 

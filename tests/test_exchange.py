@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_muon.exchange import all_gather_row_counts, all_gather_rows
-from megatron_muon.plan import row_layouts
+from megatron_muon.exchange import OwnerExchange, all_gather_row_counts, all_gather_rows
+from megatron_muon.plan import Matrix, batch_matrices, choose_owners, row_layouts
 
 ROWS = [[3, 0, 5], [0, 0, 1], [2, 4, 0], [0, 1, 1]]  # rows[rank][matrix]
 
@@ -25,3 +25,38 @@ def _gather(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_gather_rows_reassembles_uneven_and_empty_shards(distributed, world_size):
     distributed(_gather, world_size)
+
+
+def _full(matrix_index, rows, cols=3):
+    return torch.arange(rows * cols, dtype=torch.float32).view(rows, cols) + 1000 * matrix_index
+
+
+def _owner_round_trip(rank, world_size):
+    # Same-shape matrices so they share batches; more matrices than ranks, not a multiple of W.
+    rows = [[3, 0, 2, 1, 0], [0, 3, 1, 1, 3], [2, 0, 0, 1, 0], [0, 2, 2, 2, 2]][:world_size]
+    layouts = row_layouts(rows, [sum(col) for col in zip(*rows)])
+    matrices = [Matrix(layout, 3) for layout in layouts]
+    owners = choose_owners(matrices, element_bytes=4)
+    for batch in batch_matrices(matrices, max_batch_elements=2 * 5 * 3):
+        exchange = OwnerExchange(matrices, owners, batch, rank, dist.group.WORLD)
+        local = {}
+        for i in batch:
+            start, stop = matrices[i].layout.row_range(rank)
+            local[i] = _full(i, matrices[i].layout.num_rows)[start:stop].clone()
+        exchange.start_gather(local)
+        owned = exchange.finish_gather()
+        assert [i for i in batch if owners[i] == rank] == exchange.owned
+        for i, full in zip(exchange.owned, owned):
+            assert torch.equal(full, _full(i, matrices[i].layout.num_rows))
+        exchange.start_scatter([2 * full + 1 for full in owned])
+        returned = exchange.finish_scatter()
+        assert sorted(returned) == sorted(batch)
+        for i in batch:
+            start, stop = matrices[i].layout.row_range(rank)
+            expected = 2 * _full(i, matrices[i].layout.num_rows)[start:stop] + 1
+            assert torch.equal(returned[i], expected), (rank, i)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_owner_exchange_round_trip_with_uneven_and_empty_shards(distributed, world_size):
+    distributed(_owner_round_trip, world_size)

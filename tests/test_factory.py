@@ -30,6 +30,7 @@ def _routes_and_trains(rank, world_size):
         assert (name in muon_names) == wants_muon and (name in adam_names) != wants_muon, name
     assert any("linear_qkv" in n for n in muon_names)
     assert muon.dp_group is ProcessGroupCollection.use_mpu_process_groups().dp_cp
+    assert muon.dist_mode == "owner"
 
     _assert_loss_falls(model, optimizer, rank)
 

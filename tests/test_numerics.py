@@ -13,15 +13,20 @@ STEPS = 10
 
 def _train_and_compare(rank, world_size):
     for strategy in STRATEGIES:
-        _compare_strategy(rank, world_size, strategy)
+        for dist_mode in ("owner", "allgather"):
+            for unit_modules in (True, False):
+                _compare(rank, world_size, strategy, dist_mode, unit_modules)
 
 
-def _compare_strategy(rank, world_size, strategy):
-    ref, fsdp = make_models(strategy, world_size)
+def _compare(rank, world_size, strategy, dist_mode, unit_modules):
+    """Megatron-FSDP buckets per Linear (unit_modules: every matrix crosses shard boundaries) or
+    the whole model as one unit (most matrices sit whole on one rank)."""
+    ref, fsdp = make_models(strategy, world_size, unit_modules)
     ref_opts = reference_optimizers(ref)
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
-    opts = [ZeROTensorParallelMuon(matrices, **MUON_KWARGS),
+    case = f"{strategy} {dist_mode} units={unit_modules} W={world_size}"
+    opts = [ZeROTensorParallelMuon(matrices, dist_mode=dist_mode, **MUON_KWARGS),
             torch.optim.Adam(vectors, lr=0.01, foreach=False)]
     names = {id(p): n for n, p in fsdp.named_parameters()}
 
@@ -44,16 +49,49 @@ def _compare_strategy(rank, world_size, strategy):
 
         worst = max((full_tensor(p, p) - ref_params[names[id(p)].removeprefix("module.")]).abs().max().item()
                     for p in matrices + vectors)
-        assert worst == 0, f"{strategy} W={world_size} step {step}: max |diff| {worst}"
+        assert worst == 0, f"{case} step {step}: max |diff| {worst}"
 
     for p in matrices:
         momentum = opts[0].state[p]["momentum_buffer"]
         assert isinstance(momentum, DTensor) and momentum.placements == p.placements
         assert momentum.to_local().shape == p.to_local().shape
     if rank == 0:
-        print(f"{strategy} W={world_size}: max |diff| 0 after {STEPS} steps")
+        print(f"{case}: max |diff| 0 after {STEPS} steps")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_matches_single_device_muon_for_every_strategy(distributed, world_size):
     distributed(_train_and_compare, world_size)
+
+
+def _count_newton_schulz(rank, world_size):
+    import megatron.core.optimizer.emerging_optimizers as core_muon
+    import torch.distributed as dist
+
+    calls = []
+    newton_schulz_tp = core_muon.newton_schulz_tp
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0] if x.dim() == 3 else 1)
+        return newton_schulz_tp(x, *args, **kwargs)
+
+    core_muon.newton_schulz_tp = counted
+    for dist_mode, expected_repeats in (("owner", 1), ("allgather", world_size)):
+        _, fsdp = make_models("optim_grads_params", world_size)
+        matrices, _ = split_params(fsdp)
+        opt = ZeROTensorParallelMuon(matrices, dist_mode=dist_mode, **MUON_KWARGS)
+        for step in range(2):
+            x, y = batch(step, rank)
+            torch.nn.functional.mse_loss(fsdp(x), y).backward()
+            fsdp.finish_grad_sync()
+            calls.clear()  # the second step has no one-off batching check
+            opt.step()
+            fsdp.zero_grad_buffer()
+        # The QKV matrix is orthogonalized as three blocks.
+        per_step = torch.tensor(sum(calls))
+        dist.all_reduce(per_step)
+        assert per_step.item() == expected_repeats * (len(matrices) + 2), (dist_mode, per_step)
+
+
+def test_owner_mode_runs_each_newton_schulz_once_across_ranks(distributed):
+    distributed(_count_newton_schulz, 4)

@@ -39,11 +39,9 @@ def _switch(rank, world_size):
     import megatron.training.training
 
     import megatron_muon.training
-    from megatron_muon.factory import get_megatron_optimizer
-
     megatron_muon.training.install()
     megatron_muon.training.install()  # idempotent
-    assert megatron.training.training.get_megatron_optimizer is get_megatron_optimizer
+    assert megatron.training.training.get_megatron_optimizer is megatron_muon.training._get_megatron_optimizer
     args = _validate("--optimizer", "muon")
     assert args.optimizer == "muon" and args.use_megatron_fsdp and args.muon_dist_mode == "owner"
     assert _validate("--optimizer", "adam").optimizer == "adam"
