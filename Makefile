@@ -1,4 +1,5 @@
-# `make demo` trains the demo GPT with Muon on Megatron-FSDP; `make test` runs the whole suite.
+# `make demo` trains the demo GPT with Muon on Megatron-FSDP; `make test` runs the whole suite;
+# `make bench` measures the optimizer step (benchmarks/results/latest.json and .png).
 # Both create or refresh .venv (Python >= 3.12) whenever setup.py changes.
 SHELL := /bin/bash
 VENV := .venv
@@ -10,7 +11,7 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test bench clean
 
 $(VENV)/.installed: setup.py
 	@if [ -z "$(PYTHON)" ]; then \
@@ -29,6 +30,9 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q tests
+
+bench: venv
+	$(PY) benchmarks/bench_muon_step.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

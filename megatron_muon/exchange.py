@@ -43,8 +43,7 @@ class OwnerExchange:
     def __init__(self, matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int],
                  rank: int, group):
         world = len(matrices[batch[0]].layout.rows)
-        self.rank, self.group, self.batch = rank, group, list(batch)
-        self.matrices, self.owners = matrices, owners
+        self.rank, self.group, self.batch, self.matrices = rank, group, list(batch), matrices
         self.cols = matrices[batch[0]].cols
         self.sends = [rows_sent(matrices, owners, batch, rank, dst) for dst in range(world)]
         self.recvs = [rows_sent(matrices, owners, batch, src, rank) for src in range(world)]
@@ -82,12 +81,18 @@ class OwnerExchange:
     def finish_gather(self) -> list[torch.Tensor]:
         """The full matrices this rank owns, in batch order."""
         self._wait()
-        full = {i: self._local[i].new_empty(self.matrices[i].shape) for i in self.owned}
+        full = {}
         for i in self.owned:
+            if self.matrices[i].layout.rows[self.rank] == self.matrices[i].layout.num_rows:
+                full[i] = self._local[i]  # held whole: nothing to assemble
+                continue
+            full[i] = self._local[i].new_empty(self.matrices[i].shape)
             start, stop = self.matrices[i].layout.row_range(self.rank)
             full[i][start:stop] = self._local[i]
-        for (i, start, stop), piece in zip(self._segments(self.recvs), self._pieces(self._received, self.recvs)):
+        received = zip(self._segments(self.recvs), self._pieces(self._received, self.recvs))
+        for (i, start, stop), piece in received:
             full[i][start:stop] = piece
+        self._received = None
         return [full[i] for i in self.owned]
 
     def start_scatter(self, results: list[torch.Tensor]) -> None:
@@ -108,6 +113,8 @@ class OwnerExchange:
             rows[i] = piece
         for i in self.batch:  # matrices of which this rank holds no rows
             rows.setdefault(i, self._local[i])
+        # The rows are views: the buffers live until the caller has applied them, no longer.
+        self._local = self._results = self._returned = None
         return rows
 
     @staticmethod

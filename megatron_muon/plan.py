@@ -55,16 +55,21 @@ def ns_flops(rows: int, cols: int, steps: int) -> int:
 
 @dataclass(frozen=True)
 class Matrix:
-    """One matrix to orthogonalize: how its rows are spread, its width, and which matrices it may
-    share a batched Newton-Schulz with (same shape and same orthogonalization)."""
+    """One matrix to orthogonalize: how its rows are spread, its width, which matrices it may
+    share a batched Newton-Schulz with (same shape and same orthogonalization), and, when it is
+    orthogonalized in row blocks (QKV split), the total rows of each kind of block."""
 
     layout: RowLayout
     cols: int
     batch_key: object = None
+    row_blocks: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.layout.num_rows, self.cols
+
+    def ns_flops(self, steps: int) -> int:
+        return sum(ns_flops(rows, self.cols, steps) for rows in self.row_blocks or (self.shape[0],))
 
     def bytes_to_owner(self, owner: int, element_bytes: int) -> int:
         """Bytes this matrix moves per step with `owner`: its other rows in, and back out."""
@@ -82,29 +87,40 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
                   byte_slack: float = 0.05) -> list[int]:
     """One owner per matrix: fewest bytes first, Newton-Schulz load balanced second.
 
-    Longest-processing-time-first over Newton-Schulz FLOPs: each matrix, largest first, goes to
-    the least-loaded rank among those whose extra bytes over the matrix's cheapest owner still fit
-    in a budget of `byte_slack` times the layout minimum (so total traffic stays within
-    1 + byte_slack of the bound). Matrices split evenly, or small enough, are free to balance.
+    1. Every matrix goes to a rank holding most of its rows (the layout minimum of bytes); where
+       several do, longest-processing-time-first on Newton-Schulz FLOPs picks the least loaded.
+    2. While the busiest rank can hand a matrix to another rank that then stays below it, the
+       move costing the fewest extra bytes per FLOP is made, as long as all extra bytes stay
+       within `byte_slack` times the layout minimum (so traffic stays within 1 + byte_slack of
+       the bound). Each move lowers the sum of squared loads, so this ends.
     """
     if not matrices:
         return []
     world = len(matrices[0].layout.rows)
-    budget = byte_slack * layout_min_bytes(matrices, element_bytes)
+    flops = [matrix.ns_flops(steps=1) for matrix in matrices]  # k scales every matrix alike
+    cost = [[m.bytes_to_owner(r, element_bytes) for r in range(world)] for m in matrices]
     load = [0] * world
     owners = [0] * len(matrices)
-    flops = [ns_flops(*matrix.shape, steps=1) for matrix in matrices]  # k scales every matrix alike
-    order = sorted(range(len(matrices)), key=lambda i: -flops[i])
-    for i in order:
-        matrix = matrices[i]
-        cost = [matrix.bytes_to_owner(r, element_bytes) for r in range(world)]
-        cheapest = min(cost)
-        affordable = [r for r in range(world) if cost[r] - cheapest <= budget]
-        owner = min(affordable, key=lambda r: (load[r], cost[r], r))
-        budget -= cost[owner] - cheapest
-        load[owner] += flops[i]
-        owners[i] = owner
-    return owners
+    for i in sorted(range(len(matrices)), key=lambda i: -flops[i]):
+        cheapest = min(cost[i])
+        owners[i] = min((r for r in range(world) if cost[i][r] == cheapest), key=lambda r: (load[r], r))
+        load[owners[i]] += flops[i]
+
+    budget = byte_slack * sum(min(c) for c in cost)
+    while True:
+        busiest = max(range(world), key=lambda r: (load[r], -r))
+        moves = [((cost[i][r] - cost[i][busiest]) / flops[i], -flops[i], i, r)
+                 for i in range(len(matrices)) if owners[i] == busiest and flops[i]
+                 for r in range(world)
+                 if r != busiest and load[r] + flops[i] < load[busiest]
+                 and cost[i][r] - cost[i][busiest] <= budget]
+        if not moves:
+            return owners
+        _, _, i, r = min(moves)
+        budget -= cost[i][r] - cost[i][busiest]
+        load[busiest] -= flops[i]
+        load[r] += flops[i]
+        owners[i] = r
 
 
 def batch_matrices(matrices: Sequence[Matrix], max_batch_elements: int) -> list[list[int]]:

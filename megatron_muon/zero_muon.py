@@ -62,8 +62,6 @@ class _ShardGroupPlan:
         self.params, self.matrices, self.owners, self.group = params, matrices, owners, group
         rank = dist.get_rank(group)
         self.exchanges = [OwnerExchange(matrices, owners, batch, rank, group) for batch in batches]
-        self.batch_bytes = [sum(matrices[i].layout.num_rows * matrices[i].cols
-                                * params[i].element_size() for i in batch) for batch in batches]
 
 
 class ZeROTensorParallelMuon(TensorParallelMuon):
@@ -83,7 +81,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         byte_slack: owner mode may move up to this fraction more than the layout's minimum bytes
             to balance Newton-Schulz work across ranks.
         max_batch_bytes: same-shape matrices are orthogonalized together in batches of at most
-            this size; it also bounds the gathers launched ahead of the running batch.
+            this size; one batch is gathered while the previous one computes.
         **kwargs: TensorParallelMuon's arguments.
     """
 
@@ -125,7 +123,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for shard_group, params in by_group.items():
             table = all_gather_row_counts([p.to_local().shape[0] for p in params], shard_group)
             layouts = row_layouts(table, [_tp_local_rows(p) for p in params])
-            matrices = [Matrix(layout, p.to_local().shape[1], self._batch_key(p))
+            matrices = [Matrix(layout, p.to_local().shape[1], self._batch_key(p), self._row_blocks(p))
                         for p, layout in zip(params, layouts)]
             element_bytes = params[0].element_size()
             owners = choose_owners(matrices, element_bytes, byte_slack)
@@ -138,6 +136,15 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         if not self.pg_collection:
             return None
         return self.pg_collection.expt_tp if getattr(attrs, "expert_tp", False) else self.pg_collection.tp
+
+    def _row_blocks(self, p) -> tuple[int, ...] | None:
+        """Rows of the q, k and v blocks Newton-Schulz sees for a QKV-split param (for its cost)."""
+        attrs = _ParamAttributes(p)
+        if not (self.split_qkv and self.is_qkv_fn(attrs)):
+            return None
+        shapes = getattr(attrs, "qkv_split_shapes", None) or self.qkv_split_shapes
+        groups = _tp_local_rows(p) // sum(shapes)
+        return tuple(groups * rows for rows in shapes)
 
     def _batch_key(self, p) -> tuple | None:
         """Matrices with equal keys (and shapes) are orthogonalized identically and may share one
@@ -163,7 +170,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closure is not supported")
-        updates = {}
+        updates, lrs = {}, {}
         for group in self.param_groups:
             self._init_group(group)
             for p in group["params"]:
@@ -172,55 +179,61 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                 local_grad = p.grad.to_local() if p.grad is not None else torch.zeros_like(local_param)
                 updates[p] = momentum_update_(
                     self, local_param, local_grad, self.state[p]["momentum_buffer"].to_local(), group)
+                lrs[p] = group["lr"]
+
+        def apply(p, rows):
+            p.to_local().add_(rows, alpha=-lrs[p])
+
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-            orthogonalized = self._orthogonalize_all(updates)
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.to_local().add_(orthogonalized[p], alpha=-group["lr"])
+            self._orthogonalize_all(updates, apply)
         return None
 
-    def _orthogonalize_all(self, updates: dict) -> dict:
-        """This rank's rows of every param's orthogonalized update."""
-        result = {}
+    def _orthogonalize_all(self, updates: dict, apply) -> None:
+        """Orthogonalize every param's update and `apply(param, this rank's rows)` as soon as
+        each is ready, so finished batches free their buffers."""
         for p, update in updates.items():
             if self._shard_group(p) is None:  # replicated: every rank has the whole matrix
-                result[p] = self.orthogonalize(_ParamAttributes(p), update)
+                apply(p, self.orthogonalize(_ParamAttributes(p), update))
         for plan in self._plans:
             local = {i: updates[p] for i, p in enumerate(plan.params)}
-            rows = (self._owner_orthogonalize(plan, local) if self.dist_mode == "owner"
-                    else self._allgather_orthogonalize(plan, local))
-            result.update((plan.params[i], r) for i, r in rows.items())
-        return result
+            if self.dist_mode == "owner":
+                self._owner_orthogonalize(plan, local, apply)
+            else:
+                self._allgather_orthogonalize(plan, local, apply)
 
-    def _allgather_orthogonalize(self, plan: _ShardGroupPlan, local: dict) -> dict:
+    def _allgather_orthogonalize(self, plan: _ShardGroupPlan, local: dict, apply) -> None:
         rank = dist.get_rank(plan.group)
-        rows = {}
         for i, p in enumerate(plan.params):
             layout = plan.matrices[i].layout
             full = all_gather_rows(local[i], layout, plan.group)
             start, stop = layout.row_range(rank)
-            rows[i] = self.orthogonalize(_ParamAttributes(p), full)[start:stop]
-        return rows
+            apply(p, self.orthogonalize(_ParamAttributes(p), full)[start:stop])
 
-    def _owner_orthogonalize(self, plan: _ShardGroupPlan, local: dict) -> dict:
-        """Gather each batch to its owners, orthogonalize there, send the rows back. The gathers
-        of later batches are launched while a batch computes, up to max_batch_bytes ahead; the
-        launch order depends only on the plan, so every rank issues the same collectives."""
-        exchanges, rows = plan.exchanges, {}
-        launched, in_flight = 0, 0
+    def _owner_orthogonalize(self, plan: _ShardGroupPlan, local: dict, apply) -> None:
+        """Gather each batch to its owners, orthogonalize there, send the rows back. Double
+        buffered: batch i+1's gather runs while batch i computes, and batch i-1's rows are applied
+        first, so about two batches' buffers are alive at once. The order of collectives depends
+        only on the plan, so every rank issues the same ones."""
+        exchanges = plan.exchanges
+
+        def start_gather(index):
+            if index < len(exchanges):
+                exchanges[index].start_gather({i: local[i] for i in exchanges[index].batch})
+
+        def finish_scatter(index):
+            if index >= 0:
+                for i, rows in exchanges[index].finish_scatter().items():
+                    apply(plan.params[i], rows)
+
+        start_gather(0)
         for current, exchange in enumerate(exchanges):
-            while launched < len(exchanges) and (
-                    launched == current or in_flight + plan.batch_bytes[launched] <= self.max_batch_bytes):
-                exchanges[launched].start_gather({i: local[i] for i in exchanges[launched].batch})
-                in_flight += plan.batch_bytes[launched]
-                launched += 1
-            owned = exchange.finish_gather()
-            in_flight -= plan.batch_bytes[current]
-            exchange.start_scatter(self._orthogonalize_owned(
-                [plan.params[i] for i in exchange.owned], owned, plan.matrices[exchange.batch[0]].batch_key))
-        for exchange in exchanges:
-            rows.update(exchange.finish_scatter())
-        return rows
+            start_gather(current + 1)
+            finish_scatter(current - 1)
+            owned_params = [plan.params[i] for i in exchange.owned]
+            batch_key = plan.matrices[exchange.batch[0]].batch_key
+            exchange.start_scatter(
+                self._orthogonalize_owned(owned_params, exchange.finish_gather(), batch_key))
+        finish_scatter(len(exchanges) - 1)
 
     def _orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
         """Newton-Schulz on the full matrices this rank owns in one batch: one batched call where

@@ -4,8 +4,8 @@ import pytest
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from gpt_models import fsdp_gpt, gpt, init_parallel_state, lm_loss, optimizer_config
 from megatron_muon import FSDPMuonChainedOptimizer, ZeROTensorParallelMuon, get_megatron_optimizer
+from megatron_muon.testing import fsdp_gpt, gpt, init_parallel_state, lm_loss, optimizer_config
 
 
 def _part(optimizer, cls):
@@ -59,7 +59,7 @@ def _falls_through(rank, world_size):
 
 def _experts_gather_over_expert_dp(rank, world_size):
     init_parallel_state()
-    model = fsdp_gpt(num_experts=4)
+    model = fsdp_gpt(num_experts=4)  # local experts carry '.experts.' in their names
     optimizer = get_megatron_optimizer(optimizer_config(), [model])
     groups = ProcessGroupCollection.use_mpu_process_groups()
     muon_parts = [p.optimizer for p in optimizer.optimizer.chained_optimizers

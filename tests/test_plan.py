@@ -81,3 +81,10 @@ def test_rows_sent_lists_the_rows_a_rank_sends_each_owner():
     assert rows_sent(matrices, owners, batch, src=0, dst=2) == [(1, 0, 1)]
     assert rows_sent(matrices, owners, batch, src=1, dst=2) == [(2, 0, 2)]
     assert rows_sent(matrices, owners, batch, src=2, dst=2) == []
+
+
+def test_row_blocks_cost_what_newton_schulz_runs_on():
+    # A QKV matrix of 2 groups x (q 4, k 2, v 2) rows is orthogonalized as 8x16, 4x16, 4x16 blocks.
+    qkv = Matrix(RowLayout((10, 6)), 16, row_blocks=(8, 4, 4))
+    assert qkv.ns_flops(5) == ns_flops(8, 16, 5) + 2 * ns_flops(4, 16, 5)
+    assert Matrix(RowLayout((10, 6)), 16).ns_flops(5) == ns_flops(16, 16, 5)

@@ -1,4 +1,7 @@
-"""A tiny megatron-core GPT (local spec, no TransformerEngine) in FullyShardedDataParallel on CPU."""
+"""Small megatron-core GPTs (local spec, no TransformerEngine) in FullyShardedDataParallel, on CPU
+or GPU, for the tests and the benchmark."""
+
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
@@ -12,7 +15,19 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_muon.cpu import apply_megatron_training_compat
 
-VOCAB, SEQ = 64, 16
+
+@dataclass(frozen=True)
+class GPTShape:
+    layers: int = 2
+    hidden: int = 32
+    ffn: int = 48
+    heads: int = 4
+    vocab: int = 64
+    seq: int = 16
+    micro_batch: int = 2
+
+
+TINY = GPTShape()
 
 
 def init_parallel_state(expert_parallel: int = 1):
@@ -23,10 +38,11 @@ def init_parallel_state(expert_parallel: int = 1):
     tp_random.model_parallel_cuda_manual_seed(123)
 
 
-def gpt(num_experts=None):
+def gpt(shape: GPTShape = TINY, num_experts=None):
     torch.manual_seed(0)
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        ffn_hidden_size=shape.ffn,
         num_moe_experts=num_experts, moe_router_topk=2,
         # megatron-core's local experts add their bias in place on a custom-Function view
         # (mlp.py:354), which autograd refuses: MoE models here have no linear biases.
@@ -34,17 +50,18 @@ def gpt(num_experts=None):
         use_cpu_initialization=True, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
-    return GPTModel(config, get_gpt_layer_local_spec(num_experts=num_experts), vocab_size=VOCAB,
-                    max_sequence_length=SEQ)
+    return GPTModel(config, get_gpt_layer_local_spec(num_experts=num_experts), vocab_size=shape.vocab,
+                    max_sequence_length=shape.seq)
 
 
-def fsdp_gpt(strategy="optim_grads_params", num_experts=None):
-    model = gpt(num_experts)
+def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=None):
+    model = gpt(shape, num_experts)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True,
         data_parallel_sharding_strategy=strategy, gradient_reduce_div_fusion=False,
         overlap_grad_reduce=False, overlap_param_gather=False)
-    return FullyShardedDataParallel(model.config, ddp_config, model, device=torch.device("cpu"))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return FullyShardedDataParallel(model.config, ddp_config, model, device=device)
 
 
 def optimizer_config(optimizer="muon", **overrides):
@@ -53,10 +70,14 @@ def optimizer_config(optimizer="muon", **overrides):
     return OptimizerConfig(**{**settings, **overrides})
 
 
-def lm_loss(model, step, rank):
+def lm_loss(model, step, rank, shape: GPTShape = TINY):
+    """Mean LM loss on a random batch fixed by (step, rank)."""
     g = torch.Generator().manual_seed(100 * step + rank)
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
-    mask = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)).logical_not().view(1, 1, SEQ, SEQ)
+    batch, seq = shape.micro_batch, shape.seq
+    tokens = torch.randint(0, shape.vocab, (batch, seq), generator=g)
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+    mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not().view(1, 1, seq, seq)
+    device = next(model.parameters()).device
+    tokens, position_ids, mask = tokens.to(device), position_ids.to(device), mask.to(device)
     losses = model(tokens, position_ids, mask, labels=torch.roll(tokens, -1, dims=1))
     return losses.float().mean()

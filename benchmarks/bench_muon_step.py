@@ -1,0 +1,404 @@
+"""Muon's optimizer step on Megatron-FSDP (ZeRO-3): owner-compute vs gather-everything vs Adam.
+
+    python benchmarks/bench_muon_step.py [--world-sizes 1 2 4] [--steps 10]
+
+Runs itself under torchrun once per world size (gloo on CPU, NCCL on GPUs), on the demo GPT and a
+wider one, and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
+Newton-Schulz FLOPs are counted from the calls a step really makes; times are medians of --steps
+steps after warm-up, every mode measured side by side in the same processes.
+"""
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODES = ("owner", "allgather", "adam")
+WARMUP = 3
+
+
+def configs():
+    from megatron_muon.testing import GPTShape
+
+    return {
+        "demo": GPTShape(layers=4, hidden=256, ffn=1024, heads=4, vocab=1024, seq=256, micro_batch=4),
+        "wide": GPTShape(layers=2, hidden=512, ffn=2048, heads=8, vocab=1024, seq=128, micro_batch=2),
+    }
+
+
+class StepCounter:
+    """Counts what the optimizer step sends through torch.distributed and into Newton-Schulz."""
+
+    COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather", "all_reduce",
+                   "broadcast", "reduce_scatter_tensor")
+
+    def __init__(self, ns_steps):
+        self.ns_steps = ns_steps
+        self.reset()
+
+    def reset(self):
+        self.received_bytes = 0
+        self.collectives = 0
+        self.ns_flops = 0
+
+    @staticmethod
+    def _received(name, call):
+        """Bytes this rank receives from other ranks in one collective call."""
+        group = call.get("group")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if name == "all_to_all_single":
+            out, splits = call["output"], call.get("output_split_sizes")
+            own = splits[rank] if splits else out.numel() // world
+            return (out.numel() - own) * out.element_size()
+        if name == "all_gather_into_tensor":
+            out = call["output_tensor"]
+            return out.numel() * out.element_size() * (world - 1) // world
+        return 0
+
+    @contextmanager
+    def counting(self):
+        from megatron.core.optimizer import emerging_optimizers as core_muon
+        from megatron_muon.plan import ns_flops
+
+        originals = {name: getattr(dist, name) for name in self.COLLECTIVES}
+        newton_schulz_tp = core_muon.newton_schulz_tp
+
+        def wrap(name):
+            signature = inspect.signature(originals[name])
+
+            def counted(*args, **kwargs):
+                call = signature.bind(*args, **kwargs).arguments
+                if dist.get_world_size(call.get("group")) > 1:
+                    self.collectives += 1
+                    self.received_bytes += self._received(name, call)
+                return originals[name](*args, **kwargs)
+            return counted
+
+        def counted_newton_schulz(x, *args, **kwargs):
+            batch = x.shape[0] if x.dim() == 3 else 1
+            self.ns_flops += batch * ns_flops(x.shape[-2], x.shape[-1], self.ns_steps)
+            return newton_schulz_tp(x, *args, **kwargs)
+
+        for name in self.COLLECTIVES:
+            setattr(dist, name, wrap(name))
+        core_muon.newton_schulz_tp = counted_newton_schulz
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+            core_muon.newton_schulz_tp = newton_schulz_tp
+
+
+class TransientTracker:
+    """Peak bytes of the exchange's buffers alive at once during a step, following their
+    lifetimes in exchange.py: the gather's send and receive buffers until finish_gather, the
+    assembled matrices until their results exist, the results and the scatter's buffers until
+    finish_scatter hands the rows over."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def _add(self, nbytes):
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    @contextmanager
+    def tracking(self):
+        from megatron_muon import exchange, zero_muon
+
+        cls = exchange.OwnerExchange
+        start_gather, finish_gather = cls.start_gather, cls.finish_gather
+        start_scatter, finish_scatter = cls.start_scatter, cls.finish_scatter
+        all_gather_rows = zero_muon.all_gather_rows
+        tracker = self
+
+        def nbytes(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        def gather_buffers(ex):
+            return (sum(ex.send_counts) + sum(ex.recv_counts)) * 4 if ex.moves_rows else 0
+
+        def tracked_start_gather(self, local):
+            start_gather(self, local)
+            tracker._add(gather_buffers(self))
+
+        def tracked_finish_gather(self):
+            full = finish_gather(self)
+            local = {t.data_ptr() for t in self._local.values()}
+            self._assembled = nbytes(t for t in full if t.data_ptr() not in local)
+            tracker._add(self._assembled - gather_buffers(self))
+            return full
+
+        def tracked_start_scatter(self, results):
+            self._scattered = nbytes(results) + gather_buffers(self)
+            tracker._add(self._scattered)
+            start_scatter(self, results)
+            tracker.live -= self._assembled  # the caller drops the assembled matrices now
+
+        def tracked_finish_scatter(self):
+            rows = finish_scatter(self)
+            tracker.live -= self._scattered
+            return rows
+
+        def tracked_all_gather_rows(local, layout, group):
+            # The padded shard, the gathered rows and the trimmed full matrix.
+            padded_elements = (len(layout.rows) + 1) * layout.max_rows + layout.num_rows
+            buffers = padded_elements * local.shape[1] * local.element_size()
+            tracker._add(buffers)
+            full = all_gather_rows(local, layout, group)
+            tracker.live -= buffers
+            return full
+
+        cls.start_gather, cls.finish_gather = tracked_start_gather, tracked_finish_gather
+        cls.start_scatter, cls.finish_scatter = tracked_start_scatter, tracked_finish_scatter
+        zero_muon.all_gather_rows = tracked_all_gather_rows
+        try:
+            yield self
+        finally:
+            cls.start_gather, cls.finish_gather = start_gather, finish_gather
+            cls.start_scatter, cls.finish_scatter = start_scatter, finish_scatter
+            zero_muon.all_gather_rows = all_gather_rows
+
+
+def optimizer_state_bytes(optimizer):
+    """This rank's optimizer-state bytes under a Megatron optimizer (chained or not)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    total = 0
+    for part in parts:
+        for state in part.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    total += local.numel() * local.element_size()
+    return total
+
+
+def build(shape, mode):
+    from megatron_muon import get_megatron_optimizer
+    from megatron_muon.testing import fsdp_gpt, optimizer_config
+
+    model = fsdp_gpt(shape)
+    config = optimizer_config("adam" if mode == "adam" else "muon", muon_fp32_matmul_prec="medium")
+    optimizer = get_megatron_optimizer(config, [model], muon_dist_mode="owner" if mode == "adam" else mode)
+    return model, optimizer, config
+
+
+def measure(shape, steps):
+    """One rank's figures for every mode on one model shape."""
+    from megatron_muon.testing import lm_loss
+
+    rank = dist.get_rank()
+    built = {mode: build(shape, mode) for mode in MODES}
+    figures = {}
+    for mode, (model, optimizer, config) in built.items():
+        counter = StepCounter(config.muon_num_ns_steps)
+        tracker = TransientTracker()
+        train_times, step_times = [], []
+        for step in range(WARMUP + steps):
+            counter.reset()
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            lm_loss(model, step, rank, shape).backward()
+            model.finish_grad_sync()
+            dist.barrier()
+            step_start = time.perf_counter()
+            with counter.counting(), tracker.tracking():
+                optimizer.step()
+            dist.barrier()
+            end = time.perf_counter()
+            if step >= WARMUP:
+                train_times.append(end - start)
+                step_times.append(end - step_start)
+        figures[mode] = dict(
+            step_s=statistics.median(step_times), train_step_s=statistics.median(train_times),
+            received_bytes=counter.received_bytes, collectives=counter.collectives,
+            ns_flops=counter.ns_flops, state_bytes=optimizer_state_bytes(optimizer),
+            transient_bytes=tracker.peak)
+    figures["plan"] = plan_figures(built["owner"][1])
+    return figures
+
+
+BYTE_SLACKS = (0.0, 0.05, 0.25, 1.0, 4.0)
+
+
+def owner_tradeoff(matrices, byte_slack):
+    """What choose_owners gives for a byte budget (from the plan alone): bytes over the layout
+    minimum, and the busiest rank's Newton-Schulz FLOPs over the mean."""
+    from megatron_muon.plan import choose_owners, layout_min_bytes
+
+    owners = choose_owners(matrices, 4, byte_slack)
+    load = [0] * len(matrices[0].layout.rows)
+    for matrix, owner in zip(matrices, owners):
+        load[owner] += matrix.ns_flops(steps=1)
+    moved = sum(m.bytes_to_owner(o, 4) for m, o in zip(matrices, owners))
+    minimum = layout_min_bytes(matrices, 4)
+    return dict(byte_slack=byte_slack, comm_ratio_to_bound=moved / minimum if minimum else None,
+                ns_max_over_mean=max(load) * len(load) / sum(load))
+
+
+def plan_figures(optimizer):
+    """The layout's own numbers, from the owner plan: the bound, Muon's size and batch count."""
+    from megatron_muon.plan import layout_min_bytes
+    from megatron_muon.zero_muon import ZeROTensorParallelMuon
+
+    muon = next(p.optimizer for p in optimizer.optimizer.chained_optimizers
+                if isinstance(p.optimizer, ZeROTensorParallelMuon))
+    matrices = [m for plan in muon._plans for m in plan.matrices]
+    return dict(
+        owner_tradeoff=[owner_tradeoff(plan.matrices, slack) for plan in muon._plans
+                        for slack in BYTE_SLACKS],
+        layout_min_bytes=layout_min_bytes(matrices, 4),
+        muon_elements=sum(m.layout.num_rows * m.cols for m in matrices),
+        batches=sum(len(plan.exchanges) for plan in muon._plans),
+        moving_batches=sum(e.moves_rows for plan in muon._plans for e in plan.exchanges),
+        largest_batch_bytes=max((sum(plan.matrices[i].layout.num_rows * plan.matrices[i].cols * 4
+                                     for i in exchange.batch)
+                                 for plan in muon._plans for exchange in plan.exchanges), default=0))
+
+
+def worker(args):
+    from megatron_muon.testing import init_parallel_state
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    init_parallel_state()
+    out = {}
+    for name, shape in configs().items():
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, measure(shape, args.steps))
+        out[name] = per_rank
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def summarize(world, per_rank):
+    """Per-rank figures of one (config, W) run → the reported row."""
+    plan = per_rank[0]["plan"]
+    elements, min_bytes = plan["muon_elements"], plan["layout_min_bytes"]
+    row = dict(world_size=world, muon_elements=elements, shape_batches=plan["batches"],
+               batches_moving_rows=plan["moving_batches"],
+               comm_bytes_layout_min=min_bytes / world,
+               comm_bytes_generic_bound=2 * elements * 4 * (world - 1) / world ** 2)
+    single_device_flops = per_rank[0]["allgather"]["ns_flops"]  # every rank repeats all of it
+    for mode in ("owner", "allgather"):
+        figures = [r[mode] for r in per_rank]
+        received = [f["received_bytes"] for f in figures]
+        flops = [f["ns_flops"] for f in figures]
+        mean_flops = statistics.mean(flops)
+        row[mode] = dict(
+            comm_bytes_per_rank=statistics.mean(received), comm_bytes_per_rank_max=max(received),
+            comm_ratio_to_bound=(sum(received) / min_bytes) if min_bytes else None,
+            ns_flops_per_rank_max=max(flops), ns_flops_per_rank_mean=mean_flops,
+            ns_max_over_mean=max(flops) / mean_flops if mean_flops else None,
+            ns_redundancy=sum(flops) / single_device_flops if single_device_flops else None,
+            collectives_per_step=max(f["collectives"] for f in figures),
+            collectives_per_shape_batch=max(f["collectives"] for f in figures) / plan["batches"],
+            muon_step_s=max(f["step_s"] for f in figures),
+            train_step_s=max(f["train_step_s"] for f in figures),
+            peak_transient_bytes=max(f["transient_bytes"] for f in figures),
+            optimizer_state_bytes=max(f["state_bytes"] for f in figures))
+    adam = [r["adam"] for r in per_rank]
+    row["adam"] = dict(adam_step_s=max(f["step_s"] for f in adam),
+                       train_step_s=max(f["train_step_s"] for f in adam),
+                       optimizer_state_bytes=max(f["state_bytes"] for f in adam))
+    row["owner_over_allgather"] = row["owner"]["muon_step_s"] / row["allgather"]["muon_step_s"]
+    row["muon_over_adam_train_step"] = row["owner"]["train_step_s"] / row["adam"]["train_step_s"]
+    row["largest_batch_bytes"] = plan["largest_batch_bytes"]
+    row["owner_tradeoff"] = plan["owner_tradeoff"]
+    return row
+
+
+def print_table(results):
+    head = (f"{'config':6} {'W':>2} {'mode':9} {'recv MB/rank':>12} {'ratio':>6} {'NS GFLOP max':>12} "
+            f"{'max/mean':>8} {'redund':>6} {'coll':>5} {'step ms':>8} {'train ms':>9}")
+    print(head)
+    for name, rows in results.items():
+        for row in rows:
+            for mode in ("owner", "allgather"):
+                m = row[mode]
+                ratio = "-" if m["comm_ratio_to_bound"] is None else f"{m['comm_ratio_to_bound']:.3f}"
+                mean = "-" if m["ns_max_over_mean"] is None else f"{m['ns_max_over_mean']:.2f}"
+                print(f"{name:6} {row['world_size']:>2} {mode:9} {m['comm_bytes_per_rank'] / 1e6:>12.3f} "
+                      f"{ratio:>6} {m['ns_flops_per_rank_max'] / 1e9:>12.2f} {mean:>8} "
+                      f"{m['ns_redundancy']:>6.2f} {m['collectives_per_step']:>5} "
+                      f"{m['muon_step_s'] * 1e3:>8.1f} {m['train_step_s'] * 1e3:>9.1f}")
+            a = row["adam"]
+            print(f"{name:6} {row['world_size']:>2} {'adam':9} {'':>12} {'':>6} {'':>12} {'':>8} {'':>6} "
+                  f"{'':>5} {a['adam_step_s'] * 1e3:>8.1f} {a['train_step_s'] * 1e3:>9.1f}")
+            print(f"{'':9} layout min {row['comm_bytes_layout_min'] / 1e6:.3f} MB/rank, generic bound "
+                  f"{row['comm_bytes_generic_bound'] / 1e6:.3f} MB/rank, owner/allgather step "
+                  f"{row['owner_over_allgather']:.2f}, muon/adam train step "
+                  f"{row['muon_over_adam_train_step']:.2f}, peak transient "
+                  f"{row['owner']['peak_transient_bytes'] / row['largest_batch_bytes']:.2f}x largest batch")
+            if row["world_size"] > 1:
+                print(f"{'':9} byte slack -> (bytes/bound, NS max/mean): " + ", ".join(
+                    f"{t['byte_slack']:g} -> ({t['comm_ratio_to_bound']:.2f}, {t['ns_max_over_mean']:.2f})"
+                    for t in row["owner_tradeoff"]))
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 2, figsize=(10, 4 * len(results)), squeeze=False)
+    for (name, rows), (comm, times) in zip(results.items(), axes):
+        worlds = [r["world_size"] for r in rows]
+        for mode in ("owner", "allgather"):
+            comm.plot(worlds, [r[mode]["comm_bytes_per_rank"] / 1e6 for r in rows], "o-", label=mode)
+            times.plot(worlds, [r[mode]["muon_step_s"] * 1e3 for r in rows], "o-", label=f"muon {mode}")
+        comm.plot(worlds, [r["comm_bytes_layout_min"] / 1e6 for r in rows], "k--", label="layout minimum")
+        times.plot(worlds, [r["adam"]["adam_step_s"] * 1e3 for r in rows], "o-", label="adam")
+        comm.set(title=f"{name}: bytes received per rank per step", xlabel="W", ylabel="MB")
+        times.set(title=f"{name}: optimizer step", xlabel="W", ylabel="ms")
+        comm.legend()
+        times.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.world_sizes:
+            out = Path(tmp) / f"w{world}.json"
+            subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(world), __file__,
+                            "--worker", "--steps", str(args.steps), "--out", str(out)],
+                           check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            runs[world] = json.loads(out.read_text())
+    results = {name: [summarize(w, runs[w][name]) for w in args.world_sizes] for name in configs()}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / "latest.png")
+    print_table(results)
+    print(f"wrote {RESULTS / 'latest.json'} and {RESULTS / 'latest.png'}")
+
+
+if __name__ == "__main__":
+    main()
