@@ -95,3 +95,45 @@ def _count_newton_schulz(rank, world_size):
 
 def test_owner_mode_runs_each_newton_schulz_once_across_ranks(distributed):
     distributed(_count_newton_schulz, 4)
+
+
+def _count_traffic(rank, world_size):
+    import torch.distributed as dist
+
+    all_to_all_single = dist.all_to_all_single
+    traffic = {"received": 0, "calls": 0}
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        traffic["calls"] += 1
+        traffic["received"] += (sum(output_split_sizes) - output_split_sizes[rank]) * output.element_size()
+        return all_to_all_single(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    dist.all_to_all_single = counted
+    for unit_modules in (True, False):
+        _, fsdp = make_models("optim_grads_params", world_size, unit_modules)
+        matrices, _ = split_params(fsdp)
+        opt = ZeROTensorParallelMuon(matrices, byte_slack=0.0, **MUON_KWARGS)
+        # The bound, from megatron_fsdp's own chunk metadata: every row not on the rank holding
+        # most of its matrix travels to that rank and back.
+        expected = 0
+        for p in matrices:
+            held = [None] * world_size
+            dist.all_gather_object(held, p.to_local().shape[0])
+            expected += 2 * (p.shape[0] - max(held)) * p.shape[1] * p.element_size()
+        x, y = batch(0, rank)
+        torch.nn.functional.mse_loss(fsdp(x), y).backward()
+        fsdp.finish_grad_sync()
+        traffic.update(received=0, calls=0)
+        opt.step()
+        received = torch.tensor(traffic["received"])
+        dist.all_reduce(received)
+        assert received.item() == expected, (unit_modules, received.item(), expected)
+        batches = sum(len(plan.exchanges) for plan in opt._plans)
+        assert traffic["calls"] <= 2 * batches
+        owners = [o for plan in opt._plans for o in plan.owners]
+        if not unit_modules:  # most matrices sit whole on one rank: some ranks own none
+            assert len(set(owners)) < world_size, owners
+
+
+def test_owner_mode_moves_exactly_the_layout_minimum(distributed):
+    distributed(_count_traffic, 4)
