@@ -92,9 +92,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         super().__init__(params, **kwargs)
         self.dp_group = dp_group
         self.dist_mode = dist_mode
-        self.max_batch_bytes = max_batch_bytes
         self._batched_ns_exact: dict[tuple, bool] = {}
-        self._plans = self._plan(byte_slack)
+        self._replicated: list[DTensor] = []
+        self._plans = self._plan(byte_slack, max_batch_bytes)
 
     def _shard_group(self, p: DTensor):
         mesh_dim = _fsdp_shard_mesh_dim(p)
@@ -102,9 +102,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             return None
         return self.dp_group if self.dp_group is not None else p.device_mesh.get_group(mesh_dim)
 
-    def _plan(self, byte_slack: float) -> list[_ShardGroupPlan]:
-        """Validate every param and plan each shard group: its row layouts are learned with one
-        collective per group, here at construction, never per step."""
+    def _plan(self, byte_slack: float, max_batch_bytes: int) -> list[_ShardGroupPlan]:
+        """Validate every param, set the replicated ones apart and plan each shard group: its row
+        layouts are learned with one collective per group, here at construction, never per step."""
         by_group: dict[Any, list[DTensor]] = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -117,7 +117,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                 if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
                     raise ValueError(f"unsupported DTensor placements {p.placements}")
                 shard_group = self._shard_group(p)
-                if shard_group is not None:
+                if shard_group is None:
+                    self._replicated.append(p)
+                else:
                     by_group.setdefault(shard_group, []).append(p)
         plans = []
         for shard_group, params in by_group.items():
@@ -127,7 +129,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                         for p, layout in zip(params, layouts)]
             element_bytes = params[0].element_size()
             owners = choose_owners(matrices, element_bytes, byte_slack)
-            batches = batch_matrices(matrices, self.max_batch_bytes // element_bytes)
+            batches = batch_matrices(matrices, max_batch_bytes // element_bytes)
             plans.append(_ShardGroupPlan(params, matrices, owners, batches, shard_group))
         return plans
 
@@ -191,9 +193,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def _orthogonalize_all(self, updates: dict, apply) -> None:
         """Orthogonalize every param's update and `apply(param, this rank's rows)` as soon as
         each is ready, so finished batches free their buffers."""
-        for p, update in updates.items():
-            if self._shard_group(p) is None:  # replicated: every rank has the whole matrix
-                apply(p, self.orthogonalize(_ParamAttributes(p), update))
+        for p in self._replicated:  # every rank has the whole matrix
+            apply(p, self.orthogonalize(_ParamAttributes(p), updates[p]))
         for plan in self._plans:
             local = {i: updates[p] for i, p in enumerate(plan.params)}
             if self.dist_mode == "owner":
