@@ -132,7 +132,18 @@ def apply_megatron_training_compat() -> bool:
     # rerun, next to the CPU state it also restores); CPU has no other generator.
     torch.cuda.get_rng_state = lambda device='cuda': torch.get_rng_state()
     torch.cuda.set_rng_state = lambda new_state, device='cuda': None
-    _CudaTensorsOnCpu().__enter__()
+    mode = _CudaTensorsOnCpu()
+    mode.__enter__()
+    # Tensor.backward runs inside the mode's own handler, where the mode is off: re-enter it for
+    # autograd's engine, so backward functions create their tensors on CPU too (megatron-core's
+    # MoE token dispatcher all-gathers into device=current_device() in backward, mappings.py:145).
+    engine_run_backward = torch.autograd._engine_run_backward
+
+    def engine_run_backward_in_mode(*args, **kwargs):
+        with mode:
+            return engine_run_backward(*args, **kwargs)
+
+    torch.autograd._engine_run_backward = engine_run_backward_in_mode
     # arguments.py:1444 reads the device's compute capability when Megatron-FSDP is on.
     megatron.training.arguments.get_device_arch_version = lambda: 0
     # pretrain() calls initialize_megatron without allow_no_cuda (initialize.py:66 asserts CUDA).

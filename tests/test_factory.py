@@ -58,7 +58,7 @@ def _falls_through(rank, world_size):
 
 
 def _experts_gather_over_expert_dp(rank, world_size):
-    init_parallel_state()
+    init_parallel_state(expert_parallel=world_size)
     model = fsdp_gpt(num_experts=4)  # local experts carry '.experts.' in their names
     optimizer = get_megatron_optimizer(optimizer_config(), [model])
     groups = ProcessGroupCollection.use_mpu_process_groups()
