@@ -59,12 +59,14 @@ def make_models(strategy: str, world_size: int, unit_modules: bool = True):
 def full_tensor(t: torch.Tensor, param: DTensor) -> torch.Tensor:
     """The whole tensor of an uneven Shard(0)/Replicate DTensor laid out like `param`, placed by
     megatron_fsdp's own DCP chunk offsets (independent of the optimizer's row-layout code)."""
-    if all(not pl.is_shard() for pl in t.placements):
+    shard_dims = [i for i, pl in enumerate(t.placements) if pl.is_shard()]
+    if not shard_dims:
         return t.to_local().clone()
+    group = t.device_mesh.get_group(shard_dims[0])
     local = t.to_local()
     offset = gather_and_compute_chunk_metadata(param).offsets[0]
-    pieces = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, (offset, local.detach().clone()))
+    pieces = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, (offset, local.detach().clone()), group=group)
     out = torch.empty(t.shape, dtype=local.dtype)
     for start, rows in pieces:
         out[start:start + rows.shape[0]] = rows
