@@ -30,10 +30,11 @@ class GPTShape:
 TINY = GPTShape()
 
 
-def init_parallel_state(expert_parallel: int = 1):
+def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1):
     apply_megatron_training_compat()
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                             expert_model_parallel_size=expert_parallel)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     tp_random.model_parallel_cuda_manual_seed(123)
 
@@ -43,6 +44,7 @@ def gpt(shape: GPTShape = TINY, num_experts=None):
     config = TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         ffn_hidden_size=shape.ffn,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         num_moe_experts=num_experts, moe_router_topk=2,
         # megatron-core's local experts add their bias in place on a custom-Function view
         # (mlp.py:354), which autograd refuses: MoE models here have no linear biases.

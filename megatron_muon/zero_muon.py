@@ -128,6 +128,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             matrices = [Matrix(layout, p.to_local().shape[1], self._batch_key(p), self._row_blocks(p))
                         for p, layout in zip(params, layouts)]
             element_bytes = params[0].element_size()
+            # TP ranks hold equally shaped TP-local matrices laid out alike, so they pick the same
+            # owners: TP Newton-Schulz then meets its TP peers on the same matrix.
             owners = choose_owners(matrices, element_bytes, byte_slack)
             batches = batch_matrices(matrices, max_batch_bytes // element_bytes)
             plans.append(_ShardGroupPlan(params, matrices, owners, batches, shard_group))

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.device_mesh import init_device_mesh
 from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 QKV_SPLIT = [4, 2, 2]  # q, k, v rows per query group; 3 groups below
@@ -57,20 +57,17 @@ def make_models(strategy: str, world_size: int, unit_modules: bool = True):
 
 
 def full_tensor(t: torch.Tensor, param: DTensor) -> torch.Tensor:
-    """The whole tensor of an uneven Shard(0)/Replicate DTensor laid out like `param`, placed by
-    megatron_fsdp's own DCP chunk offsets (independent of the optimizer's row-layout code)."""
-    shard_dims = [i for i, pl in enumerate(t.placements) if pl.is_shard()]
+    """The whole (TP-local) matrix of an uneven Shard(0)/Replicate DTensor laid out like `param`:
+    its data-parallel shards ordered by megatron_fsdp's own DCP chunk offsets (independent of the
+    optimizer's row-layout code)."""
+    shard_dims = [i for i, pl in enumerate(t.placements) if pl == Shard(0)]
     if not shard_dims:
         return t.to_local().clone()
-    group = t.device_mesh.get_group(shard_dims[0])
-    local = t.to_local()
+    group = t.device_mesh.get_group(shard_dims[0])  # Megatron-FSDP's dp dim comes first
     offset = gather_and_compute_chunk_metadata(param).offsets[0]
     pieces = [None] * dist.get_world_size(group)
-    dist.all_gather_object(pieces, (offset, local.detach().clone()), group=group)
-    out = torch.empty(t.shape, dtype=local.dtype)
-    for start, rows in pieces:
-        out[start:start + rows.shape[0]] = rows
-    return out
+    dist.all_gather_object(pieces, (offset, t.to_local().detach().clone()), group=group)
+    return torch.cat([rows for _, rows in sorted(pieces, key=lambda piece: piece[0])])
 
 
 def split_params(module):

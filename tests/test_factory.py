@@ -89,18 +89,20 @@ def test_expert_matrices_gather_over_expert_data_parallel_group(distributed):
 MUON_TAGS = ("is_qkv", "qkv_split_shapes", "expert_tp", "partition_dim")
 
 
-def _moe_matches_reference_muon(rank, world_size):
-    """Every Muon matrix of a MoE GPT (experts sharded over expt_dp, dense over dp_cp) equals
-    megatron-core's TensorParallelMuon run on the full matrices with the same gradients."""
+def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, tp_mode, dist_mode):
+    """Every Muon matrix equals megatron-core's TensorParallelMuon run on the full (TP-local)
+    matrices with the same gradients: dense matrices sharded over dp_cp, experts over expt_dp,
+    TP Newton-Schulz over the tp group."""
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon, _muon_config_to_kwargs
 
     from fsdp_models import full_tensor
     from megatron_muon.zero_muon import _ParamAttributes
 
-    init_parallel_state(expert_parallel=2)
-    model = fsdp_gpt(num_experts=4)
-    config = optimizer_config()
-    optimizer = get_megatron_optimizer(config, [model])
+    init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)
+    model = fsdp_gpt(num_experts=4 if expert_parallel > 1 else None)
+    # No clipping: the reference gets the gradients unscaled.
+    config = optimizer_config(muon_tp_mode=tp_mode, clip_grad=0.0)
+    optimizer = get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode)
     parts = [p.optimizer for p in optimizer.optimizer.chained_optimizers
              if isinstance(p.optimizer, ZeROTensorParallelMuon)]
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -119,8 +121,6 @@ def _moe_matches_reference_muon(rank, world_size):
             ref_groups.append({"params": ref_params, "lr": group["lr"],
                                "weight_decay": group["weight_decay"]})
     reference = TensorParallelMuon(ref_groups, **_muon_config_to_kwargs(config, [model], pg_collection))
-    assert any(".experts." in n for n, p in model.named_parameters()
-               if any(p is q for q, _ in pairs))
     for step in range(3):
         optimizer.zero_grad()
         lm_loss(model, step, rank).backward()
@@ -133,5 +133,11 @@ def _moe_matches_reference_muon(rank, world_size):
         assert worst == 0, f"step {step}: max |diff| {worst}"
 
 
-def test_moe_experts_and_dense_match_reference_muon(distributed):
-    distributed(_moe_matches_reference_muon, 4)
+@pytest.mark.parametrize("dist_mode", ["owner", "allgather"])
+@pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode", [
+    (1, 2, "duplicated"),  # experts over expt_dp (2 ranks), dense over dp_cp (4 ranks)
+    (2, 1, "duplicated"), (2, 1, "distributed"), (2, 1, "blockwise"),  # TP=2 x DP=2
+])
+def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, expert_parallel,
+                                                 tp_mode, dist_mode):
+    distributed(_matches_reference_muon, 4, tensor_parallel, expert_parallel, tp_mode, dist_mode)
