@@ -106,7 +106,7 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
         owners[i] = min((r for r in range(world) if cost[i][r] == cheapest), key=lambda r: (load[r], r))
         load[owners[i]] += flops[i]
 
-    budget = byte_slack * sum(min(c) for c in cost)
+    budget = byte_slack * layout_min_bytes(matrices, element_bytes)
     while True:
         busiest = max(range(world), key=lambda r: (load[r], -r))
         moves = [((cost[i][r] - cost[i][busiest]) / flops[i], -flops[i], i, r)

@@ -141,10 +141,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             return None
         return self.pg_collection.expt_tp if getattr(attrs, "expert_tp", False) else self.pg_collection.tp
 
+    def _splits_qkv(self, attrs) -> bool:
+        return self.split_qkv and self.is_qkv_fn(attrs)
+
     def _row_blocks(self, p) -> tuple[int, ...] | None:
         """Rows of the q, k and v blocks Newton-Schulz sees for a QKV-split param (for its cost)."""
         attrs = _ParamAttributes(p)
-        if not (self.split_qkv and self.is_qkv_fn(attrs)):
+        if not self._splits_qkv(attrs):
             return None
         shapes = getattr(attrs, "qkv_split_shapes", None) or self.qkv_split_shapes
         groups = _tp_local_rows(p) // sum(shapes)
@@ -155,7 +158,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         batched Newton-Schulz; None: orthogonalize alone (QKV split, or TP Newton-Schulz)."""
         attrs = _ParamAttributes(p)
         tp_group = self._tp_group(attrs)
-        if (self.split_qkv and self.is_qkv_fn(attrs)) or (tp_group is not None and tp_group.size() > 1):
+        if self._splits_qkv(attrs) or (tp_group is not None and tp_group.size() > 1):
             return None
         return (getattr(attrs, "partition_dim", None), getattr(attrs, "expert_tp", False))
 
@@ -241,15 +244,16 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def _orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
         """Newton-Schulz on the full matrices this rank owns in one batch: one batched call where
         that is bit-identical to one call per matrix on this backend, else one call each."""
-        if len(fulls) > 1 and batch_key is not None and self._batched_is_exact(params[0], fulls[0].shape):
+        if (len(fulls) > 1 and batch_key is not None
+                and self._batched_is_exact(params[0], fulls[0].shape, batch_key)):
             return list(self.orthogonalize(_ParamAttributes(params[0]), torch.stack(fulls)).unbind())
         return [self.orthogonalize(_ParamAttributes(p), full) for p, full in zip(params, fulls)]
 
-    def _batched_is_exact(self, p, shape) -> bool:
+    def _batched_is_exact(self, p, shape, batch_key) -> bool:
         """Whether batched Newton-Schulz reproduces the per-matrix bits for this shape here: the
         backend may pick other kernels for 3-D input (seen on CPU for 7x13, not for 256x1024).
         Checked once per shape and orthogonalization on random input."""
-        key = (tuple(shape), self._batch_key(p))
+        key = (tuple(shape), batch_key)
         if key not in self._batched_ns_exact:
             sample = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
             attrs = _ParamAttributes(p)
