@@ -53,6 +53,18 @@ class _Stream:
         return False
 
 
+@contextlib.contextmanager
+def _coalesce_only_async(coalescing_manager, group=None, device=None, async_ops=False):
+    """torch's _coalescing_manager, except that synchronous blocks run their collectives one by
+    one: gloo's coalesced reduce-scatter, which Megatron-FSDP runs in place in backward, killed
+    ranks with heap corruption (seen at W=3 and W=4); single in-place reduce-scatters are sound."""
+    if not async_ops:
+        yield None
+        return
+    with coalescing_manager(group, device, async_ops) as manager:
+        yield manager
+
+
 _applied = False
 
 
@@ -75,6 +87,13 @@ def apply_cpu_compat() -> bool:
     torch.cuda.current_device = lambda: 0
     # megatron_fsdp.uneven_dtensor.validate_uneven_dtensor moves a small check tensor to CUDA.
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # Both copies of Megatron-FSDP: the package and the one inside megatron-core.
+    import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as core_buffers
+    import megatron_fsdp.param_and_grad_buffer as buffers
+
+    for module in (buffers, core_buffers):
+        module._coalescing_manager = functools.partial(
+            _coalesce_only_async, module._coalescing_manager)
     _applied = True
     return True
 
