@@ -1,22 +1,30 @@
-"""Pure layout arithmetic: which rows of each matrix each rank holds. No communication here."""
+"""Pure layout arithmetic: which rows of each matrix each rank holds, who owns which matrix, what
+travels. No communication here."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Rows of one matrix held by each rank of its shard group, in group-rank order.
+    """Rows of one matrix and the ranks of its exchange group that hold them.
 
-    Megatron-FSDP lays a parameter out contiguously in its bucket and cuts the bucket into
-    equal per-rank slices, so rank r holds the rows after those of ranks 0..r-1 (possibly none).
+    Megatron-FSDP lays a parameter out contiguously in its bucket and cuts the bucket into equal
+    per-shard slices, so shard s holds the rows after those of shards 0..s-1 (possibly none).
+    `shard_of[rank]` is the shard a rank holds; several ranks hold the same shard when the matrix
+    is also replicated (`no_shard`, or HSDP's replica dim). By default rank r holds shard r.
     """
 
     rows: tuple[int, ...]
+    shard_of: tuple[int, ...] = field(default=None)
 
     def __post_init__(self):
         if any(r < 0 for r in self.rows):
             raise ValueError(f"negative row count in layout {self.rows}")
+        if self.shard_of is None:
+            object.__setattr__(self, "shard_of", tuple(range(len(self.rows))))
+        if sorted(set(self.shard_of)) != list(range(len(self.rows))):
+            raise ValueError(f"ranks hold shards {self.shard_of}, not each of {len(self.rows)} shards")
 
     @property
     def num_rows(self) -> int:
@@ -26,24 +34,70 @@ class RowLayout:
     def max_rows(self) -> int:
         return max(self.rows, default=0)
 
+    @property
+    def ranks(self) -> int:
+        return len(self.shard_of)
+
+    def held(self, rank: int) -> int:
+        return self.rows[self.shard_of[rank]]
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        start = sum(self.rows[:shard])
+        return start, start + self.rows[shard]
+
     def row_range(self, rank: int) -> tuple[int, int]:
-        start = sum(self.rows[:rank])
-        return start, start + self.rows[rank]
+        return self.shard_range(self.shard_of[rank])
+
+    def holders(self, shard: int) -> list[int]:
+        return [rank for rank, s in enumerate(self.shard_of) if s == shard]
+
+    def source(self, shard: int, for_rank: int) -> int:
+        """The rank `for_rank` takes `shard`'s rows from: the holder in its own replica (the
+        replica of a rank is its place among the holders of its shard)."""
+        holders = self.holders(shard)
+        replica = self.holders(self.shard_of[for_rank]).index(for_rank)
+        return holders[min(replica, len(holders) - 1)]
+
+    def piece(self, start: int, stop: int) -> "RowLayout":
+        """The layout of rows [start, stop) alone (one expert of a stacked expert weight)."""
+        rows = []
+        for shard in range(len(self.rows)):
+            lo, hi = self.shard_range(shard)
+            rows.append(max(0, min(hi, stop) - max(lo, start)))
+        return RowLayout(tuple(rows), self.shard_of)
+
+    def local_range(self, rank: int, start: int, stop: int) -> tuple[int, int]:
+        """Where rows [start, stop) sit in `rank`'s local rows (an empty range if it has none)."""
+        lo, hi = self.row_range(rank)
+        first = min(max(start, lo), hi)
+        return first - lo, max(first, min(stop, hi)) - lo
 
 
-def row_layouts(rows_per_rank: Sequence[Sequence[int]], num_rows: Sequence[int]) -> list[RowLayout]:
-    """Per-matrix layouts from a rank-major table `rows_per_rank[rank][matrix]`.
+def row_layouts(shard_of: Sequence[int], rows_per_rank: Sequence[Sequence[int]],
+                num_rows: Sequence[int]) -> list[RowLayout]:
+    """Per-matrix layouts from a rank-major table `rows_per_rank[rank][matrix]` and the shard
+    each rank holds.
 
-    Each matrix's shards must add up to its row count `num_rows[matrix]`: a mismatch means the
-    shard group is not the one the matrix is sharded over.
+    Each matrix's shards must add up to its row count `num_rows[matrix]`, and the ranks holding
+    one shard must hold the same rows: a mismatch means the exchange group is not the one the
+    matrix is sharded over.
     """
-    layouts = [RowLayout(tuple(column)) for column in zip(*rows_per_rank)]
-    for index, (layout, expected) in enumerate(zip(layouts, num_rows, strict=True)):
+    num_shards = max(shard_of) + 1
+    layouts = []
+    for index, (column, expected) in enumerate(zip(zip(*rows_per_rank), num_rows, strict=True)):
+        rows = [None] * num_shards
+        for shard, count in zip(shard_of, column):
+            if rows[shard] not in (None, count):
+                raise ValueError(f"matrix {index}: replicas of shard {shard} hold {rows[shard]} "
+                                 f"and {count} rows; is the exchange group the data-parallel group?")
+            rows[shard] = count
+        layout = RowLayout(tuple(rows), tuple(shard_of))
         if layout.num_rows != expected:
             raise ValueError(
                 f"matrix {index}: shards hold {layout.rows} rows (sum {layout.num_rows}) "
                 f"but the matrix has {expected} rows; is the gather group the shard group?"
             )
+        layouts.append(layout)
     return layouts
 
 
@@ -72,14 +126,18 @@ class Matrix:
         return sum(ns_flops(rows, self.cols, steps) for rows in self.row_blocks or (self.shape[0],))
 
     def bytes_to_owner(self, owner: int, element_bytes: int) -> int:
-        """Bytes this matrix moves per step with `owner`: its other rows in, and back out."""
-        return 2 * (self.layout.num_rows - self.layout.rows[owner]) * self.cols * element_bytes
+        """Bytes this matrix moves per step with `owner`: the rows of its other shards in, and the
+        result out to every other rank holding rows (replicas included)."""
+        layout = self.layout
+        held_elsewhere = sum(layout.held(r) for r in range(layout.ranks)) - layout.held(owner)
+        rows_in = layout.num_rows - layout.held(owner)
+        return (rows_in + held_elsewhere) * self.cols * element_bytes
 
 
 def layout_min_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
     """The least any exact owner-compute exchange can move (all ranks together): every matrix
     owned by a rank holding most of its rows."""
-    return sum(min(m.bytes_to_owner(r, element_bytes) for r in range(len(m.layout.rows)))
+    return sum(min(m.bytes_to_owner(r, element_bytes) for r in range(m.layout.ranks))
                for m in matrices)
 
 
@@ -96,7 +154,7 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
     """
     if not matrices:
         return []
-    world = len(matrices[0].layout.rows)
+    world = matrices[0].layout.ranks
     flops = [matrix.ns_flops(steps=1) for matrix in matrices]  # k scales every matrix alike
     cost = [[m.bytes_to_owner(r, element_bytes) for r in range(world)] for m in matrices]
     load = [0] * world
@@ -137,11 +195,26 @@ def batch_matrices(matrices: Sequence[Matrix], max_batch_elements: int) -> list[
     return [batch for batches in by_key.values() for batch in batches]
 
 
-def rows_sent(matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int],
-              src: int, dst: int) -> list[tuple[int, int, int]]:
-    """(matrix, first row, end row) of the rows `src` sends `dst` when gathering `batch` to its
-    owners, in batch order; nothing is sent to oneself."""
+def gather_segments(matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int],
+                    src: int, dst: int) -> list[tuple[int, int, int]]:
+    """(matrix, first row, end row) of the rows `src` sends `dst` to assemble the batch matrices
+    `dst` owns, in batch order: each shard the owner lacks comes from one holder, the one in the
+    owner's replica."""
+    segments = []
+    for i in batch:
+        layout = matrices[i].layout
+        shard = layout.shard_of[src]
+        if (owners[i] == dst and layout.held(src) and shard != layout.shard_of[dst]
+                and layout.source(shard, dst) == src):
+            segments.append((i, *layout.row_range(src)))
+    return segments
+
+
+def scatter_segments(matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int],
+                     src: int, dst: int) -> list[tuple[int, int, int]]:
+    """(matrix, first row, end row) of the result rows `src` sends `dst`: every rank gets its own
+    rows of each batch matrix from the matrix's owner."""
     if src == dst:
         return []
-    return [(i, *matrices[i].layout.row_range(src)) for i in batch
-            if owners[i] == dst and matrices[i].layout.rows[src]]
+    return [(i, *matrices[i].layout.row_range(dst)) for i in batch
+            if owners[i] == src and matrices[i].layout.held(dst)]

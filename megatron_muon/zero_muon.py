@@ -1,5 +1,6 @@
-"""Muon on Megatron-FSDP's sharded main weights (ZeRO-1/2/3), exact and TP-aware."""
+"""Muon on Megatron-FSDP's sharded main weights (ZeRO-1/2/3, HSDP), exact and TP-aware."""
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -8,37 +9,47 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .exchange import OwnerExchange, all_gather_row_counts, all_gather_rows
+from .exchange import OwnerExchange, all_gather_ints, all_gather_rows
 from .muon_math import momentum_update_
 from .plan import Matrix, batch_matrices, choose_owners, row_layouts
 
 DistMode = Literal["owner", "allgather"]
 
 
-def _fsdp_shard_mesh_dim(p: DTensor) -> int | None:
-    """The mesh dim of Megatron-FSDP's row sharding, or None when the param is replicated over DP.
-
-    TP's own placement (named by Megatron-FSDP's dist index) may also be Shard(0); it is not ours.
-    """
-    dist_index = getattr(p, "megatron_fsdp_dist_index", None)
-    tp_dim_name = getattr(dist_index, "tp_dim", None)
+def _data_parallel_dims(p: DTensor) -> list[int]:
+    """Mesh dims of Megatron-FSDP's data parallelism (row shards or replicas): all but TP's,
+    which Megatron-FSDP's dist index names."""
+    tp_dim_name = getattr(getattr(p, "megatron_fsdp_dist_index", None), "tp_dim", None)
     names = p.device_mesh.mesh_dim_names or (None,) * p.device_mesh.ndim
-    dims = [i for i, placement in enumerate(p.placements)
-            if placement == Shard(0) and (tp_dim_name is None or names[i] != tp_dim_name)]
-    if len(dims) > 1:
-        raise NotImplementedError(
-            f"parameter sharded over several data-parallel mesh dims {p.placements} "
-            "(HSDP outer sharding) is not supported yet")
-    return dims[0] if dims else None
+    return [i for i in range(p.device_mesh.ndim) if tp_dim_name is None or names[i] != tp_dim_name]
+
+
+def _shard_index(p: DTensor) -> int:
+    """Which row shard of `p` this rank holds, from its mesh coordinate. Rows follow
+    megatron_fsdp's chunk order (uneven_dtensor): the shard dim it visits first is the least
+    significant. Replicas (no_shard, HSDP's outer dim) hold the same shard."""
+    mesh, coordinate = p.device_mesh, p.device_mesh.get_coordinate()
+    shard_order = getattr(mesh, "_shard_order", None) or range(mesh.ndim - 1, -1, -1)
+    shard, stride = 0, 1
+    for dim in reversed(shard_order):
+        if dim in _data_parallel_dims(p) and p.placements[dim] == Shard(0):
+            shard, stride = shard + coordinate[dim] * stride, stride * mesh.size(dim)
+    return shard
 
 
 def _tp_local_rows(p: DTensor) -> int:
-    """Rows of the matrix the DP shards tile: the TP-local matrix when TP splits dim 0."""
+    """Rows of the 2-D matrix (3-D stacks: one row per last-dim vector) the data-parallel
+    shards tile: the TP-local matrix when TP splits dim 0."""
     rows = p.shape[0]
     for mesh_dim, placement in enumerate(p.placements):
-        if placement == Shard(0) and mesh_dim != _fsdp_shard_mesh_dim(p):
+        if placement == Shard(0) and mesh_dim not in _data_parallel_dims(p):
             rows //= p.device_mesh.size(mesh_dim)
-    return rows
+    return rows * math.prod(p.shape[1:-1])
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view of a local shard (a stack of expert matrices becomes their rows)."""
+    return t.view(-1, t.shape[-1])
 
 
 class _ParamAttributes:
@@ -55,29 +66,44 @@ class _ParamAttributes:
             return getattr(self._param.orig_param, name)
 
 
-class _ShardGroupPlan:
-    """The sharded matrices of one shard group, their owners and batches, fixed at construction."""
+class _GroupPlan:
+    """The matrices of one exchange group, fixed at construction: one per param, or one per
+    expert of a stacked expert weight; where this rank's rows of each sit in its param's local
+    shard; their owners and batches."""
 
-    def __init__(self, params, matrices, owners, batches, group):
-        self.params, self.matrices, self.owners, self.group = params, matrices, owners, group
-        rank = dist.get_rank(group)
-        self.exchanges = [OwnerExchange(matrices, owners, batch, rank, group) for batch in batches]
+    def __init__(self, params, matrices, pieces, owners, batches, group):
+        self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.exchanges = [OwnerExchange(matrices, owners, batch, self.rank, group) for batch in batches]
+
+    def param_of(self, i: int):
+        return self.params[self.pieces[i][0]]
+
+    def rows_of(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of matrix i within `local`, its param's local shard (or a tensor
+        shaped like it)."""
+        _, lo, hi = self.pieces[i]
+        return _as_rows(local)[lo:hi]
 
 
 class ZeROTensorParallelMuon(TensorParallelMuon):
     """megatron-core's TensorParallelMuon for Megatron-FSDP main weights.
 
     Params are `nn.Parameter(DTensor)` whose rows are sharded unevenly (`Shard(0)`, a rank may
-    hold none) or replicated (`no_shard`). Momentum and weight decay run on the local rows; each
-    momentum update is assembled into its full matrix and run through TensorParallelMuon's
-    orthogonalize (TP Newton-Schulz, QKV split, scale modes); each rank applies its own rows.
+    hold none), replicated (`no_shard`), or both (HSDP: shards inside a replica). Momentum and
+    weight decay run on the local rows; each momentum update is assembled into its full matrix
+    and run through TensorParallelMuon's orthogonalize (TP Newton-Schulz, QKV split, scale
+    modes); each rank applies its own rows. A param tagged `num_stacked_experts = E` (a grouped
+    GEMM's experts stacked along dim 0, 2-D fused or 3-D) is E matrices, orthogonalized apart.
 
     Args:
-        dp_group: group over which the `Shard(0)` rows are gathered; by default the group of the
-            param's data-parallel shard mesh dim.
+        dp_group: the data-parallel group the params are sharded and replicated over (all of
+            it: shards and replicas); by default the group of the param's data-parallel mesh dims.
         dist_mode: "owner" (default) assembles each matrix on one owner, which alone runs its
-            Newton-Schulz and sends the rows back; "allgather" assembles every matrix on every
-            rank (each rank repeats all Newton-Schulz work; kept as the reference).
+            Newton-Schulz and sends the result rows to the ranks holding them (replicas too);
+            "allgather" assembles every matrix on every rank (each rank repeats all
+            Newton-Schulz work; kept as the reference).
         byte_slack: owner mode may move up to this fraction more than the layout's minimum bytes
             to balance Newton-Schulz work across ranks.
         max_batch_bytes: same-shape matrices are orthogonalized together in batches of at most
@@ -93,46 +119,74 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.dp_group = dp_group
         self.dist_mode = dist_mode
         self._batched_ns_exact: dict[tuple, bool] = {}
-        self._replicated: list[DTensor] = []
         self._plans = self._plan(byte_slack, max_batch_bytes)
 
-    def _shard_group(self, p: DTensor):
-        mesh_dim = _fsdp_shard_mesh_dim(p)
-        if mesh_dim is None:
-            return None
-        return self.dp_group if self.dp_group is not None else p.device_mesh.get_group(mesh_dim)
+    def _exchange_group(self, p: DTensor):
+        dims = _data_parallel_dims(p)
+        size = math.prod(p.device_mesh.size(dim) for dim in dims)
+        if self.dp_group is not None:
+            if self.dp_group.size() != size:
+                raise ValueError(
+                    f"dp_group has {self.dp_group.size()} ranks but the parameter of shape "
+                    f"{tuple(p.shape)} is data-parallel over {size} ({p.device_mesh})")
+            return self.dp_group
+        if len(dims) == 1:
+            return p.device_mesh.get_group(dims[0])
+        names = p.device_mesh.mesh_dim_names
+        return p.device_mesh[tuple(names[dim] for dim in dims)]._flatten().get_group()
 
-    def _plan(self, byte_slack: float, max_batch_bytes: int) -> list[_ShardGroupPlan]:
-        """Validate every param, set the replicated ones apart and plan each shard group: its row
-        layouts are learned with one collective per group, here at construction, never per step."""
+    def _validate(self, p) -> None:
+        if not isinstance(p, DTensor):
+            raise TypeError(
+                f"ZeROTensorParallelMuon expects Megatron-FSDP DTensor main weights, got a "
+                f"{type(p).__name__} of shape {tuple(p.shape)}")
+        experts = self._num_experts(p)
+        if p.dim() != 2 and not (p.dim() == 3 and p.shape[0] == experts):
+            raise ValueError(f"Muon orthogonalizes 2-D matrices (or stacks of num_stacked_experts "
+                             f"expert matrices); got shape {tuple(p.shape)}")
+        if _tp_local_rows(p) % experts:
+            raise ValueError(f"num_stacked_experts={experts} does not divide the rows of the "
+                             f"parameter of shape {tuple(p.shape)}")
+        tp_group = self._tp_group(_ParamAttributes(p))
+        if experts > 1 and tp_group is not None and tp_group.size() > 1:
+            raise NotImplementedError("stacked expert weights with expert tensor parallelism")
+        if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
+            raise ValueError(f"unsupported DTensor placements {p.placements}")
+
+    @staticmethod
+    def _num_experts(p) -> int:
+        return getattr(_ParamAttributes(p), "num_stacked_experts", 1)
+
+    def _plan(self, byte_slack: float, max_batch_bytes: int) -> list[_GroupPlan]:
+        """Validate every param and plan each exchange group: its row layouts are learned with
+        one collective per group, here at construction, never per step."""
         by_group: dict[Any, list[DTensor]] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if not isinstance(p, DTensor):
-                    raise TypeError(
-                        f"ZeROTensorParallelMuon expects Megatron-FSDP DTensor main weights, got a "
-                        f"{type(p).__name__} of shape {tuple(p.shape)}")
-                if p.dim() != 2:
-                    raise ValueError(f"Muon orthogonalizes 2-D matrices; got shape {tuple(p.shape)}")
-                if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
-                    raise ValueError(f"unsupported DTensor placements {p.placements}")
-                shard_group = self._shard_group(p)
-                if shard_group is None:
-                    self._replicated.append(p)
-                else:
-                    by_group.setdefault(shard_group, []).append(p)
+                self._validate(p)
+                dp_placements = tuple(p.placements[dim] for dim in _data_parallel_dims(p))
+                by_group.setdefault((self._exchange_group(p), dp_placements), []).append(p)
         plans = []
-        for shard_group, params in by_group.items():
-            table = all_gather_row_counts([p.to_local().shape[0] for p in params], shard_group)
-            layouts = row_layouts(table, [_tp_local_rows(p) for p in params])
-            matrices = [Matrix(layout, p.to_local().shape[1], self._batch_key(p), self._row_blocks(p))
-                        for p, layout in zip(params, layouts)]
+        for (exchange_group, _), params in by_group.items():
+            table = all_gather_ints(
+                [_shard_index(params[0])] + [_as_rows(p.to_local()).shape[0] for p in params],
+                exchange_group)
+            layouts = row_layouts([row[0] for row in table], [row[1:] for row in table],
+                                  [_tp_local_rows(p) for p in params])
+            rank = dist.get_rank(exchange_group)
+            matrices, pieces = [], []
+            for index, (p, layout) in enumerate(zip(params, layouts)):
+                rows = layout.num_rows // self._num_experts(p)
+                for start in range(0, layout.num_rows, rows):
+                    matrices.append(Matrix(layout.piece(start, start + rows), p.to_local().shape[-1],
+                                           self._batch_key(p), self._row_blocks(p)))
+                    pieces.append((index, *layout.local_range(rank, start, start + rows)))
             element_bytes = params[0].element_size()
             # TP ranks hold equally shaped TP-local matrices laid out alike, so they pick the same
             # owners: TP Newton-Schulz then meets its TP peers on the same matrix.
             owners = choose_owners(matrices, element_bytes, byte_slack)
             batches = batch_matrices(matrices, max_batch_bytes // element_bytes)
-            plans.append(_ShardGroupPlan(params, matrices, owners, batches, shard_group))
+            plans.append(_GroupPlan(params, matrices, pieces, owners, batches, exchange_group))
         return plans
 
     def _tp_group(self, attrs):
@@ -188,38 +242,31 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                     self, local_param, local_grad, self.state[p]["momentum_buffer"].to_local(), group)
                 lrs[p] = group["lr"]
 
-        def apply(p, rows):
-            p.to_local().add_(rows, alpha=-lrs[p])
+        def apply(plan, i, rows):
+            p = plan.param_of(i)
+            plan.rows_of(i, p.to_local()).add_(rows, alpha=-lrs[p])
 
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-            self._orthogonalize_all(updates, apply)
+            for plan in self._plans:
+                local = {i: plan.rows_of(i, updates[plan.param_of(i)]) for i in range(len(plan.matrices))}
+                if self.dist_mode == "owner":
+                    self._owner_orthogonalize(plan, local, apply)
+                else:
+                    self._allgather_orthogonalize(plan, local, apply)
         return None
 
-    def _orthogonalize_all(self, updates: dict, apply) -> None:
-        """Orthogonalize every param's update and `apply(param, this rank's rows)` as soon as
-        each is ready, so finished batches free their buffers."""
-        for p in self._replicated:  # every rank has the whole matrix
-            apply(p, self.orthogonalize(_ParamAttributes(p), updates[p]))
-        for plan in self._plans:
-            local = {i: updates[p] for i, p in enumerate(plan.params)}
-            if self.dist_mode == "owner":
-                self._owner_orthogonalize(plan, local, apply)
-            else:
-                self._allgather_orthogonalize(plan, local, apply)
+    def _allgather_orthogonalize(self, plan: _GroupPlan, local: dict, apply) -> None:
+        for i, matrix in enumerate(plan.matrices):
+            full = all_gather_rows(local[i], matrix.layout, plan.group)
+            start, stop = matrix.layout.row_range(plan.rank)
+            apply(plan, i, self.orthogonalize(_ParamAttributes(plan.param_of(i)), full)[start:stop])
 
-    def _allgather_orthogonalize(self, plan: _ShardGroupPlan, local: dict, apply) -> None:
-        rank = dist.get_rank(plan.group)
-        for i, p in enumerate(plan.params):
-            layout = plan.matrices[i].layout
-            full = all_gather_rows(local[i], layout, plan.group)
-            start, stop = layout.row_range(rank)
-            apply(p, self.orthogonalize(_ParamAttributes(p), full)[start:stop])
-
-    def _owner_orthogonalize(self, plan: _ShardGroupPlan, local: dict, apply) -> None:
-        """Gather each batch to its owners, orthogonalize there, send the rows back. Double
-        buffered: batch i+1's gather runs while batch i computes, and batch i-1's rows are applied
-        first, so about two batches' buffers are alive at once. The order of collectives depends
-        only on the plan, so every rank issues the same ones."""
+    def _owner_orthogonalize(self, plan: _GroupPlan, local: dict, apply) -> None:
+        """Gather each batch to its owners, orthogonalize there, send the rows back, and
+        `apply(plan, matrix, this rank's rows)` as soon as a batch is back. Double buffered:
+        batch i+1's gather runs while batch i computes, and batch i-1's rows are applied first,
+        so about two batches' buffers are alive at once. The order of collectives depends only
+        on the plan, so every rank issues the same ones."""
         exchanges = plan.exchanges
 
         def start_gather(index):
@@ -229,13 +276,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         def finish_scatter(index):
             if index >= 0:
                 for i, rows in exchanges[index].finish_scatter().items():
-                    apply(plan.params[i], rows)
+                    apply(plan, i, rows)
 
         start_gather(0)
         for current, exchange in enumerate(exchanges):
             start_gather(current + 1)
             finish_scatter(current - 1)
-            owned_params = [plan.params[i] for i in exchange.owned]
+            owned_params = [plan.param_of(i) for i in exchange.owned]
             batch_key = plan.matrices[exchange.batch[0]].batch_key
             exchange.start_scatter(
                 self._orthogonalize_owned(owned_params, exchange.finish_gather(), batch_key))

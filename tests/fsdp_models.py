@@ -1,6 +1,7 @@
 """Small models wrapped by real Megatron-FSDP, and the unsharded reference they must match."""
 
 import copy
+import functools
 
 import megatron_fsdp
 import torch
@@ -11,7 +12,7 @@ from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
 from torch.distributed.tensor import DTensor, Shard
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-QKV_SPLIT = [4, 2, 2]  # q, k, v rows per query group; 3 groups below
+QKV_SPLIT = [4, 2, 2]  # q, k, v rows per query group; 2 groups below
 MUON_KWARGS = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01,
                    fp32_matmul_prec="highest", split_qkv=True,
                    is_qkv_fn=lambda p: getattr(p, "is_qkv", False), qkv_split_shapes=QKV_SPLIT)
@@ -22,9 +23,9 @@ class Net(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.qkv = torch.nn.Linear(16, 3 * sum(QKV_SPLIT), bias=False)
+        self.qkv = torch.nn.Linear(16, 2 * sum(QKV_SPLIT), bias=False)
         self.qkv.weight.is_qkv = True
-        self.up = torch.nn.Linear(24, 40)
+        self.up = torch.nn.Linear(16, 40)
         self.down = torch.nn.Linear(40, 9, bias=False)
         self.tiny = torch.nn.Linear(9, 3)
         self.head = torch.nn.Linear(3, 5)
@@ -41,33 +42,62 @@ def batch(step: int, rank: int):
     return torch.randn(6, 16, generator=g), torch.randn(6, 5, generator=g)
 
 
-def make_models(strategy: str, world_size: int, unit_modules: bool = True):
-    """(reference Net, Megatron-FSDP-wrapped copy) with identical initial weights."""
+def make_models(strategy: str, world_size: int, unit_modules: bool = True, outer: str | None = None):
+    """(reference Net, Megatron-FSDP-wrapped copy) with identical initial weights; `outer`, if
+    given, is HSDP's outer strategy over 2 replicas."""
     torch.manual_seed(0)
     ref = Net()
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_cp", "tp"))
     unsharded = copy.deepcopy(ref)
     unsharded.qkv.weight.is_qkv = True  # deepcopy drops Parameter attributes
+    units = [torch.nn.Linear] if unit_modules else [Net]
+    return ref, fully_shard(unsharded, strategy, world_size, units, outer)
+
+
+def fully_shard(module, strategy: str, world_size: int, unit_modules, outer: str | None = None):
+    """`module` wrapped by real Megatron-FSDP on CPU over all ranks (TP=1); with `outer`, HSDP:
+    2 replicas (outer strategy `outer`) of world_size / 2 shards."""
+    hsdp = {}
+    if outer is None:
+        mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_cp", "tp"))
+    else:
+        mesh, hybrid_group = _hsdp_mesh(world_size)
+        hsdp = dict(dp_outer_dim="dp_outer", outer_dp_sharding_strategy=outer,
+                    hybrid_fsdp_group=hybrid_group)
     fsdp = megatron_fsdp.fully_shard_model(
-        unsharded, device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp", zero_dp_strategy=strategy,
-        device=torch.device("cpu"),
-        fsdp_unit_modules=[torch.nn.Linear] if unit_modules else [Net])
+        module, device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp", zero_dp_strategy=strategy,
+        device=torch.device("cpu"), fsdp_unit_modules=unit_modules, **hsdp)
     fsdp.ddp_config.gradient_reduce_div_fusion = False  # gloo has no PREMUL_SUM
-    return ref, fsdp
+    return fsdp
+
+
+@functools.cache
+def _hsdp_mesh(world_size: int):
+    """One HSDP mesh per process, as in training: with a second one built in the same process,
+    a gloo all_gather_object over its groups hung (not root-caused)."""
+    mesh = init_device_mesh("cpu", (2, world_size // 2, 1), mesh_dim_names=("dp_outer", "dp_cp", "tp"))
+    return mesh, mesh["dp_outer", "dp_cp"]._flatten("hsdp").get_group()
 
 
 def full_tensor(t: torch.Tensor, param: DTensor) -> torch.Tensor:
-    """The whole (TP-local) matrix of an uneven Shard(0)/Replicate DTensor laid out like `param`:
-    its data-parallel shards ordered by megatron_fsdp's own DCP chunk offsets (independent of the
-    optimizer's row-layout code)."""
-    shard_dims = [i for i, pl in enumerate(t.placements) if pl == Shard(0)]
+    """The whole (TP-local) matrix of an uneven Shard(0)/Replicate DTensor laid out like `param`
+    (TP=1 when it is sharded over several mesh dims, HFSDP): its data-parallel shards ordered by
+    megatron_fsdp's own DCP chunk offsets (independent of the optimizer's row-layout code)."""
+    tp_dim = getattr(getattr(param, "megatron_fsdp_dist_index", None), "tp_dim", None)
+    names = t.device_mesh.mesh_dim_names or (None,) * t.device_mesh.ndim
+    shard_dims = [i for i, pl in enumerate(t.placements) if pl == Shard(0) and names[i] != tp_dim]
     if not shard_dims:
         return t.to_local().clone()
-    group = t.device_mesh.get_group(shard_dims[0])  # Megatron-FSDP's dp dim comes first
+    group = t.device_mesh.get_group(shard_dims[0]) if len(shard_dims) == 1 else dist.group.WORLD
     offset = gather_and_compute_chunk_metadata(param).offsets[0]
     pieces = [None] * dist.get_world_size(group)
     dist.all_gather_object(pieces, (offset, t.to_local().detach().clone()), group=group)
-    return torch.cat([rows for _, rows in sorted(pieces, key=lambda piece: piece[0])])
+    pieces.sort(key=lambda piece: (piece[0], -len(piece[1])))
+    rows, position = [], pieces[0][0]  # offsets count TP's rows before these
+    for start, piece in pieces:
+        if start == position and len(piece):  # replicas repeat a shard
+            rows.append(piece)
+            position += len(piece)
+    return torch.cat(rows)
 
 
 def split_params(module):

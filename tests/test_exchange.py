@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_muon.exchange import OwnerExchange, all_gather_row_counts, all_gather_rows
+from megatron_muon.exchange import OwnerExchange, all_gather_ints, all_gather_rows
 from megatron_muon.plan import Matrix, batch_matrices, choose_owners, row_layouts
 
 ROWS = [[3, 0, 5], [0, 0, 1], [2, 4, 0], [0, 1, 1]]  # rows[rank][matrix]
@@ -12,9 +12,9 @@ ROWS = [[3, 0, 5], [0, 0, 1], [2, 4, 0], [0, 1, 1]]  # rows[rank][matrix]
 
 def _gather(rank, world_size):
     rows = [r[:] for r in ROWS[:world_size]]
-    table = all_gather_row_counts(rows[rank], dist.group.WORLD)
+    table = all_gather_ints(rows[rank], dist.group.WORLD)
     assert table == rows
-    layouts = row_layouts(table, [sum(col) for col in zip(*rows)])
+    layouts = row_layouts(range(world_size), table, [sum(col) for col in zip(*rows)])
     for matrix, layout in enumerate(layouts):
         full = torch.arange(layout.num_rows * 3, dtype=torch.float32).view(-1, 3)
         start, stop = layout.row_range(rank)
@@ -31,10 +31,18 @@ def _full(matrix_index, rows, cols=3):
     return torch.arange(rows * cols, dtype=torch.float32).view(rows, cols) + 1000 * matrix_index
 
 
-def _owner_round_trip(rank, world_size):
-    # Same-shape matrices so they share batches; more matrices than ranks, not a multiple of W.
-    rows = [[3, 0, 2, 1, 0], [0, 3, 1, 1, 3], [2, 0, 0, 1, 0], [0, 2, 2, 2, 2]][:world_size]
-    layouts = row_layouts(rows, [sum(col) for col in zip(*rows)])
+# Rows of 5 same-shape matrices per shard (so they share batches; more matrices than ranks, not a
+# multiple of W), and which shard each rank holds: plain shards, HSDP (2 replicas x 2 shards, the
+# replica dim outermost or innermost) and no_shard (every rank holds every row).
+SHARD_ROWS = [[3, 0, 2, 1, 0], [0, 3, 1, 1, 3], [2, 0, 0, 1, 0], [0, 2, 2, 2, 2]]
+LAYOUTS = {"shards": None, "hsdp": (0, 1, 0, 1), "hsdp_inner_replicas": (0, 0, 1, 1),
+           "no_shard": (0, 0, 0, 0)}
+
+
+def _owner_round_trip(rank, world_size, shard_of):
+    shard_of = tuple(shard_of or range(world_size))[:world_size]
+    rows = [SHARD_ROWS[shard] for shard in shard_of]
+    layouts = row_layouts(shard_of, rows, [sum(col) for col in zip(*SHARD_ROWS[:max(shard_of) + 1])])
     matrices = [Matrix(layout, 3) for layout in layouts]
     owners = choose_owners(matrices, element_bytes=4)
     for batch in batch_matrices(matrices, max_batch_elements=2 * 5 * 3):
@@ -55,8 +63,15 @@ def _owner_round_trip(rank, world_size):
             start, stop = matrices[i].layout.row_range(rank)
             expected = 2 * _full(i, matrices[i].layout.num_rows)[start:stop] + 1
             assert torch.equal(returned[i], expected), (rank, i)
+    if len(set(shard_of)) < world_size:  # replicas split the Newton-Schulz work
+        assert len(set(owners)) == world_size, owners
+    elif world_size == 4:  # a rank that owns nothing still takes part
+        assert len(set(owners)) < world_size, owners
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_owner_exchange_round_trip_with_uneven_and_empty_shards(distributed, world_size):
-    distributed(_owner_round_trip, world_size)
+@pytest.mark.parametrize("world_size,layout", [(2, "shards"), (4, "shards"), (2, "no_shard"),
+                                               (4, "no_shard"), (4, "hsdp"),
+                                               (4, "hsdp_inner_replicas")])
+def test_owner_exchange_round_trip_with_uneven_empty_and_replicated_shards(distributed, world_size,
+                                                                          layout):
+    distributed(_owner_round_trip, world_size, LAYOUTS[layout])

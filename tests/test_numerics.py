@@ -1,10 +1,13 @@
 """Phase 2: ZeROTensorParallelMuon on real Megatron-FSDP equals single-device Muon bit for bit."""
 
+import itertools
+
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_models import (MUON_KWARGS, STRATEGIES, batch, full_tensor, make_models,
+from fsdp_models import (MUON_KWARGS, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
                          reference_optimizers, split_params)
 from megatron_muon import ZeROTensorParallelMuon
 
@@ -12,20 +15,26 @@ STEPS = 10
 
 
 def _train_and_compare(rank, world_size):
+    qkv_boundaries = set()
     for strategy in STRATEGIES:
         for dist_mode in ("owner", "allgather"):
             for unit_modules in (True, False):
-                _compare(rank, world_size, strategy, dist_mode, unit_modules)
+                qkv_boundaries |= _compare(rank, world_size, strategy, dist_mode, unit_modules)
+    # The QKV split was exercised with FSDP shard boundaries inside a head group, and on them.
+    if world_size == 4:
+        group_rows = sum(QKV_SPLIT)
+        assert any(b % group_rows for b in qkv_boundaries), qkv_boundaries
+        assert any(b % group_rows == 0 for b in qkv_boundaries), qkv_boundaries
 
 
-def _compare(rank, world_size, strategy, dist_mode, unit_modules):
+def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None):
     """Megatron-FSDP buckets per Linear (unit_modules: every matrix crosses shard boundaries) or
-    the whole model as one unit (most matrices sit whole on one rank)."""
-    ref, fsdp = make_models(strategy, world_size, unit_modules)
+    the whole model as one unit (most matrices sit whole on one rank); HSDP with `outer`."""
+    ref, fsdp = make_models(strategy, world_size, unit_modules, outer)
     ref_opts = reference_optimizers(ref)
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
-    case = f"{strategy} {dist_mode} units={unit_modules} W={world_size}"
+    case = f"{strategy} outer={outer} {dist_mode} units={unit_modules} W={world_size}"
     opts = [ZeROTensorParallelMuon(matrices, dist_mode=dist_mode, **MUON_KWARGS),
             torch.optim.Adam(vectors, lr=0.01, foreach=False)]
     names = {id(p): n for n, p in fsdp.named_parameters()}
@@ -57,6 +66,16 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules):
         assert momentum.to_local().shape == p.to_local().shape
     if rank == 0:
         print(f"{case}: max |diff| 0 after {STEPS} steps")
+    return _inner_boundaries(fsdp.module.qkv.weight)
+
+
+def _inner_boundaries(p) -> set[int]:
+    """Rows at which the shards of a row-sharded matrix meet (none for replicated ones)."""
+    if not any(placement == Shard(0) for placement in p.placements):
+        return set()
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, p.to_local().shape[0])
+    return {b for b in itertools.accumulate(held) if 0 < b < p.shape[0]}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -64,9 +83,23 @@ def test_matches_single_device_muon_for_every_strategy(distributed, world_size):
     distributed(_train_and_compare, world_size)
 
 
+# HSDP at W=4: 2 replicas x 2 shards. Megatron-FSDP shards the outer dim only under ZeRO-3.
+HSDP_CASES = [("no_shard", "optim"), ("no_shard", "optim_grads"), ("no_shard", "optim_grads_params"),
+              ("optim", "optim_grads_params")]
+
+
+def _hsdp_train_and_compare(rank, world_size):
+    for outer, strategy in HSDP_CASES:
+        for dist_mode in ("owner", "allgather"):
+            _compare(rank, world_size, strategy, dist_mode, unit_modules=True, outer=outer)
+
+
+def test_hsdp_matches_single_device_muon(distributed):
+    distributed(_hsdp_train_and_compare, 4)
+
+
 def _count_newton_schulz(rank, world_size):
     import megatron.core.optimizer.emerging_optimizers as core_muon
-    import torch.distributed as dist
 
     calls = []
     newton_schulz_tp = core_muon.newton_schulz_tp
@@ -76,29 +109,34 @@ def _count_newton_schulz(rank, world_size):
         return newton_schulz_tp(x, *args, **kwargs)
 
     core_muon.newton_schulz_tp = counted
-    for dist_mode, expected_repeats in (("owner", 1), ("allgather", world_size)):
-        _, fsdp = make_models("optim_grads_params", world_size)
+    cases = [(strategy, outer, "owner", 1) for strategy, outer in
+             (("optim_grads_params", None), ("no_shard", None), ("optim_grads_params", "no_shard"),
+              ("optim_grads_params", "optim"))]
+    for strategy, outer, dist_mode, expected_repeats in cases + [
+            ("optim_grads_params", None, "allgather", world_size)]:
+        _, fsdp = make_models(strategy, world_size, outer=outer)
         matrices, _ = split_params(fsdp)
         opt = ZeROTensorParallelMuon(matrices, dist_mode=dist_mode, **MUON_KWARGS)
         for step in range(2):
             x, y = batch(step, rank)
             torch.nn.functional.mse_loss(fsdp(x), y).backward()
-            fsdp.finish_grad_sync()
+            if not fsdp.model_auto_sync:
+                fsdp.finish_grad_sync()
             calls.clear()  # the second step has no one-off batching check
             opt.step()
             fsdp.zero_grad_buffer()
         # The QKV matrix is orthogonalized as three blocks.
         per_step = torch.tensor(sum(calls))
         dist.all_reduce(per_step)
-        assert per_step.item() == expected_repeats * (len(matrices) + 2), (dist_mode, per_step)
+        assert per_step.item() == expected_repeats * (len(matrices) + 2), (strategy, outer, dist_mode,
+                                                                          per_step)
 
 
-def test_owner_mode_runs_each_newton_schulz_once_across_ranks(distributed):
+def test_owner_mode_runs_each_newton_schulz_once_across_ranks_and_replicas(distributed):
     distributed(_count_newton_schulz, 4)
 
 
 def _count_traffic(rank, world_size):
-    import torch.distributed as dist
 
     all_to_all_single = dist.all_to_all_single
     traffic = {"received": 0, "calls": 0}
@@ -130,9 +168,10 @@ def _count_traffic(rank, world_size):
         assert received.item() == expected, (unit_modules, received.item(), expected)
         batches = sum(len(plan.exchanges) for plan in opt._plans)
         assert traffic["calls"] <= 2 * batches
-        owners = [o for plan in opt._plans for o in plan.owners]
-        if not unit_modules:  # most matrices sit whole on one rank: some ranks own none
-            assert len(set(owners)) < world_size, owners
+        whole_on_owner = [m.layout.held(o) == m.layout.num_rows
+                          for plan in opt._plans for m, o in zip(plan.matrices, plan.owners)]
+        if not unit_modules:  # one bucket: some matrices sit whole on their owner and move nothing
+            assert any(whole_on_owner), whole_on_owner
 
 
 def test_owner_mode_moves_exactly_the_layout_minimum(distributed):

@@ -1,7 +1,7 @@
 import pytest
 
-from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, choose_owners, layout_min_bytes,
-                                ns_flops, row_layouts, rows_sent)
+from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, choose_owners, gather_segments,
+                                layout_min_bytes, ns_flops, row_layouts, scatter_segments)
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -11,13 +11,22 @@ def test_row_ranges_follow_rank_order_and_allow_empty_shards():
 
 
 def test_row_layouts_transposes_the_rank_major_table():
-    layouts = row_layouts([[4, 0], [3, 2]], num_rows=[7, 2])
+    layouts = row_layouts([0, 1], [[4, 0], [3, 2]], num_rows=[7, 2])
     assert layouts == [RowLayout((4, 3)), RowLayout((0, 2))]
+
+
+def test_row_layouts_of_replicas_name_the_shard_each_rank_holds():
+    # HSDP: 2 replicas x 2 shards, the group's ranks in shard-minor order.
+    layouts = row_layouts([0, 1, 0, 1], [[4, 0], [3, 2], [4, 0], [3, 2]], num_rows=[7, 2])
+    assert layouts == [RowLayout((4, 3), (0, 1, 0, 1)), RowLayout((0, 2), (0, 1, 0, 1))]
+    assert [layouts[0].row_range(r) for r in range(4)] == [(0, 4), (4, 7), (0, 4), (4, 7)]
+    with pytest.raises(ValueError, match="replicas of shard 1 hold 2 and 1 rows"):
+        row_layouts([0, 1, 0, 1], [[4, 0], [3, 2], [4, 0], [3, 1]], num_rows=[7, 2])
 
 
 def test_row_layouts_rejects_shards_that_do_not_tile_the_matrix():
     with pytest.raises(ValueError, match="matrix 1: shards hold \\(0, 2\\) rows"):
-        row_layouts([[4, 0], [3, 2]], num_rows=[7, 3])
+        row_layouts([0, 1], [[4, 0], [3, 2]], num_rows=[7, 3])
 
 
 def test_negative_rows_are_rejected():
@@ -73,14 +82,44 @@ def test_batches_group_same_shape_and_key_and_respect_the_size_bound():
     assert batch_matrices(matrices, max_batch_elements=2 * 32) == [[0, 2], [4], [1], [3]]
 
 
-def test_rows_sent_lists_the_rows_a_rank_sends_each_owner():
+def test_gather_segments_list_the_rows_a_rank_sends_each_owner():
     matrices = [_matrix((2, 3, 0)), _matrix((1, 0, 4)), _matrix((0, 2, 2))]
     owners = [1, 2, 2]
     batch = [0, 1, 2]
-    assert rows_sent(matrices, owners, batch, src=0, dst=1) == [(0, 0, 2)]
-    assert rows_sent(matrices, owners, batch, src=0, dst=2) == [(1, 0, 1)]
-    assert rows_sent(matrices, owners, batch, src=1, dst=2) == [(2, 0, 2)]
-    assert rows_sent(matrices, owners, batch, src=2, dst=2) == []
+    assert gather_segments(matrices, owners, batch, src=0, dst=1) == [(0, 0, 2)]
+    assert gather_segments(matrices, owners, batch, src=0, dst=2) == [(1, 0, 1)]
+    assert gather_segments(matrices, owners, batch, src=1, dst=2) == [(2, 0, 2)]
+    assert gather_segments(matrices, owners, batch, src=2, dst=2) == []
+    # Results go back the way the rows came.
+    assert scatter_segments(matrices, owners, batch, src=1, dst=0) == [(0, 0, 2)]
+    assert scatter_segments(matrices, owners, batch, src=2, dst=1) == [(2, 0, 2)]
+
+
+def test_replicas_gather_inside_their_replica_and_all_get_the_result():
+    # 2 replicas x 2 shards; rank 2 (replica 1, shard 0) owns the matrix.
+    matrix = Matrix(RowLayout((3, 2), (0, 1, 0, 1)), 8)
+    assert [gather_segments([matrix], [2], [0], src, 2) for src in range(4)] == [[], [], [], [(0, 3, 5)]]
+    assert [scatter_segments([matrix], [2], [0], 2, dst) for dst in range(4)] == [
+        [(0, 0, 3)], [(0, 3, 5)], [], [(0, 3, 5)]]
+    # In: 2 rows; out: the 3 + 2 + 2 rows the other ranks hold.
+    assert matrix.bytes_to_owner(2, 4) == (2 + 7) * 8 * 4
+
+
+def test_replicated_matrices_are_spread_over_the_replicas():
+    # no_shard: every rank holds every row; owning costs the same everywhere, so LPT spreads.
+    matrices = [Matrix(RowLayout((6,), (0, 0, 0)), 8) for _ in range(4)]
+    assert choose_owners(matrices, element_bytes=4) == [0, 1, 2, 0]
+    assert matrices[0].bytes_to_owner(1, 4) == 2 * 6 * 8 * 4
+    assert gather_segments(matrices, [1, 1, 1, 1], [0], src=0, dst=1) == []
+
+
+def test_pieces_cut_a_stacked_expert_weight_into_its_experts():
+    # 3 experts of 4 rows over 3 ranks holding 5, 0 and 7 rows: expert 1 straddles ranks 0 and 2.
+    layout = RowLayout((5, 0, 7))
+    assert [layout.piece(s, s + 4).rows for s in (0, 4, 8)] == [(4, 0, 0), (1, 0, 3), (0, 0, 4)]
+    assert [layout.local_range(0, s, s + 4) for s in (0, 4, 8)] == [(0, 4), (4, 5), (5, 5)]
+    assert [layout.local_range(2, s, s + 4) for s in (0, 4, 8)] == [(0, 0), (0, 3), (3, 7)]
+    assert layout.local_range(1, 4, 8) == (0, 0)
 
 
 def test_row_blocks_cost_what_newton_schulz_runs_on():
