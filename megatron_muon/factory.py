@@ -11,8 +11,10 @@ from megatron.core.optimizer.emerging_optimizers import (
     _EMERGING_OPTIMIZERS,
     _eopt_init_state_fn,
     _get_qkv_split_shapes,
+    _is_nonlinear_or_embedding,
     _muon_config_to_kwargs,
 )
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
@@ -51,8 +53,13 @@ def is_expert_param(name, param) -> bool:
 
 
 def _tag_params(model_chunks):
-    """The tags megatron-core's Muon path sets, set on the main weights the optimizer sees."""
+    """The tags megatron-core's Muon path sets, set on the main weights the optimizer sees, and
+    the expert count of a grouped GEMM's single grouped weight (TE GroupedLinear with
+    `single_grouped_weight`): Muon orthogonalizes each expert's matrix apart."""
     for chunk in model_chunks:
+        for module in chunk.modules():
+            if getattr(module, "single_grouped_weight", False):
+                module.weight.num_stacked_experts = module.num_gemms
         qkv_split_shapes = _get_qkv_split_shapes(chunk.config)
         for name, param in chunk.named_parameters():
             param.allreduce = not is_expert_param(name, param)  # read by _get_param_groups
@@ -64,13 +71,21 @@ def _tag_params(model_chunks):
                 param.qkv_split_shapes = qkv_split_shapes
 
 
+def _is_scalar_param(param) -> bool:
+    """megatron-core's rule for what Muon leaves to the scalar optimizer (not 2-D, or embedding
+    or output), except that a stack of expert matrices is Muon's."""
+    return _is_nonlinear_or_embedding(param) and not getattr(param, "num_stacked_experts", None)
+
+
 def _muon_overrides(config, config_overrides):
     """The caller's overrides plus Muon's own: non-matrix and embedding params go to the scalar
     optimizer (`muon_scalar_optimizer`)."""
     overrides = dict(get_standard_config_overrides(config) if config_overrides is None
                      else config_overrides)
-    for key, override in _EMERGING_OPTIMIZERS["muon"].default_param_overrides.items():
-        overrides[key] = {**override, "optimizer": config.muon_scalar_optimizer}
+    for key in _EMERGING_OPTIMIZERS["muon"].default_param_overrides:
+        overrides.pop(key, None)
+    scalar = ParamKey(predicate=ParamPredicate(name="muon_scalar_param", fn=_is_scalar_param))
+    overrides[scalar] = {"optimizer": config.muon_scalar_optimizer}
     return overrides
 
 
