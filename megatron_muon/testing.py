@@ -30,11 +30,13 @@ class GPTShape:
 TINY = GPTShape()
 
 
-def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1):
+def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1, replicas: int = 1):
+    """megatron-core's process groups; `replicas` > 1 is HSDP's number of optimizer instances."""
     apply_megatron_training_compat()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                             expert_model_parallel_size=expert_parallel)
+                                             expert_model_parallel_size=expert_parallel,
+                                             num_distributed_optimizer_instances=replicas)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     tp_random.model_parallel_cuda_manual_seed(123)
 
@@ -56,12 +58,19 @@ def gpt(shape: GPTShape = TINY, num_experts=None):
                     max_sequence_length=shape.seq)
 
 
-def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=None):
+def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=None,
+             outer_strategy="no_shard"):
+    """The GPT in FullyShardedDataParallel; HSDP (with `outer_strategy` across the replicas) when
+    init_parallel_state was given replicas."""
     model = gpt(shape, num_experts)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True,
         data_parallel_sharding_strategy=strategy, gradient_reduce_div_fusion=False,
-        overlap_grad_reduce=False, overlap_param_gather=False)
+        overlap_grad_reduce=False, overlap_param_gather=False,
+        num_distributed_optimizer_instances=parallel_state.get_data_parallel_world_size(
+            with_context_parallel=True) // parallel_state.get_data_parallel_world_size(
+            with_context_parallel=True, partial_data_parallel=True),
+        outer_dp_sharding_strategy=outer_strategy)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return FullyShardedDataParallel(model.config, ddp_config, model, device=device)
 

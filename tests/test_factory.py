@@ -89,17 +89,19 @@ def test_expert_matrices_gather_over_expert_data_parallel_group(distributed):
 MUON_TAGS = ("is_qkv", "qkv_split_shapes", "expert_tp", "partition_dim")
 
 
-def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, tp_mode, dist_mode):
+def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, tp_mode, outer,
+                            dist_mode):
     """Every Muon matrix equals megatron-core's TensorParallelMuon run on the full (TP-local)
     matrices with the same gradients: dense matrices sharded over dp_cp, experts over expt_dp,
-    TP Newton-Schulz over the tp group."""
+    TP Newton-Schulz over the tp group; with `outer`, HSDP over 2 replicas."""
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon, _muon_config_to_kwargs
 
     from fsdp_models import full_tensor
     from megatron_muon.zero_muon import _ParamAttributes
 
-    init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)
-    model = fsdp_gpt(num_experts=4 if expert_parallel > 1 else None)
+    init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel,
+                        replicas=2 if outer else 1)
+    model = fsdp_gpt(num_experts=4 if expert_parallel > 1 else None, outer_strategy=outer or "no_shard")
     # No clipping: the reference gets the gradients unscaled.
     config = optimizer_config(muon_tp_mode=tp_mode, clip_grad=0.0)
     optimizer = get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode)
@@ -123,6 +125,8 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
     reference = TensorParallelMuon(ref_groups, **_muon_config_to_kwargs(config, [model], pg_collection))
     for step in range(3):
         optimizer.zero_grad()
+        with model.no_sync():  # as megatron's schedules mark the last micro-batch, whose
+            pass               # backward also reduces across HSDP's replicas
         lm_loss(model, step, rank).backward()
         model.finish_grad_sync()
         for p, ref in pairs:
@@ -134,10 +138,11 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
 
 
 @pytest.mark.parametrize("dist_mode", ["owner", "allgather"])
-@pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode", [
-    (1, 2, "duplicated"),  # experts over expt_dp (2 ranks), dense over dp_cp (4 ranks)
-    (2, 1, "duplicated"), (2, 1, "distributed"), (2, 1, "blockwise"),  # TP=2 x DP=2
+@pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode, outer", [
+    (1, 2, "duplicated", None),  # experts over expt_dp (2 ranks), dense over dp_cp (4 ranks)
+    (2, 1, "duplicated", None), (2, 1, "distributed", None), (2, 1, "blockwise", None),  # TP=2 x DP=2
+    (1, 2, "duplicated", "no_shard"), (1, 1, "duplicated", "optim"),  # HSDP: 2 replicas x 2 shards
 ])
 def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, expert_parallel,
-                                                 tp_mode, dist_mode):
-    distributed(_matches_reference_muon, 4, tensor_parallel, expert_parallel, tp_mode, dist_mode)
+                                                 tp_mode, outer, dist_mode):
+    distributed(_matches_reference_muon, 4, tensor_parallel, expert_parallel, tp_mode, outer, dist_mode)
