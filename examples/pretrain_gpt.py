@@ -56,6 +56,10 @@ def add_demo_args(parser):
                         help='Train with Megatron DDP instead, e.g. to compare with the unsharded '
                         'model (also pass --ckpt-format torch_dist).')
     parser.set_defaults(**DEMO_DEFAULTS)
+    # Local-spec experts with linear biases fail in backward without expert parallelism (mlp.py:354
+    # adds the bias in place to the view _ReduceFromModelParallelRegion returns): MoE, no biases.
+    if parser.parse_known_args()[0].num_experts:
+        parser.set_defaults(add_bias_linear=False)
     return parser
 
 
@@ -64,7 +68,8 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
     args = get_args()
     return GPTModel(
         config=config or core_transformer_config_from_args(args),
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm),
         vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process,
         position_embedding_type=args.position_embedding_type,
@@ -74,6 +79,11 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
 def train_valid_test_datasets_provider(num_samples):
     args = get_args()
     return markov_chain_datasets(num_samples, args.seq_length, args.vocab_size, seed=args.seed)
+
+
+# Every rank builds the (deterministic) datasets, so tensor-parallel ranks read the same batches
+# from their own loaders instead of only TP rank 0 having one.
+train_valid_test_datasets_provider.is_distributed = True
 
 
 def loss_func(loss_mask, output_tensor):
