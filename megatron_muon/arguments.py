@@ -40,6 +40,11 @@ def validate_muon_args(args: argparse.Namespace) -> None:
         problems.append('--optimizer-cpu-offload')
     if args.use_precision_aware_optimizer:
         problems.append('--use-precision-aware-optimizer')
+    if args.num_distributed_optimizer_instances > 1 and not args.overlap_grad_reduce:
+        # megatron.training marks the last micro-batch (config.no_sync_func) only with
+        # --overlap-grad-reduce, and Megatron-FSDP reduces across HSDP replicas only then.
+        problems.append('--num-distributed-optimizer-instances > 1 without --overlap-grad-reduce '
+                        '(the HSDP replicas would never reduce their gradients together)')
     if problems:
         raise ValueError('--optimizer muon with --use-megatron-fsdp does not support: '
                          + '; '.join(problems))

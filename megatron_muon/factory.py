@@ -3,6 +3,7 @@ every other request goes to megatron-core unchanged."""
 
 import copy
 
+import torch
 from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer
 from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups, _get_param_groups
 from megatron.core.optimizer import get_megatron_optimizer as _core_get_megatron_optimizer
@@ -39,9 +40,22 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
         pg_collection, model_chunks, use_gloo_process_groups=False)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    _average_hfsdp_gradients(model_chunks)
     chain = ChainedOptimizer(_build_parts(config, model_chunks, config_overrides, process_groups,
                                           pg_collection, muon_dist_mode))
     return FSDPMuonChainedOptimizer(chain, model_chunks)
+
+
+def _average_hfsdp_gradients(model_chunks):
+    """Megatron-FSDP 0.6.1 builds HFSDP's inner gradient buffer without the data-parallel
+    scaling factor (param_and_grad_buffer._create_hfsdp_helper_buffer), so with an outer `optim`
+    strategy the gradients come out as the sum over the data-parallel ranks, not their mean
+    (measured: 4x at 2 x 2). Give that buffer the main buffer's factor; a no-op once fixed."""
+    for chunk in model_chunks:
+        for group in find_megatron_fsdp(chunk).param_and_grad_buffer.parameter_groups:
+            helper = getattr(group, "hfsdp_helper_gbuf", None)
+            if helper is not None and helper.gradient_scaling_factor is None:
+                helper.gradient_scaling_factor = group.main_grad_buffer.gradient_scaling_factor
 
 
 def is_expert_param(name, param) -> bool:
@@ -94,11 +108,16 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
     _tag_params(model_chunks)
     groups = _get_param_groups(model_chunks, config, _muon_overrides(config, config_overrides))
     ddp_config = model_chunks[0].ddp_config
-    # Replicated grads (no_shard) are norm-reduced over model parallelism only, as megatron-core's
-    # Megatron-FSDP path does.
-    grad_stats_group = (process_groups["mp_group"]
-                        if ddp_config.data_parallel_sharding_strategy == "no_shard"
-                        else process_groups["intra_dist_opt_group"])
+    # Replicated grads (no_shard) are norm-reduced over model parallelism only, sharded ones over
+    # one optimizer instance, as megatron-core's Megatron-FSDP path does; HFSDP shards across the
+    # instances too, so there every rank holds its own rows.
+    if ddp_config.data_parallel_sharding_strategy == "no_shard":
+        grad_stats_group = process_groups["mp_group"]
+    elif (ddp_config.num_distributed_optimizer_instances > 1
+          and ddp_config.outer_dp_sharding_strategy != "no_shard"):
+        grad_stats_group = torch.distributed.group.WORLD
+    else:
+        grad_stats_group = process_groups["intra_dist_opt_group"]
     # Megatron-FSDP's main weights already are fp32 and it installs them into the model itself:
     # the parts step them in place with no precision wrapper and no distributed optimizer.
     part_config = copy.copy(config)

@@ -46,6 +46,8 @@ def _switch(rank, world_size):
     assert args.optimizer == "muon" and args.use_megatron_fsdp and args.muon_dist_mode == "owner"
     assert _validate("--optimizer", "adam").optimizer == "adam"
     _refused("does not support: --fp16", "--optimizer", "muon", "--fp16")
+    _refused("without --overlap-grad-reduce", "--optimizer", "muon",
+             "--num-distributed-optimizer-instances", "2")
     with pytest.raises(SystemExit):  # argparse: invalid choice
         _validate("--optimizer", "muon", "--muon-dist-mode", "everywhere")
     # What we do not support is still refused by Megatron, as before.
