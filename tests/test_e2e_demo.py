@@ -1,5 +1,7 @@
-"""End to end: examples/pretrain_gpt.py trains the demo GPT with megatron.training at W=2."""
+"""End to end: examples/pretrain_gpt.py trains the demo GPT with megatron.training at W=2, and at
+W=4 with experts, tensor parallelism, HSDP and HFSDP."""
 
+import functools
 import os
 import re
 import subprocess
@@ -56,3 +58,32 @@ def test_muon_on_zero3_matches_muon_on_the_unsharded_model():
                       iterations=COMPARED_ITERATIONS)
     assert sharded == pytest.approx(unsharded, rel=1e-5, abs=0), (sharded, unsharded)
     assert sharded[-1] != sharded[0]  # the updates did change the model
+
+
+SMALL = ('--num-layers', '2')
+PARALLELISMS = {
+    'experts': ('--num-experts', '4', '--moe-router-topk', '2', '--expert-model-parallel-size', '2'),
+    'tensor_parallel': ('--tensor-model-parallel-size', '2', '--muon-tp-mode', 'distributed'),
+}
+
+
+@pytest.mark.parametrize('parallelism', PARALLELISMS)
+def test_demo_trains_with_each_parallelism_at_four_processes(parallelism):
+    losses = train(*SMALL, *PARALLELISMS[parallelism], iterations=6, processes=4)
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+@functools.cache
+def _fsdp_at_four_processes() -> tuple[float, ...]:
+    return tuple(train(*SMALL, iterations=COMPARED_ITERATIONS, processes=4))
+
+
+@pytest.mark.parametrize('outer', ['no_shard', 'optim'])
+def test_hsdp_matches_fsdp(outer):
+    """HSDP (2 replicas x 2 shards) and HFSDP (outer optim) compute what FSDP over 4 ranks does,
+    gradient norm and clipping included: the losses may differ only by fp32 round-off."""
+    hsdp = train(*SMALL, '--num-distributed-optimizer-instances', '2', '--overlap-grad-reduce',
+                 '--outer-dp-sharding-strategy', outer, iterations=COMPARED_ITERATIONS, processes=4)
+    fsdp = _fsdp_at_four_processes()
+    assert hsdp == pytest.approx(fsdp, rel=1e-5, abs=0), (hsdp, fsdp)
+    assert hsdp[-1] != hsdp[0]
