@@ -2,8 +2,9 @@
 
     python benchmarks/bench_muon_step.py [--world-sizes 1 2 4] [--steps 10]
 
-Runs itself under torchrun once per world size (gloo on CPU, NCCL on GPUs), on the demo GPT and a
-wider one, and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
+Runs itself under torchrun once per world size (gloo on CPU, NCCL on GPUs), on the demo GPT, a
+wider one, an MoE GPT (4 experts, expert-parallel 2) and the demo GPT under HSDP (2 replicas,
+outer strategy no_shard or optim), and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
 Newton-Schulz FLOPs are counted from the calls a step really makes; times are medians of --steps
 steps after warm-up, every mode measured side by side in the same processes.
 """
@@ -28,13 +29,21 @@ MODES = ("owner", "allgather", "adam")
 WARMUP = 3
 
 
-def configs():
+def configs(world):
+    """name -> (model shape, parallelism) of the configs that run at this world size."""
     from megatron_muon.testing import GPTShape
 
-    return {
-        "demo": GPTShape(layers=4, hidden=256, ffn=1024, heads=4, vocab=1024, seq=256, micro_batch=4),
-        "wide": GPTShape(layers=2, hidden=512, ffn=2048, heads=8, vocab=1024, seq=128, micro_batch=2),
+    demo = GPTShape(layers=4, hidden=256, ffn=1024, heads=4, vocab=1024, seq=256, micro_batch=4)
+    runs = {
+        "demo": (demo, {}),
+        "wide": (GPTShape(layers=2, hidden=512, ffn=2048, heads=8, vocab=1024, seq=128, micro_batch=2), {}),
+        "moe": (GPTShape(layers=2, hidden=256, ffn=512, heads=4, vocab=1024, seq=128, micro_batch=4),
+                dict(num_experts=4, expert_parallel=min(2, world))),
     }
+    if world > 1:
+        runs["hsdp"] = (demo, dict(replicas=2, outer_strategy="no_shard"))
+        runs["hfsdp"] = (demo, dict(replicas=2, outer_strategy="optim"))
+    return runs
 
 
 class StepCounter:
@@ -127,8 +136,14 @@ class TransientTracker:
         def nbytes(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
 
+        def buffers(ex, direction):
+            sends, recvs = getattr(ex, f"{direction}_sends"), getattr(ex, f"{direction}_recvs")
+            if not getattr(ex, f"{direction}_moves"):
+                return 0
+            return sum(ex._elements(segments) for segments in sends + recvs) * 4
+
         def gather_buffers(ex):
-            return (sum(ex.send_counts) + sum(ex.recv_counts)) * 4 if ex.moves_rows else 0
+            return buffers(ex, "gather")
 
         def tracked_start_gather(self, local):
             start_gather(self, local)
@@ -142,7 +157,7 @@ class TransientTracker:
             return full
 
         def tracked_start_scatter(self, results):
-            self._scattered = nbytes(results) + gather_buffers(self)
+            self._scattered = nbytes(results) + buffers(self, "scatter")
             tracker._add(self._scattered)
             start_scatter(self, results)
             tracker.live -= self._assembled  # the caller drops the assembled matrices now
@@ -154,11 +169,11 @@ class TransientTracker:
 
         def tracked_all_gather_rows(local, layout, group):
             # The padded shard, the gathered rows and the trimmed full matrix.
-            padded_elements = (len(layout.rows) + 1) * layout.max_rows + layout.num_rows
-            buffers = padded_elements * local.shape[1] * local.element_size()
-            tracker._add(buffers)
+            padded_elements = (layout.ranks + 1) * layout.max_rows + layout.num_rows
+            held = padded_elements * local.shape[1] * local.element_size() if len(layout.rows) > 1 else 0
+            tracker._add(held)
             full = all_gather_rows(local, layout, group)
-            tracker.live -= buffers
+            tracker.live -= held
             return full
 
         cls.start_gather, cls.finish_gather = tracked_start_gather, tracked_finish_gather
@@ -185,22 +200,25 @@ def optimizer_state_bytes(optimizer):
     return total
 
 
-def build(shape, mode):
+def build(shape, parallel, mode):
     from megatron_muon import get_megatron_optimizer
     from megatron_muon.testing import fsdp_gpt, optimizer_config
 
-    model = fsdp_gpt(shape)
+    model = fsdp_gpt(shape, num_experts=parallel.get("num_experts"),
+                     outer_strategy=parallel.get("outer_strategy", "no_shard"))
     config = optimizer_config("adam" if mode == "adam" else "muon", muon_fp32_matmul_prec="medium")
     optimizer = get_megatron_optimizer(config, [model], muon_dist_mode="owner" if mode == "adam" else mode)
     return model, optimizer, config
 
 
-def measure(shape, steps):
-    """One rank's figures for every mode on one model shape."""
-    from megatron_muon.testing import lm_loss
+def measure(shape, parallel, steps):
+    """One rank's figures for every mode on one model shape and parallelism."""
+    from megatron_muon.testing import init_parallel_state, lm_loss
 
+    init_parallel_state(expert_parallel=parallel.get("expert_parallel", 1),
+                        replicas=parallel.get("replicas", 1))
     rank = dist.get_rank()
-    built = {mode: build(shape, mode) for mode in MODES}
+    built = {mode: build(shape, parallel, mode) for mode in MODES}
     figures = {}
     for mode, (model, optimizer, config) in built.items():
         counter = StepCounter(config.muon_num_ns_steps)
@@ -210,6 +228,8 @@ def measure(shape, steps):
             counter.reset()
             start = time.perf_counter()
             optimizer.zero_grad()
+            with model.no_sync():  # marks the last micro-batch: HSDP reduces across replicas
+                pass
             lm_loss(model, step, rank, shape).backward()
             model.finish_grad_sync()
             dist.barrier()
@@ -226,7 +246,7 @@ def measure(shape, steps):
             received_bytes=counter.received_bytes, collectives=counter.collectives,
             ns_flops=counter.ns_flops, state_bytes=optimizer_state_bytes(optimizer),
             transient_bytes=tracker.peak)
-    figures["plan"] = plan_figures(built["owner"][1])
+    figures["plan"] = plan_figures(*built["owner"])
     return figures
 
 
@@ -239,7 +259,7 @@ def owner_tradeoff(matrices, byte_slack):
     from megatron_muon.plan import choose_owners, layout_min_bytes
 
     owners = choose_owners(matrices, 4, byte_slack)
-    load = [0] * len(matrices[0].layout.rows)
+    load = [0] * matrices[0].layout.ranks
     for matrix, owner in zip(matrices, owners):
         load[owner] += matrix.ns_flops(steps=1)
     moved = sum(m.bytes_to_owner(o, 4) for m, o in zip(matrices, owners))
@@ -248,38 +268,53 @@ def owner_tradeoff(matrices, byte_slack):
                 ns_max_over_mean=max(load) * len(load) / sum(load))
 
 
-def plan_figures(optimizer):
-    """The layout's own numbers, from the owner plan: the bound, Muon's size and batch count."""
+def plan_figures(model, optimizer, config):
+    """The layout's own numbers, from the owner plans: the bound, Muon's size and batch count,
+    and the Newton-Schulz FLOPs of every matrix this rank sees, named so that the union over
+    ranks is the single-device model (experts of other expert-parallel ranks are other matrices)."""
+    from megatron.core import parallel_state
+
     from megatron_muon.plan import layout_min_bytes
     from megatron_muon.zero_muon import ZeROTensorParallelMuon
 
-    muon = next(p.optimizer for p in optimizer.optimizer.chained_optimizers
-                if isinstance(p.optimizer, ZeROTensorParallelMuon))
-    matrices = [m for plan in muon._plans for m in plan.matrices]
+    muons = [p.optimizer for p in optimizer.optimizer.chained_optimizers
+             if isinstance(p.optimizer, ZeROTensorParallelMuon)]
+    plans = [plan for muon in muons for plan in muon._plans]
+    names = {id(p): name for name, p in model.named_parameters()}
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+
+    def global_name(param, suffix=""):
+        name = names[id(param)] + suffix
+        return f"{name}@ep{ep_rank}" if ".experts." in name else name
+
+    flops_by_matrix, min_bytes_by_plan = {}, {}
+    for plan in plans:
+        min_bytes_by_plan[global_name(plan.params[0])] = layout_min_bytes(plan.matrices, 4)
+        for i, matrix in enumerate(plan.matrices):
+            flops_by_matrix[global_name(plan.param_of(i), f"[{i}]")] = matrix.ns_flops(
+                config.muon_num_ns_steps)
     return dict(
-        owner_tradeoff=[owner_tradeoff(plan.matrices, slack) for plan in muon._plans
+        owner_tradeoff=[owner_tradeoff(plan.matrices, slack) for plan in plans
                         for slack in BYTE_SLACKS],
-        layout_min_bytes=layout_min_bytes(matrices, 4),
-        muon_elements=sum(m.layout.num_rows * m.cols for m in matrices),
-        batches=sum(len(plan.exchanges) for plan in muon._plans),
-        moving_batches=sum(e.moves_rows for plan in muon._plans for e in plan.exchanges),
+        min_bytes_by_plan=min_bytes_by_plan,
+        muon_elements=sum(m.layout.num_rows * m.cols for plan in plans for m in plan.matrices),
+        flops_by_matrix=flops_by_matrix,
+        batches=sum(len(plan.exchanges) for plan in plans),
+        moving_batches=sum(e.gather_moves or e.scatter_moves for plan in plans for e in plan.exchanges),
         largest_batch_bytes=max((sum(plan.matrices[i].layout.num_rows * plan.matrices[i].cols * 4
                                      for i in exchange.batch)
-                                 for plan in muon._plans for exchange in plan.exchanges), default=0))
+                                 for plan in plans for exchange in plan.exchanges), default=0))
 
 
 def worker(args):
-    from megatron_muon.testing import init_parallel_state
-
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    init_parallel_state()
     out = {}
-    for name, shape in configs().items():
+    for name, (shape, parallel) in configs(dist.get_world_size()).items():
         per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, measure(shape, args.steps))
+        dist.all_gather_object(per_rank, measure(shape, parallel, args.steps))
         out[name] = per_rank
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
@@ -289,12 +324,16 @@ def worker(args):
 def summarize(world, per_rank):
     """Per-rank figures of one (config, W) run → the reported row."""
     plan = per_rank[0]["plan"]
-    elements, min_bytes = plan["muon_elements"], plan["layout_min_bytes"]
+
+    def union(key):  # over ranks: the plans and matrices of every expert-parallel rank, once
+        return {name: value for r in per_rank for name, value in r["plan"][key].items()}
+
+    elements, min_bytes = plan["muon_elements"], sum(union("min_bytes_by_plan").values())
     row = dict(world_size=world, muon_elements=elements, shape_batches=plan["batches"],
                batches_moving_rows=plan["moving_batches"],
                comm_bytes_layout_min=min_bytes / world,
                comm_bytes_generic_bound=2 * elements * 4 * (world - 1) / world ** 2)
-    single_device_flops = per_rank[0]["allgather"]["ns_flops"]  # every rank repeats all of it
+    single_device_flops = sum(union("flops_by_matrix").values())
     for mode in ("owner", "allgather"):
         figures = [r[mode] for r in per_rank]
         received = [f["received_bytes"] for f in figures]
@@ -323,6 +362,11 @@ def summarize(world, per_rank):
     return row
 
 
+def _fixed(value) -> str:
+    """A ratio with two decimals, or "-" where it has no denominator (nothing to move)."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def print_table(results):
     head = (f"{'config':6} {'W':>2} {'mode':9} {'recv MB/rank':>12} {'ratio':>6} {'NS GFLOP max':>12} "
             f"{'max/mean':>8} {'redund':>6} {'coll':>5} {'step ms':>8} {'train ms':>9}")
@@ -332,7 +376,7 @@ def print_table(results):
             for mode in ("owner", "allgather"):
                 m = row[mode]
                 ratio = "-" if m["comm_ratio_to_bound"] is None else f"{m['comm_ratio_to_bound']:.3f}"
-                mean = "-" if m["ns_max_over_mean"] is None else f"{m['ns_max_over_mean']:.2f}"
+                mean = _fixed(m["ns_max_over_mean"])
                 print(f"{name:6} {row['world_size']:>2} {mode:9} {m['comm_bytes_per_rank'] / 1e6:>12.3f} "
                       f"{ratio:>6} {m['ns_flops_per_rank_max'] / 1e9:>12.2f} {mean:>8} "
                       f"{m['ns_redundancy']:>6.2f} {m['collectives_per_step']:>5} "
@@ -347,8 +391,8 @@ def print_table(results):
                   f"{row['owner']['peak_transient_bytes'] / row['largest_batch_bytes']:.2f}x largest batch")
             if row["world_size"] > 1:
                 print(f"{'':9} byte slack -> (bytes/bound, NS max/mean): " + ", ".join(
-                    f"{t['byte_slack']:g} -> ({t['comm_ratio_to_bound']:.2f}, {t['ns_max_over_mean']:.2f})"
-                    for t in row["owner_tradeoff"]))
+                    f"{t['byte_slack']:g} -> ({_fixed(t['comm_ratio_to_bound'])}, "
+                    f"{_fixed(t['ns_max_over_mean'])})" for t in row["owner_tradeoff"]))
 
 
 def plot(results, path):
@@ -392,7 +436,8 @@ def main():
                             "--worker", "--steps", str(args.steps), "--out", str(out)],
                            check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             runs[world] = json.loads(out.read_text())
-    results = {name: [summarize(w, runs[w][name]) for w in args.world_sizes] for name in configs()}
+    results = {name: [summarize(w, runs[w][name]) for w in args.world_sizes if name in runs[w]]
+               for name in configs(max(args.world_sizes))}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps(results, indent=1))
     plot(results, RESULTS / "latest.png")
