@@ -124,6 +124,7 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
     part_config.bf16 = False
     part_config.use_distributed_optimizer = False
 
+    names = {p: name for chunk in model_chunks for name, p in chunk.named_parameters()}
     parts = []
     for is_expert in (False, True):
         for optimizer_name in ("muon", config.muon_scalar_optimizer):
@@ -133,8 +134,12 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
                 continue
             if optimizer_name == "muon":
                 dp_group = pg_collection.expt_dp if is_expert else pg_collection.dp_cp
+                if dp_group is None:
+                    first = names[selected[0]["params"][0]]
+                    raise ValueError(f"{first} and the other expert matrices need an expert "
+                                     "data-parallel group, but pg_collection.expt_dp is None")
                 muon = ZeROTensorParallelMuon(
-                    selected, dp_group=dp_group, dist_mode=muon_dist_mode,
+                    selected, dp_group=dp_group, dist_mode=muon_dist_mode, param_names=names,
                     **_muon_config_to_kwargs(config, model_chunks, pg_collection))
                 part = FP32Optimizer(muon, part_config, _eopt_init_state_fn)
             else:

@@ -1,11 +1,15 @@
 """Muon on Megatron-FSDP's sharded main weights (ZeRO-1/2/3, HSDP), exact and TP-aware."""
 
+import inspect
 import math
+import typing
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
+from emerging_optimizers.orthogonalized_optimizers.muon import MuonScaleT
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -50,6 +54,37 @@ def _tp_local_rows(p: DTensor) -> int:
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """A 2-D view of a local shard (a stack of expert matrices becomes their rows)."""
     return t.view(-1, t.shape[-1])
+
+
+def _check_settings(dist_mode, byte_slack, max_batch_bytes, muon_kwargs) -> None:
+    """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
+    after momentum has changed), naming Megatron's flag."""
+    defaults = {name: parameter.default for name, parameter
+                in inspect.signature(TensorParallelMuon.__init__).parameters.items()}
+    given = {**defaults, **muon_kwargs, "dist_mode": dist_mode, "byte_slack": byte_slack,
+             "max_batch_bytes": max_batch_bytes}
+    scale_modes = typing.get_args(MuonScaleT)
+    rules = [  # (setting, Megatron flag, valid?, what it must be)
+        ("dist_mode", "--muon-dist-mode", lambda v: v in typing.get_args(DistMode),
+         f"one of {typing.get_args(DistMode)}"),
+        ("tp_mode", "--muon-tp-mode", lambda v: v in ("blockwise", "duplicated", "distributed"),
+         "one of ('blockwise', 'duplicated', 'distributed')"),
+        ("coefficient_type", "--muon-coefficient-type", lambda v: v in _COEFFICIENT_SETS,
+         f"one of {tuple(sorted(_COEFFICIENT_SETS))}"),
+        ("scale_mode", "--muon-scale-mode", lambda v: v in scale_modes, f"one of {scale_modes}"),
+        ("lr", "--lr", lambda v: v >= 0, "at least 0"),
+        ("momentum", "--muon-momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("weight_decay", "--weight-decay", lambda v: v >= 0, "at least 0"),
+        ("byte_slack", None, lambda v: v >= 0, "at least 0"),
+        ("max_batch_bytes", None, lambda v: v > 0, "positive"),
+    ]
+    for name, flag, valid, expected in rules:
+        if not valid(given[name]):
+            via = f" ({flag})" if flag else ""
+            raise ValueError(f"ZeROTensorParallelMuon: {name}{via} must be {expected}, "
+                             f"got {given[name]!r}")
+    if given["split_qkv"] and given["is_qkv_fn"] is None:
+        raise ValueError("ZeROTensorParallelMuon: split_qkv (--muon-split-qkv) needs is_qkv_fn")
 
 
 class _ParamAttributes:
@@ -108,18 +143,26 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             to balance Newton-Schulz work across ranks.
         max_batch_bytes: same-shape matrices are orthogonalized together in batches of at most
             this size; one batch is gathered while the previous one computes.
+        param_names: {param: name}, for error messages.
         **kwargs: TensorParallelMuon's arguments.
+
+    Every setting and param is checked at construction, before any state exists; an error names
+    the setting (or Megatron flag) and the param.
     """
 
     def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
-                 byte_slack: float = 0.05, max_batch_bytes: int = 64 << 20, **kwargs: Any):
-        if dist_mode not in ("owner", "allgather"):
-            raise ValueError(f"dist_mode must be 'owner' or 'allgather', got {dist_mode!r}")
+                 byte_slack: float = 0.05, max_batch_bytes: int = 64 << 20,
+                 param_names: dict | None = None, **kwargs: Any):
+        _check_settings(dist_mode, byte_slack, max_batch_bytes, kwargs)
         super().__init__(params, **kwargs)
         self.dp_group = dp_group
         self.dist_mode = dist_mode
+        self._param_names = param_names or {}
         self._batched_ns_exact: dict[tuple, bool] = {}
         self._plans = self._plan(byte_slack, max_batch_bytes)
+
+    def _name(self, p) -> str:
+        return self._param_names.get(p) or f"the parameter of shape {tuple(p.shape)}"
 
     def _exchange_group(self, p: DTensor):
         dims = _data_parallel_dims(p)
@@ -136,22 +179,38 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         return p.device_mesh[tuple(names[dim] for dim in dims)]._flatten().get_group()
 
     def _validate(self, p) -> None:
+        name = self._name(p)
         if not isinstance(p, DTensor):
             raise TypeError(
-                f"ZeROTensorParallelMuon expects Megatron-FSDP DTensor main weights, got a "
-                f"{type(p).__name__} of shape {tuple(p.shape)}")
+                f"{name}: ZeROTensorParallelMuon takes Megatron-FSDP's DTensor main weights, got a "
+                f"{type(p).__name__}; wrap the model with Megatron-FSDP (fully_shard_model or "
+                f"FullyShardedDataParallel) before building the optimizer")
+        if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
+            raise ValueError(f"{name}: unsupported DTensor placements {p.placements}")
         experts = self._num_experts(p)
         if p.dim() != 2 and not (p.dim() == 3 and p.shape[0] == experts):
-            raise ValueError(f"Muon orthogonalizes 2-D matrices (or stacks of num_stacked_experts "
-                             f"expert matrices); got shape {tuple(p.shape)}")
+            raise ValueError(f"{name}: Muon orthogonalizes 2-D matrices (or stacks of "
+                             f"num_stacked_experts expert matrices); got shape {tuple(p.shape)}")
         if _tp_local_rows(p) % experts:
-            raise ValueError(f"num_stacked_experts={experts} does not divide the rows of the "
-                             f"parameter of shape {tuple(p.shape)}")
-        tp_group = self._tp_group(_ParamAttributes(p))
+            raise ValueError(f"{name}: num_stacked_experts={experts} does not divide its rows")
+        attrs = _ParamAttributes(p)
+        tp_group = self._tp_group(attrs)
         if experts > 1 and tp_group is not None and tp_group.size() > 1:
-            raise NotImplementedError("stacked expert weights with expert tensor parallelism")
-        if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
-            raise ValueError(f"unsupported DTensor placements {p.placements}")
+            raise NotImplementedError(f"{name}: stacked expert weights with expert tensor parallelism")
+        if self._splits_qkv(attrs):
+            shapes = getattr(attrs, "qkv_split_shapes", None) or self.qkv_split_shapes
+            if not shapes or _tp_local_rows(p) % sum(shapes):
+                raise ValueError(
+                    f"{name}: --muon-split-qkv (split_qkv) needs q/k/v row counts that tile its "
+                    f"{_tp_local_rows(p)} rows, got qkv_split_shapes={shapes}; pass "
+                    f"--no-muon-split-qkv if the model has no fused QKV weight")
+
+    @staticmethod
+    def _data_parallel_layout(p: DTensor) -> tuple:
+        """(mesh dim name, size, placement) of each data-parallel mesh dim."""
+        names = p.device_mesh.mesh_dim_names or (None,) * p.device_mesh.ndim
+        return tuple((names[dim], p.device_mesh.size(dim), p.placements[dim])
+                     for dim in _data_parallel_dims(p))
 
     @staticmethod
     def _num_experts(p) -> int:
@@ -164,6 +223,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for group in self.param_groups:
             for p in group["params"]:
                 self._validate(p)
+            meshes = {self._data_parallel_layout(p): p for p in group["params"]}
+            if len(meshes) > 1:
+                (a, first), (b, second) = list(meshes.items())[:2]
+                raise ValueError(
+                    f"one param group mixes data-parallel layouts: {self._name(first)} {a} and "
+                    f"{self._name(second)} {b}; put dense and expert params in separate groups")
+            for p in group["params"]:
                 dp_placements = tuple(p.placements[dim] for dim in _data_parallel_dims(p))
                 by_group.setdefault((self._exchange_group(p), dp_placements), []).append(p)
         plans = []
