@@ -3,6 +3,10 @@ inner Muon + Adam chain."""
 
 import functools
 
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 
 def find_megatron_fsdp(chunk):
     """The MegatronFSDP inside a model chunk (megatron-core's FullyShardedDataParallel wraps it as
@@ -55,12 +59,31 @@ class FSDPMuonChainedOptimizer:
             if index not in self._synced and not fsdp.model_auto_sync:
                 chunk.finish_grad_sync()
         self._synced.clear()
+        if self._any_rank_has_nonfinite_grads():
+            return False, None, None  # as Megatron's optimizers report a skipped step
         result = self.optimizer.step(*args, **kwargs)
         update_successful = result[0] if isinstance(result, tuple) else True
         if update_successful:
             for fsdp in self._fsdp_models:
                 fsdp.install_optimized_model_weights()
         return result
+
+    def _any_rank_has_nonfinite_grads(self) -> bool:
+        """Whether a NaN or Inf is in any rank's gradient shard. Reduced over every rank, so all
+        skip the step together (a rank skipping alone would leave the others waiting in its
+        collectives) and parameters, momentum and Adam's moments stay as they were."""
+        local = False
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+                if grad is not None:
+                    grad = grad.to_local() if isinstance(grad, DTensor) else grad
+                    local = local or not bool(torch.isfinite(grad).all())
+        if not dist.is_initialized():
+            return local
+        flag = torch.tensor([float(local)], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def zero_grad(self, *args, **kwargs):
         self.optimizer.zero_grad(*args, **kwargs)

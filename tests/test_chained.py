@@ -30,7 +30,7 @@ class FakeCoreFSDPWrapper:
 class FakeOptimizer:
     def __init__(self, log, successful=True):
         self.log, self.successful = log, successful
-        self.param_groups = [{"lr": 0.1}]
+        self.param_groups = [{"lr": 0.1, "params": []}]
 
     def step(self):
         self.log.append("inner step")

@@ -1,0 +1,75 @@
+"""The chain's gradient norm is the unsharded model's, and a step with a NaN on one rank's shard
+is skipped on every rank with nothing changed."""
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp_models import full_tensor
+from megatron_muon import get_megatron_optimizer
+from megatron_muon.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
+
+
+def _backward(model, step, rank):
+    with model.no_sync():  # as Megatron's schedules mark the last micro-batch
+        pass
+    lm_loss(model, step, rank).backward()
+    model.finish_grad_sync()
+
+
+def _norm_matches_unsharded(rank, world_size, strategy, outer):
+    init_parallel_state(replicas=2 if outer else 1)
+    model = fsdp_gpt(strategy=strategy, outer_strategy=outer or "no_shard")
+    optimizer = get_megatron_optimizer(optimizer_config(clip_grad=1.0), [model])
+    _backward(model, 0, rank)
+    optimizer.prepare_grads()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p), p) for p in params]
+    unsharded = torch.stack([full_tensor(g, p).double().norm() for g, p in grads]).norm().item()
+    assert optimizer.get_grad_norm() == pytest.approx(unsharded, rel=1e-6), strategy
+
+
+@pytest.mark.parametrize("world_size, strategy, outer", [
+    (2, "optim_grads_params", None), (2, "no_shard", None), (4, "optim_grads_params", None),
+    (4, "optim_grads_params", "no_shard"), (4, "optim_grads_params", "optim")])
+def test_grad_norm_is_the_unsharded_models(distributed, world_size, strategy, outer):
+    distributed(_norm_matches_unsharded, world_size, strategy, outer)
+
+
+def _snapshot(optimizer):
+    tensors = [p.to_local() for group in optimizer.param_groups for p in group["params"]]
+    for part in optimizer.chained_optimizers:
+        for state in part.optimizer.state.values():
+            tensors += [v.to_local() if isinstance(v, DTensor) else v
+                        for v in state.values() if torch.is_tensor(v)]
+    return [t.clone() for t in tensors]
+
+
+def _nan_on_one_rank(rank, world_size, dist_mode):
+    init_parallel_state()
+    model = fsdp_gpt()
+    optimizer = get_megatron_optimizer(optimizer_config(clip_grad=1.0), [model], muon_dist_mode=dist_mode)
+    optimizer.zero_grad()
+    _backward(model, 0, rank)
+    assert optimizer.step()[0]
+    before = _snapshot(optimizer)
+
+    optimizer.zero_grad()
+    _backward(model, 1, rank)
+    if rank == world_size - 1:  # one element of one rank's shard of a Muon matrix
+        grad = next(p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
+                    if p.dim() == 2 and p.grad is not None and p.grad.to_local().numel())
+        grad.view(-1)[0] = float("nan")
+    assert optimizer.step() == (False, None, None)
+    after = _snapshot(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+    optimizer.zero_grad()
+    _backward(model, 2, rank)
+    update_successful, grad_norm, _ = optimizer.step()
+    assert update_successful and grad_norm > 0
+
+
+@pytest.mark.parametrize("dist_mode", ["owner", "allgather"])
+def test_a_nan_on_one_ranks_shard_skips_the_step_everywhere(distributed, dist_mode):
+    distributed(_nan_on_one_rank, 2, dist_mode)
