@@ -170,8 +170,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         if self.dp_group is not None:
             if self.dp_group.size() != size:
                 raise ValueError(
-                    f"dp_group has {self.dp_group.size()} ranks but the parameter of shape "
-                    f"{tuple(p.shape)} is data-parallel over {size} ({p.device_mesh})")
+                    f"{self._name(p)}: dp_group has {self.dp_group.size()} ranks but the param is "
+                    f"data-parallel over {size} ({p.device_mesh})")
             return self.dp_group
         if len(dims) == 1:
             return p.device_mesh.get_group(dims[0])
