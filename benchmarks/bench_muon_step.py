@@ -136,14 +136,11 @@ class TransientTracker:
         def nbytes(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
 
-        def buffers(ex, direction):
-            sends, recvs = getattr(ex, f"{direction}_sends"), getattr(ex, f"{direction}_recvs")
-            if not getattr(ex, f"{direction}_moves"):
-                return 0
-            return sum(ex._elements(segments) for segments in sends + recvs) * 4
+        def buffers(route):
+            return (sum(route.send_counts) + sum(route.recv_counts)) * 4 if route.moves else 0
 
         def gather_buffers(ex):
-            return buffers(ex, "gather")
+            return buffers(ex.gather)
 
         def tracked_start_gather(self, local):
             start_gather(self, local)
@@ -157,7 +154,7 @@ class TransientTracker:
             return full
 
         def tracked_start_scatter(self, results):
-            self._scattered = nbytes(results) + buffers(self, "scatter")
+            self._scattered = nbytes(results) + buffers(self.scatter)
             tracker._add(self._scattered)
             start_scatter(self, results)
             tracker.live -= self._assembled  # the caller drops the assembled matrices now
@@ -300,7 +297,7 @@ def plan_figures(model, optimizer, config):
         muon_elements=sum(m.layout.num_rows * m.cols for plan in plans for m in plan.matrices),
         flops_by_matrix=flops_by_matrix,
         batches=sum(len(plan.exchanges) for plan in plans),
-        moving_batches=sum(e.gather_moves or e.scatter_moves for plan in plans for e in plan.exchanges),
+        moving_batches=sum(e.gather.moves or e.scatter.moves for plan in plans for e in plan.exchanges),
         largest_batch_bytes=max((sum(plan.matrices[i].layout.num_rows * plan.matrices[i].cols * 4
                                      for i in exchange.batch)
                                  for plan in plans for exchange in plan.exchanges), default=0))

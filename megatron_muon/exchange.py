@@ -1,6 +1,6 @@
 """Collectives that carry out a row layout: learn it once, gather each matrix's rows."""
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,17 @@ def all_gather_rows(local: torch.Tensor, layout: RowLayout, group) -> torch.Tens
                       for shard, rows in enumerate(layout.rows)])
 
 
+class Route(NamedTuple):
+    """What this rank sends and receives in one direction of a batch: segments per peer, their
+    element counts, and whether any rank moves anything (else no collective is issued)."""
+
+    sends: list
+    recvs: list
+    send_counts: list[int]
+    recv_counts: list[int]
+    moves: bool
+
+
 class OwnerExchange:
     """One batch of an owner plan: each matrix's rows to its owner, the owner's results back to
     every rank holding rows of it.
@@ -45,33 +56,31 @@ class OwnerExchange:
 
     def __init__(self, matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int],
                  rank: int, group):
-        world = matrices[batch[0]].layout.ranks
         self.rank, self.group, self.batch, self.matrices = rank, group, list(batch), matrices
         self.cols = matrices[batch[0]].cols
-        gather = [[gather_segments(matrices, owners, batch, src, dst) for dst in range(world)]
-                  for src in range(world)]
-        scatter = [[scatter_segments(matrices, owners, batch, src, dst) for dst in range(world)]
-                   for src in range(world)]
-        self.gather_sends = gather[rank]
-        self.gather_recvs = [gather[src][rank] for src in range(world)]
-        self.scatter_sends = scatter[rank]
-        self.scatter_recvs = [scatter[src][rank] for src in range(world)]
-        self.gather_moves = any(any(row) for row in gather)
-        self.scatter_moves = any(any(row) for row in scatter)
+        self.gather = self._route(gather_segments, matrices, owners, batch)
+        self.scatter = self._route(scatter_segments, matrices, owners, batch)
         self.owned = [i for i in batch if owners[i] == rank]
         self._work = None
+
+    def _route(self, segments_of, matrices, owners, batch) -> Route:
+        world = range(matrices[batch[0]].layout.ranks)
+        table = [[segments_of(matrices, owners, batch, src, dst) for dst in world] for src in world]
+        sends = table[self.rank]
+        recvs = [table[src][self.rank] for src in world]
+        return Route(sends, recvs, [self._elements(s) for s in sends],
+                     [self._elements(s) for s in recvs], any(any(row) for row in table))
 
     def _elements(self, segments) -> int:
         return sum(stop - start for _, start, stop in segments) * self.cols
 
-    def _all_to_all(self, sends, recvs, moves: bool, send: list[torch.Tensor], like: torch.Tensor):
-        received = like.new_empty(sum(self._elements(segments) for segments in recvs))
-        if not moves:
+    def _all_to_all(self, route: Route, send: list[torch.Tensor], like: torch.Tensor):
+        received = like.new_empty(sum(route.recv_counts))
+        if not route.moves:
             return received
         payload = torch.cat([t.reshape(-1) for t in send]) if send else like.new_empty(0)
-        self._work = dist.all_to_all_single(
-            received, payload, [self._elements(segments) for segments in recvs],
-            [self._elements(segments) for segments in sends], group=self.group, async_op=True)
+        self._work = dist.all_to_all_single(received, payload, route.recv_counts, route.send_counts,
+                                            group=self.group, async_op=True)
         return received
 
     def _wait(self):
@@ -81,10 +90,9 @@ class OwnerExchange:
 
     def start_gather(self, local: dict[int, torch.Tensor]) -> None:
         """Send this rank's rows of each batch matrix (`local[i]`) to that matrix's owner."""
-        send = [local[i] for segments in self.gather_sends for i, _, _ in segments]
+        send = [local[i] for segments in self.gather.sends for i, _, _ in segments]
         self._local = local
-        self._received = self._all_to_all(self.gather_sends, self.gather_recvs, self.gather_moves,
-                                          send, local[self.batch[0]])
+        self._received = self._all_to_all(self.gather, send, local[self.batch[0]])
 
     def finish_gather(self) -> list[torch.Tensor]:
         """The full matrices this rank owns, in batch order."""
@@ -98,7 +106,7 @@ class OwnerExchange:
             full[i] = self._local[i].new_empty(self.matrices[i].shape)
             start, stop = layout.row_range(self.rank)
             full[i][start:stop] = self._local[i]
-        for (i, start, stop), piece in self._pieces(self._received, self.gather_recvs):
+        for (i, start, stop), piece in self._pieces(self._received, self.gather.recvs):
             full[i][start:stop] = piece
         self._received = None
         return [full[i] for i in self.owned]
@@ -106,10 +114,9 @@ class OwnerExchange:
     def start_scatter(self, results: list[torch.Tensor]) -> None:
         """Send each owned matrix's result rows to the other ranks that hold them."""
         self._results = dict(zip(self.owned, results))
-        send = [self._results[i][start:stop] for segments in self.scatter_sends
+        send = [self._results[i][start:stop] for segments in self.scatter.sends
                 for i, start, stop in segments]
-        self._returned = self._all_to_all(self.scatter_sends, self.scatter_recvs,
-                                          self.scatter_moves, send, self._local[self.batch[0]])
+        self._returned = self._all_to_all(self.scatter, send, self._local[self.batch[0]])
 
     def finish_scatter(self) -> dict[int, torch.Tensor]:
         """This rank's rows of every batch matrix's result."""
@@ -118,7 +125,7 @@ class OwnerExchange:
         for i in self.owned:
             start, stop = self.matrices[i].layout.row_range(self.rank)
             rows[i] = self._results[i][start:stop]
-        for (i, _, _), piece in self._pieces(self._returned, self.scatter_recvs):
+        for (i, _, _), piece in self._pieces(self._returned, self.scatter.recvs):
             rows[i] = piece
         for i in self.batch:  # matrices of which this rank holds no rows
             rows.setdefault(i, self._local[i])
