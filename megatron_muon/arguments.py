@@ -7,13 +7,12 @@ what Megatron lacks.
 
 import argparse
 
-MUON_DIST_MODES = ('allgather', 'owner')
-MUON_TP_MODES = ('blockwise', 'duplicated', 'distributed')
+from .zero_muon import DIST_MODES, TP_MODES
 
 
 def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title='muon on megatron-fsdp')
-    group.add_argument('--muon-dist-mode', choices=MUON_DIST_MODES, default='owner',
+    group.add_argument('--muon-dist-mode', choices=DIST_MODES, default='owner',
                        help='How Muon orthogonalizes FSDP-sharded matrices: "owner" gathers each '
                        'matrix on one rank, which runs Newton-Schulz and scatters the result; '
                        '"allgather" gathers every matrix on every rank.')
@@ -30,10 +29,10 @@ def validate_muon_args(args: argparse.Namespace) -> None:
     problems = []
     if args.fp16:
         problems.append('--fp16 (use --bf16 or fp32)')
-    if args.muon_tp_mode not in MUON_TP_MODES:
-        problems.append(f'--muon-tp-mode {args.muon_tp_mode!r} (choose from {MUON_TP_MODES})')
-    if args.muon_dist_mode not in MUON_DIST_MODES:
-        problems.append(f'--muon-dist-mode {args.muon_dist_mode!r} (choose from {MUON_DIST_MODES})')
+    if args.muon_tp_mode not in TP_MODES:
+        problems.append(f'--muon-tp-mode {args.muon_tp_mode!r} (choose from {TP_MODES})')
+    if args.muon_dist_mode not in DIST_MODES:
+        problems.append(f'--muon-dist-mode {args.muon_dist_mode!r} (choose from {DIST_MODES})')
     if args.use_torch_fsdp2:
         problems.append('--use-torch-fsdp2 (Muon supports Megatron-FSDP only)')
     if args.optimizer_cpu_offload:

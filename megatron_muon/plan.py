@@ -1,7 +1,7 @@
 """Pure layout arithmetic: which rows of each matrix each rank holds, who owns which matrix, what
 travels. No communication here."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 
@@ -16,7 +16,7 @@ class RowLayout:
     """
 
     rows: tuple[int, ...]
-    shard_of: tuple[int, ...] = field(default=None)
+    shard_of: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if any(r < 0 for r in self.rows):

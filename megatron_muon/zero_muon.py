@@ -18,6 +18,8 @@ from .muon_math import momentum_update_
 from .plan import Matrix, batch_matrices, choose_owners, row_layouts
 
 DistMode = Literal["owner", "allgather"]
+DIST_MODES = typing.get_args(DistMode)
+TP_MODES = typing.get_args(inspect.signature(TensorParallelMuon.__init__).parameters["tp_mode"].annotation)
 
 
 def _data_parallel_dims(p: DTensor) -> list[int]:
@@ -34,9 +36,10 @@ def _shard_index(p: DTensor) -> int:
     significant. Replicas (no_shard, HSDP's outer dim) hold the same shard."""
     mesh, coordinate = p.device_mesh, p.device_mesh.get_coordinate()
     shard_order = getattr(mesh, "_shard_order", None) or range(mesh.ndim - 1, -1, -1)
+    data_parallel_dims = _data_parallel_dims(p)
     shard, stride = 0, 1
     for dim in reversed(shard_order):
-        if dim in _data_parallel_dims(p) and p.placements[dim] == Shard(0):
+        if dim in data_parallel_dims and p.placements[dim] == Shard(0):
             shard, stride = shard + coordinate[dim] * stride, stride * mesh.size(dim)
     return shard
 
@@ -44,9 +47,9 @@ def _shard_index(p: DTensor) -> int:
 def _tp_local_rows(p: DTensor) -> int:
     """Rows of the 2-D matrix (3-D stacks: one row per last-dim vector) the data-parallel
     shards tile: the TP-local matrix when TP splits dim 0."""
-    rows = p.shape[0]
+    rows, data_parallel_dims = p.shape[0], _data_parallel_dims(p)
     for mesh_dim, placement in enumerate(p.placements):
-        if placement == Shard(0) and mesh_dim not in _data_parallel_dims(p):
+        if placement == Shard(0) and mesh_dim not in data_parallel_dims:
             rows //= p.device_mesh.size(mesh_dim)
     return rows * math.prod(p.shape[1:-1])
 
@@ -65,10 +68,8 @@ def _check_settings(dist_mode, byte_slack, max_batch_bytes, muon_kwargs) -> None
              "max_batch_bytes": max_batch_bytes}
     scale_modes = typing.get_args(MuonScaleT)
     rules = [  # (setting, Megatron flag, valid?, what it must be)
-        ("dist_mode", "--muon-dist-mode", lambda v: v in typing.get_args(DistMode),
-         f"one of {typing.get_args(DistMode)}"),
-        ("tp_mode", "--muon-tp-mode", lambda v: v in ("blockwise", "duplicated", "distributed"),
-         "one of ('blockwise', 'duplicated', 'distributed')"),
+        ("dist_mode", "--muon-dist-mode", lambda v: v in DIST_MODES, f"one of {DIST_MODES}"),
+        ("tp_mode", "--muon-tp-mode", lambda v: v in TP_MODES, f"one of {TP_MODES}"),
         ("coefficient_type", "--muon-coefficient-type", lambda v: v in _COEFFICIENT_SETS,
          f"one of {tuple(sorted(_COEFFICIENT_SETS))}"),
         ("scale_mode", "--muon-scale-mode", lambda v: v in scale_modes, f"one of {scale_modes}"),
@@ -230,8 +231,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                     f"one param group mixes data-parallel layouts: {self._name(first)} {a} and "
                     f"{self._name(second)} {b}; put dense and expert params in separate groups")
             for p in group["params"]:
-                dp_placements = tuple(p.placements[dim] for dim in _data_parallel_dims(p))
-                by_group.setdefault((self._exchange_group(p), dp_placements), []).append(p)
+                key = (self._exchange_group(p), self._data_parallel_layout(p))
+                by_group.setdefault(key, []).append(p)
         plans = []
         for (exchange_group, _), params in by_group.items():
             table = all_gather_ints(
