@@ -72,17 +72,18 @@ class FSDPMuonChainedOptimizer:
         """Whether a NaN or Inf is in any rank's gradient shard. Reduced over every rank, so all
         skip the step together (a rank skipping alone would leave the others waiting in its
         collectives) and parameters, momentum and Adam's moments stay as they were."""
-        local = False
+        nonfinite = []  # one flag tensor per grad: a single host sync below, not one per param
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 grad = p.grad if p.grad is not None else getattr(p, "main_grad", None)
                 if grad is not None:
                     grad = grad.to_local() if isinstance(grad, DTensor) else grad
-                    local = local or not bool(torch.isfinite(grad).all())
-        if not dist.is_initialized():
-            return local
-        flag = torch.tensor([float(local)], device="cuda" if torch.cuda.is_available() else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    nonfinite.append(torch.isfinite(grad).all().logical_not())
+        flag = torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
+        if nonfinite:
+            flag[0] = torch.stack(nonfinite).any()
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def zero_grad(self, *args, **kwargs):
