@@ -5,6 +5,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.distributed.tensor import DTensor
 
 
@@ -25,6 +26,8 @@ class FSDPMuonChainedOptimizer:
     `finalize_model_grads`) already synced it since the last step, then the inner optimizer, then
     `install_optimized_model_weights()` once per chunk, after every inner part has updated its
     main weights. Everything else is the inner optimizer's.
+
+    Checkpoints: `sharded_state_dict` / `load_state_dict` in Megatron's `fsdp_dtensor` format.
     """
 
     def __init__(self, optimizer, model_chunks):
@@ -38,6 +41,8 @@ class FSDPMuonChainedOptimizer:
         self.model_chunks = list(model_chunks)
         self._fsdp_models = fsdp_models
         self._synced = set()
+        self._successful_steps = 0  # the step every part's state had reached: one per checkpoint
+        self._param_names = None
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
 
@@ -64,6 +69,7 @@ class FSDPMuonChainedOptimizer:
         result = self.optimizer.step(*args, **kwargs)
         update_successful = result[0] if isinstance(result, tuple) else True
         if update_successful:
+            self._successful_steps += 1
             for fsdp in self._fsdp_models:
                 fsdp.install_optimized_model_weights()
         return result
@@ -85,6 +91,57 @@ class FSDPMuonChainedOptimizer:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def _parts(self):
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    def _named_params(self):
+        """(checkpoint name, param, part) for every param the chain steps. Names are Megatron's
+        for this format (DistributedOptimizer._param_name): the model's parameter names, local
+        experts renamed to their global index so expert-parallel ranks never share a key."""
+        if self._param_names is None:
+            by_name = {name: p for chunk in self.model_chunks for name, p in chunk.named_parameters()}
+            num_experts = getattr(self.model_chunks[0].config, "num_moe_experts", None)
+            by_name = handle_experts_in_state_dict(by_name, num_experts)
+            self._param_names = {p: name for name, p in by_name.items()}
+        return [(self._param_names[p], p, part, group) for part in self._parts()
+                for group in part.optimizer.param_groups for p in group["params"]]
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
+        """The optimizer's part of a Megatron `fsdp_dtensor` checkpoint: each param's state under
+        its name, momentum and Adam moments as DTensors sharded like the param (DCP reshards them
+        to another world size), and the step count once.
+
+        Params without state first get the parts' zero state (`init_state_fn`, what Megatron wants
+        before a load): every rank then holds the same keys, empty tensors where its shard is
+        empty, which the per-DTensor collectives of saving and loading need (Adam creates state
+        only for non-empty shards). No optimizer step runs and nothing communicates, so this
+        changes no param, momentum, moment or step count, on any rank, also when loading."""
+        for part in self._parts():
+            part.init_state_fn(part.optimizer, part.config)
+        state = {name: {key: value for key, value in part.optimizer.state[p].items() if key != "step"}
+                 for name, p, part, _ in self._named_params()}
+        return {"state": state, "step": torch.tensor(self._successful_steps)}
+
+    def load_state_dict(self, state_dict):
+        """Load what `sharded_state_dict` made (DCP has usually filled its tensors in place). A
+        param's step goes where its optimizer keeps it: the param group's (TE FusedAdam) or each
+        param's state (torch Adam), as the count of steps taken. The main weights are the
+        model's: its load_state_dict installs them (Megatron-FSDP's post-load hook)."""
+        missing = [name for name, *_ in self._named_params() if name not in state_dict["state"]]
+        if missing:
+            raise KeyError(f"the checkpoint has no optimizer state for {missing}")
+        self._successful_steps = int(state_dict["step"])
+        for name, p, part, group in self._named_params():
+            optimizer_state = part.optimizer.state[p]
+            optimizer_state.update(state_dict["state"][name])
+            if "step" in group:
+                group["step"] = self._successful_steps
+            elif isinstance(part.optimizer, torch.optim.Adam):  # AdamW too
+                on_param = group.get("capturable") or group.get("fused")
+                optimizer_state["step"] = torch.tensor(
+                    float(self._successful_steps), dtype=torch.float32,
+                    device=p.device if on_param else "cpu")
 
     def zero_grad(self, *args, **kwargs):
         self.optimizer.zero_grad(*args, **kwargs)

@@ -200,3 +200,7 @@ def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
     # get_cuda_rng_tracker() would otherwise build one that forks CUDA generators. The inference
     # tracker's fork() is a no-op: on CPU, dropout draws from the default generator.
     tensor_parallel_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # A checkpoint whose tracker states are empty is refused at load ("Unable to load rng state",
+    # checkpointing.py), and this tracker has no CUDA generator to save. Give it one entry, which
+    # its set_states ignores; the CPU generator dropout draws from is saved and restored beside it.
+    tensor_parallel_random.get_cuda_rng_tracker().states_ = {"cpu": torch.get_rng_state()}

@@ -84,8 +84,21 @@ def optimizer_config(optimizer="muon", **overrides):
 def lm_loss(model, step, rank, shape: GPTShape = TINY):
     """Mean LM loss on a random batch fixed by (step, rank)."""
     g = torch.Generator().manual_seed(100 * step + rank)
-    batch, seq = shape.micro_batch, shape.seq
-    tokens = torch.randint(0, shape.vocab, (batch, seq), generator=g)
+    return loss_on(model, torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq), generator=g))
+
+
+def global_batch_loss(model, step, rank, world_size, shape: GPTShape = TINY):
+    """Mean LM loss on this rank's slice of a global batch fixed by step (4 sequences): the same
+    data, hence the same mean gradient, at world sizes 1, 2 and 4."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, shape.vocab, (4, shape.seq), generator=g)
+    per_rank = len(tokens) // world_size
+    return loss_on(model, tokens[rank * per_rank:(rank + 1) * per_rank])
+
+
+def loss_on(model, tokens):
+    """Mean next-token loss of `model` on a batch of token sequences."""
+    batch, seq = tokens.shape
     position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
     mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not().view(1, 1, seq, seq)
     device = next(model.parameters()).device

@@ -1,0 +1,200 @@
+"""Checkpoints in Megatron's fsdp_dtensor format (DCP): a resumed run continues bit-identically,
+and a checkpoint saved at one world size loads at another with the optimizer state intact."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+from megatron.core.utils import unwrap_model
+from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+from torch.distributed.tensor import DTensor
+
+from conftest import run_distributed
+from fsdp_models import full_tensor
+from megatron_muon import get_megatron_optimizer
+from megatron_muon.chained import find_megatron_fsdp
+from megatron_muon.testing import fsdp_gpt, global_batch_loss, init_parallel_state, optimizer_config
+
+CASES = {  # name: (sharding strategy, Muon dist mode, experts over expert-parallel 2)
+    "zero3": ("optim_grads_params", "owner", None),
+    "zero3-allgather": ("optim_grads_params", "allgather", None),
+    "zero2": ("optim_grads", "owner", None),
+    "zero1": ("optim", "owner", None),
+    "no_shard": ("no_shard", "owner", None),
+    "experts": ("optim_grads_params", "owner", 4),
+}
+RESHARDED = ["zero3", "experts"]
+SAVED_AT, LAST = 3, 6
+# The key part of the QKV bias has a zero gradient in exact arithmetic (softmax ignores a shift
+# common to all keys): its gradient is round-off, which Adam normalizes to full-size steps, so at
+# another world size it differs by up to lr per step. Every other tensor agrees to ~1e-6.
+ROUND_OFF_ONLY = "linear_qkv.bias"
+
+
+def _build(case):
+    strategy, dist_mode, num_experts = CASES[case]
+    init_parallel_state(expert_parallel=2 if num_experts else 1)
+    model = fsdp_gpt(strategy=strategy, num_experts=num_experts)
+    optimizer = get_megatron_optimizer(optimizer_config(clip_grad=1.0, weight_decay=0.1), [model],
+                                       muon_dist_mode=dist_mode)
+    return model, optimizer
+
+
+def _train(model, optimizer, steps, rank, world_size):
+    for step in steps:
+        optimizer.zero_grad()
+        global_batch_loss(model, step, rank, world_size).backward()
+        assert optimizer.step()[0]
+
+
+def _checkpoint_state(model, optimizer, is_loading):
+    """What megatron.training saves and loads in the fsdp_dtensor format (generate_state_dict,
+    then preprocess_fsdp_dtensor_state_dict: global expert keys and uneven-DTensor chunks)."""
+    state = {"model": unwrap_model(model).state_dict_for_save_checkpoint(),
+             "optimizer": optimizer.sharded_state_dict({}, is_loading=is_loading)}
+    args = SimpleNamespace(swiglu=False, num_experts=model.config.num_moe_experts)
+    return state, preprocess_fsdp_dtensor_state_dict(args, state, model)
+
+
+def _save(model, optimizer, path):
+    dcp.save(_checkpoint_state(model, optimizer, is_loading=False)[1], checkpoint_id=path)
+
+
+def _load(model, optimizer, path):
+    raw, preprocessed = _checkpoint_state(model, optimizer, is_loading=True)
+    dcp.load(preprocessed, checkpoint_id=path)  # in place, into the tensors of `raw`
+    # megatron.training then calls the model's load_state_dict, whose Megatron-FSDP post-load hook
+    # installs the loaded main weights as the weights the model computes with.
+    find_megatron_fsdp(model).install_optimized_model_weights()
+    optimizer.load_state_dict(raw["optimizer"])
+
+
+def _tensors(model, optimizer):
+    """Every param and optimizer-state tensor under a name that is the same at every world size
+    (global expert names), with the param it is laid out like. Adam's step counts only where
+    this rank's shard is non-empty: Adam never steps an empty one."""
+    num_experts = model.config.num_moe_experts
+    names = {p: n for n, p in handle_experts_in_state_dict(dict(model.named_parameters()),
+                                                           num_experts).items()}
+    for part in optimizer.chained_optimizers:
+        for group in part.optimizer.param_groups:
+            for p in group["params"]:
+                yield names[p], p, p
+                for key, value in sorted(part.optimizer.state[p].items()):
+                    if key != "step" or p.to_local().numel():
+                        yield f"{names[p]}.{key}", value, p
+
+
+def _local_tensors(model, optimizer):
+    return {name: (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+            for name, t, _ in _tensors(model, optimizer)}
+
+
+def _whole_tensors(model, optimizer):
+    """Collective over the ranks: every rank must hold the same state keys."""
+    return {name: full_tensor(t, p) if isinstance(t, DTensor) else t.detach().clone()
+            for name, t, p in _tensors(model, optimizer)}
+
+
+def _snapshot(model, optimizer):
+    return {"local": _local_tensors(model, optimizer), "whole": _whole_tensors(model, optimizer)}
+
+
+def _assert_every_rank_holds_the_same_state_keys(optimizer, world_size):
+    """As saving's per-DTensor collectives need; Adam alone would hold state only for the
+    non-empty shards."""
+    state = optimizer.sharded_state_dict({})["state"]
+    keys = sorted((name, key) for name, param_state in state.items() for key in param_state)
+    every_ranks = [None] * world_size
+    torch.distributed.all_gather_object(every_ranks, keys)
+    assert all(k == keys for k in every_ranks)
+
+
+def _run_and_save(rank, world_size, cases, tmp):
+    """Train steps 1..LAST, saving at SAVED_AT; record the state there and at the end."""
+    for case in cases:
+        model, optimizer = _build(case)
+        _train(model, optimizer, range(1, SAVED_AT + 1), rank, world_size)
+        _save(model, optimizer, f"{tmp}/{case}-w{world_size}")
+        if CASES[case][2] is None:  # with expert parallelism ranks hold different experts
+            _assert_every_rank_holds_the_same_state_keys(optimizer, world_size)
+        at_save = _snapshot(model, optimizer)
+        _train(model, optimizer, range(SAVED_AT + 1, LAST + 1), rank, world_size)
+        torch.save({"saved": at_save, "last": _snapshot(model, optimizer)},
+                   f"{tmp}/{case}-w{world_size}-rank{rank}.pt")
+
+
+def _records(tmp, case, world_size):
+    return [torch.load(f"{tmp}/{case}-w{world_size}-rank{r}.pt") for r in range(world_size)]
+
+
+def _whole(records, when):
+    return {name: t for record in records for name, t in record[when]["whole"].items()}
+
+
+@pytest.fixture(scope="module")
+def saved_at_w2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("w2")
+    run_distributed(_run_and_save, 2, list(CASES), str(tmp))
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def saved_at_w4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("w4")
+    run_distributed(_run_and_save, 4, RESHARDED, str(tmp))
+    return tmp
+
+
+def _assert_preparing_a_load_changes_nothing(model, optimizer):
+    """Building the state dict to load into creates the missing (empty-shard) state and takes no
+    step: params, momentum, moments and steps stay as they were."""
+    before = _local_tensors(model, optimizer)
+    optimizer.sharded_state_dict({}, is_loading=True)
+    after = _local_tensors(model, optimizer)
+    assert before.keys() <= after.keys()
+    assert all(torch.equal(after[name], t) for name, t in before.items())
+
+
+def _resume_bit_identical(rank, world_size, tmp):
+    for case in CASES:
+        model, optimizer = _build(case)
+        _train(model, optimizer, [1], rank, world_size)  # state to be replaced, not kept
+        _assert_preparing_a_load_changes_nothing(model, optimizer)
+        _load(model, optimizer, f"{tmp}/{case}-w{world_size}")
+        _train(model, optimizer, range(SAVED_AT + 1, LAST + 1), rank, world_size)
+        expected = _records(tmp, case, world_size)[rank]["last"]["local"]
+        got = _local_tensors(model, optimizer)
+        assert got.keys() == expected.keys(), case
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), (case, name)
+
+
+def test_resume_continues_bit_identically_for_every_strategy(saved_at_w2):
+    run_distributed(_resume_bit_identical, 2, str(saved_at_w2))
+
+
+def _resume_resharded(rank, world_size, tmp, saved_world_size):
+    for case in RESHARDED:
+        records = _records(tmp, case, saved_world_size)
+        model, optimizer = _build(case)
+        _load(model, optimizer, f"{tmp}/{case}-w{saved_world_size}")
+        loaded, saved = _whole_tensors(model, optimizer), _whole(records, "saved")
+        for name, t in loaded.items():  # params, momentum, Adam's moments and steps
+            assert torch.equal(t, saved[name]), (case, name)
+        _train(model, optimizer, range(SAVED_AT + 1, LAST + 1), rank, world_size)
+        last, expected = _whole_tensors(model, optimizer), _whole(records, "last")
+        for name, t in last.items():
+            if ROUND_OFF_ONLY in name:
+                continue
+            torch.testing.assert_close(t, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
+
+
+def test_checkpoint_from_two_ranks_resumes_on_four(saved_at_w2):
+    run_distributed(_resume_resharded, 4, str(saved_at_w2), 2)
+
+
+def test_checkpoint_from_four_ranks_resumes_on_two(saved_at_w4):
+    run_distributed(_resume_resharded, 2, str(saved_at_w4), 4)
