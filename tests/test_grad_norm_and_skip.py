@@ -1,5 +1,5 @@
-"""The chain's gradient norm is the unsharded model's, and a step with a NaN on one rank's shard
-is skipped on every rank with nothing changed."""
+"""The chain's gradient norm is the unsharded model's, clipping acts as on the unsharded model,
+and a step with a NaN on one rank's shard is skipped on every rank with nothing changed."""
 
 import pytest
 import torch
@@ -7,7 +7,10 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_models import full_tensor
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
+from megatron_muon.testing import (fsdp_gpt, global_batch_loss, gpt, init_parallel_state, lm_loss,
+                                   optimizer_config)
+
+CLIP = 0.05  # well below the gradient norm (~1), so every step is clipped
 
 
 def _backward(model, step, rank):
@@ -34,6 +37,37 @@ def _norm_matches_unsharded(rank, world_size, strategy, outer):
     (4, "optim_grads_params", "no_shard"), (4, "optim_grads_params", "optim")])
 def test_grad_norm_is_the_unsharded_models(distributed, world_size, strategy, outer):
     distributed(_norm_matches_unsharded, world_size, strategy, outer)
+
+
+def _clipping_matches_unsharded(rank, world_size):
+    """Muon + Adam on Megatron-FSDP against megatron-core's own Muon + Adam on the unsharded
+    model, both clipping to CLIP, on the same global batch: the same norm and the same weights
+    up to fp32 round-off (the gradient reductions add in another order)."""
+    init_parallel_state()
+    model = fsdp_gpt()
+    optimizer = get_megatron_optimizer(optimizer_config(clip_grad=CLIP), [model])
+    unsharded = gpt()
+    reference = get_megatron_optimizer(
+        optimizer_config(clip_grad=CLIP, use_distributed_optimizer=False), [unsharded])
+    for step in range(3):
+        optimizer.zero_grad()
+        reference.zero_grad()
+        with model.no_sync():
+            pass
+        global_batch_loss(model, step, rank, world_size).backward()
+        global_batch_loss(unsharded, step, 0, 1).backward()
+        _, grad_norm, _ = optimizer.step()
+        _, reference_norm, _ = reference.step()
+        assert grad_norm > 10 * CLIP and grad_norm == pytest.approx(reference_norm, rel=1e-5)
+    expected = dict(unsharded.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full_tensor(p, p), expected[name.removeprefix("module.module.")],
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_clipping_matches_the_unsharded_model(distributed, world_size):
+    distributed(_clipping_matches_unsharded, world_size)
 
 
 def _snapshot(optimizer):
