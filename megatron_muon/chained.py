@@ -8,6 +8,8 @@ import torch.distributed as dist
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.distributed.tensor import DTensor
 
+from .zero_muon import ZeROTensorParallelMuon
+
 
 def find_megatron_fsdp(chunk):
     """The MegatronFSDP inside a model chunk (megatron-core's FullyShardedDataParallel wraps it as
@@ -109,8 +111,11 @@ class FSDPMuonChainedOptimizer:
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
         """The optimizer's part of a Megatron `fsdp_dtensor` checkpoint: each param's state under
-        its name, momentum and Adam moments as DTensors sharded like the param (DCP reshards them
-        to another world size), and the step count once.
+        its name, as DTensors sharded like the param (DCP reshards them to another world size),
+        and the step count once. Muon's momentum sits under "muon", apart from the other parts'
+        "state": Megatron's checkpoint code rewrites "state" in Adam's terms
+        (handle_swiglu_in_state_dict splits a gated fc1's exp_avg and exp_avg_sq into halves and
+        would fail on a momentum), while Muon orthogonalizes the whole fc1 matrix.
 
         Params without state first get the parts' zero state (`init_state_fn`, what Megatron wants
         before a load): every rank then holds the same keys, empty tensors where its shard is
@@ -119,22 +124,29 @@ class FSDPMuonChainedOptimizer:
         changes no param, momentum, moment or step count, on any rank, also when loading."""
         for part in self._parts():
             part.init_state_fn(part.optimizer, part.config)
-        state = {name: {key: value for key, value in part.optimizer.state[p].items() if key != "step"}
-                 for name, p, part, _ in self._named_params()}
-        return {"state": state, "step": torch.tensor(self._successful_steps)}
+        sections = {"state": {}, "muon": {}}
+        for name, p, part, _ in self._named_params():
+            sections[self._section(part)][name] = {
+                key: value for key, value in part.optimizer.state[p].items() if key != "step"}
+        return {**sections, "step": torch.tensor(self._successful_steps)}
+
+    @staticmethod
+    def _section(part) -> str:
+        return "muon" if isinstance(part.optimizer, ZeROTensorParallelMuon) else "state"
 
     def load_state_dict(self, state_dict):
         """Load what `sharded_state_dict` made (DCP has usually filled its tensors in place). A
         param's step goes where its optimizer keeps it: the param group's (TE FusedAdam) or each
         param's state (torch Adam), as the count of steps taken. The main weights are the
         model's: its load_state_dict installs them (Megatron-FSDP's post-load hook)."""
-        missing = [name for name, *_ in self._named_params() if name not in state_dict["state"]]
+        missing = [name for name, _, part, _ in self._named_params()
+                   if name not in state_dict[self._section(part)]]
         if missing:
             raise KeyError(f"the checkpoint has no optimizer state for {missing}")
         self._successful_steps = int(state_dict["step"])
         for name, p, part, group in self._named_params():
             optimizer_state = part.optimizer.state[p]
-            optimizer_state.update(state_dict["state"][name])
+            optimizer_state.update(state_dict[self._section(part)][name])
             if "step" in group:
                 group["step"] = self._successful_steps
             elif isinstance(part.optimizer, torch.optim.Adam):  # AdamW too

@@ -105,8 +105,9 @@ def _snapshot(model, optimizer):
 def _assert_every_rank_holds_the_same_state_keys(optimizer, world_size):
     """As saving's per-DTensor collectives need; Adam alone would hold state only for the
     non-empty shards."""
-    state = optimizer.sharded_state_dict({})["state"]
-    keys = sorted((name, key) for name, param_state in state.items() for key in param_state)
+    state = optimizer.sharded_state_dict({})
+    keys = sorted((section, name, key) for section in ("state", "muon")
+                  for name, param_state in state[section].items() for key in param_state)
     every_ranks = [None] * world_size
     torch.distributed.all_gather_object(every_ranks, keys)
     assert all(k == keys for k in every_ranks)

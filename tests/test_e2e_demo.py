@@ -100,8 +100,9 @@ def _model_and_optimizer(checkpoint: Path, tmp_path: Path) -> dict:
     dcp_to_torch_save(checkpoint, single_file)
     state = torch.load(single_file, weights_only=False)
     tensors = {f'model.{k}': v for k, v in state['model'].items()}
-    for name, param_state in state['optimizer']['state'].items():
-        tensors.update({f'optimizer.{name}.{k}': v for k, v in param_state.items()})
+    for section in ('state', 'muon'):
+        for name, param_state in state['optimizer'][section].items():
+            tensors.update({f'optimizer.{name}.{k}': v for k, v in param_state.items()})
     tensors['optimizer.step'] = state['optimizer']['step']
     return tensors
 

@@ -137,11 +137,14 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
         assert worst == 0, f"step {step}: max |diff| {worst}"
 
 
-@pytest.mark.parametrize("dist_mode", ["owner", "allgather"])
-@pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode, outer", [
-    (1, 2, "duplicated", None),  # experts over expt_dp (2 ranks), dense over dp_cp (4 ranks)
-    (2, 1, "duplicated", None), (2, 1, "distributed", None), (2, 1, "blockwise", None),  # TP=2 x DP=2
-    (1, 2, "duplicated", "no_shard"), (1, 1, "duplicated", "optim"),  # HSDP: 2 replicas x 2 shards
+@pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode, outer, dist_mode", [
+    # experts over expt_dp (2 ranks), dense over dp_cp (4 ranks)
+    (1, 2, "duplicated", None, "owner"), (1, 2, "duplicated", None, "allgather"),
+    # TP=2 x DP=2
+    (2, 1, "duplicated", None, "owner"), (2, 1, "duplicated", None, "allgather"),
+    (2, 1, "distributed", None, "owner"), (2, 1, "blockwise", None, "owner"),
+    # HSDP: 2 replicas x 2 shards (allgather under HSDP: test_numerics)
+    (1, 2, "duplicated", "no_shard", "owner"), (1, 1, "duplicated", "optim", "owner"),
 ])
 def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, expert_parallel,
                                                  tp_mode, outer, dist_mode):

@@ -11,7 +11,7 @@ from fsdp_models import (MUON_KWARGS, QKV_SPLIT, STRATEGIES, batch, full_tensor,
                          reference_optimizers, split_params)
 from megatron_muon import ZeROTensorParallelMuon
 
-STEPS = 10
+STEPS = 6
 
 
 def _train_and_compare(rank, world_size):
