@@ -43,7 +43,9 @@ class FSDPMuonChainedOptimizer:
         self.model_chunks = list(model_chunks)
         self._fsdp_models = fsdp_models
         self._synced = set()
-        self._successful_steps = 0  # the step every part's state had reached: one per checkpoint
+        # Steps taken, i.e. Adam's step on every param: a checkpoint saves it once (Adam has
+        # none where a rank's shard is empty).
+        self._successful_steps = 0
         self._param_names = None
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
@@ -98,9 +100,10 @@ class FSDPMuonChainedOptimizer:
         return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
 
     def _named_params(self):
-        """(checkpoint name, param, part) for every param the chain steps. Names are Megatron's
-        for this format (DistributedOptimizer._param_name): the model's parameter names, local
-        experts renamed to their global index so expert-parallel ranks never share a key."""
+        """(checkpoint name, param, part, param group) for every param the chain steps. Names are
+        Megatron's for this format (DistributedOptimizer._param_name): the model's parameter
+        names, local experts renamed to their global index so expert-parallel ranks never share
+        a key."""
         if self._param_names is None:
             by_name = {name: p for chunk in self.model_chunks for name, p in chunk.named_parameters()}
             num_experts = getattr(self.model_chunks[0].config, "num_moe_experts", None)

@@ -1,6 +1,7 @@
 import os
 import socket
 import sys
+import time
 import traceback
 
 import pytest
@@ -15,11 +16,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, errors):
+def _worker(rank, world_size, port, fn, args, errors, timeout):
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
     from megatron_muon.cpu import apply_cpu_compat
+
+    # A rank still running shortly before the test gives up prints where it is stuck.
+    faulthandler.dump_traceback_later(max(timeout - 10, 1), exit=False)
 
     apply_cpu_compat()
     torch.set_num_threads(1)
@@ -45,12 +51,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, timeout))
              for r in range(world_size)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout  # for all ranks together
     for p in procs:
-        p.join(timeout)
+        p.join(max(deadline - time.monotonic(), 0))
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
         p.kill()

@@ -159,11 +159,23 @@ def _assert_preparing_a_load_changes_nothing(model, optimizer):
     assert all(torch.equal(after[name], t) for name, t in before.items())
 
 
+def _assert_a_checkpoint_without_a_params_state_is_refused(model, optimizer):
+    state = optimizer.sharded_state_dict({})
+    first, *rest = state["muon"]
+    before = _local_tensors(model, optimizer)
+    with pytest.raises(KeyError, match=f"no optimizer state for .*{first}"):
+        optimizer.load_state_dict({**state, "muon": {name: state["muon"][name] for name in rest},
+                                   "step": torch.tensor(99)})
+    after = _local_tensors(model, optimizer)
+    assert all(torch.equal(after[name], t) for name, t in before.items())
+
+
 def _resume_bit_identical(rank, world_size, tmp):
     for case in CASES:
         model, optimizer = _build(case)
         _train(model, optimizer, [1], rank, world_size)  # state to be replaced, not kept
         _assert_preparing_a_load_changes_nothing(model, optimizer)
+        _assert_a_checkpoint_without_a_params_state_is_refused(model, optimizer)
         _load(model, optimizer, f"{tmp}/{case}-w{world_size}")
         _train(model, optimizer, range(SAVED_AT + 1, LAST + 1), rank, world_size)
         expected = _records(tmp, case, world_size)[rank]["last"]["local"]
