@@ -3,6 +3,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 
 import pytest
 import torch.multiprocessing as mp
@@ -46,8 +47,24 @@ def _worker(rank, world_size, port, fn, args, errors, timeout):
     os._exit(0)
 
 
+# A rank of Megatron-FSDP died inside gloo in backward, before any optimizer code, and the others
+# lost their peer: in 2 of 3 clean-clone CI runs of 99 tests once (W=4 "Connection reset by
+# peer"; at W=3 heap corruption). Such a run is repeated once; any other failure is final.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer")
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 300):
     """Run fn(rank, world_size, *args) on world_size gloo processes; re-raise the first failure."""
+    failure = _run_once(fn, world_size, args, timeout)
+    if failure and any(sign in failure for sign in PEER_LOST):
+        warnings.warn(f"a rank lost its gloo peer; running again. First run:\n{failure}")
+        failure = _run_once(fn, world_size, args, timeout)
+    if failure:
+        pytest.fail(failure, pytrace=False)
+
+
+def _run_once(fn, world_size, args, timeout):
+    """The first failure of one run, or None."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
@@ -62,12 +79,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300):
     for p in hung:
         p.kill()
     if not errors.empty():
-        pytest.fail(errors.get(), pytrace=False)
+        return errors.get()
     if hung:
-        pytest.fail(f"{len(hung)} of {world_size} ranks did not finish within {timeout}s (deadlock?)")
+        return f"{len(hung)} of {world_size} ranks did not finish within {timeout}s (deadlock?)"
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
-        pytest.fail(f"ranks exited with codes {bad}")
+        return f"ranks exited with codes {bad}"
+    return None
 
 
 @pytest.fixture
