@@ -47,9 +47,10 @@ def _worker(rank, world_size, port, fn, args, errors, timeout):
     os._exit(0)
 
 
-# A rank of Megatron-FSDP died inside gloo in backward, before any optimizer code, and the others
-# lost their peer: in 2 of 3 clean-clone CI runs of 99 tests once (W=4 "Connection reset by
-# peer"; at W=3 heap corruption). Such a run is repeated once; any other failure is final.
+# Megatron-FSDP's gloo collectives in backward sometimes lose a rank before any optimizer code
+# runs, and the others then lose their peer (once in 3 clean-clone CI runs of 99 tests, at W=4;
+# at W=3 as heap corruption). Such a run is repeated once; any other failure, a hang included,
+# is final.
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer")
 
 
