@@ -142,12 +142,13 @@ class FSDPMuonChainedOptimizer:
         param's step goes where its optimizer keeps it: the param group's (TE FusedAdam) or each
         param's state (torch Adam), as the count of steps taken. The main weights are the
         model's: its load_state_dict installs them (Megatron-FSDP's post-load hook)."""
-        missing = [name for name, _, part, _ in self._named_params()
+        named_params = self._named_params()
+        missing = [name for name, _, part, _ in named_params
                    if name not in state_dict[self._section(part)]]
         if missing:
             raise KeyError(f"the checkpoint has no optimizer state for {missing}")
         self._successful_steps = int(state_dict["step"])
-        for name, p, part, group in self._named_params():
+        for name, p, part, group in named_params:
             optimizer_state = part.optimizer.state[p]
             optimizer_state.update(state_dict[self._section(part)][name])
             if "step" in group:
