@@ -53,16 +53,34 @@ class _Stream:
         return False
 
 
+class _Done:
+    """The work of a block whose collectives have all completed."""
+
+    def wait(self):
+        pass
+
+
 @contextlib.contextmanager
-def _coalesce_only_async(coalescing_manager, group=None, device=None, async_ops=False):
-    """torch's _coalescing_manager, except that synchronous blocks run their collectives one by
-    one: gloo's coalesced reduce-scatter, which Megatron-FSDP runs in place in backward, killed
-    ranks with heap corruption (seen at W=3 and W=4); single in-place reduce-scatters are sound."""
+def _one_by_one(group=None, device=None, async_ops=False):
+    """Replaces torch's _coalescing_manager in Megatron-FSDP: the block's collectives run one by
+    one, each complete when it returns. gloo's coalesced reduce-scatter, which Megatron-FSDP
+    runs in place in backward, killed ranks with heap corruption (seen at W=3 and W=4). The one
+    asynchronous block, the parameter all-gather prefetch (always on under ZeRO-3), left gathers
+    running after the step, into buckets that later steps or a new model reuse or free: ranks
+    hung in the next collective or died in backward's all-gather. On CPU overlap gains nothing."""
     if not async_ops:
         yield None
         return
-    with coalescing_manager(group, device, async_ops) as manager:
-        yield manager
+    all_gather = torch.distributed.all_gather_into_tensor
+
+    def all_gather_now(*args, **kwargs):
+        return all_gather(*args, **{**kwargs, "async_op": False})
+
+    torch.distributed.all_gather_into_tensor = all_gather_now
+    try:
+        yield _Done()
+    finally:
+        torch.distributed.all_gather_into_tensor = all_gather
 
 
 _applied = False
@@ -92,8 +110,7 @@ def apply_cpu_compat() -> bool:
     import megatron_fsdp.param_and_grad_buffer as buffers
 
     for module in (buffers, core_buffers):
-        module._coalescing_manager = functools.partial(
-            _coalesce_only_async, module._coalescing_manager)
+        module._coalescing_manager = _one_by_one
     _applied = True
     return True
 
