@@ -271,13 +271,14 @@ def plan_figures(model, optimizer, config):
     ranks is the single-device model (experts of other expert-parallel ranks are other matrices)."""
     from megatron.core import parallel_state
 
+    from megatron_muon.chained import named_main_weights
     from megatron_muon.plan import layout_min_bytes
     from megatron_muon.zero_muon import ZeROTensorParallelMuon
 
     muons = [p.optimizer for p in optimizer.optimizer.chained_optimizers
              if isinstance(p.optimizer, ZeROTensorParallelMuon)]
     plans = [plan for muon in muons for plan in muon._plans]
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = {id(p): name for name, p in named_main_weights(model)}
     ep_rank = parallel_state.get_expert_model_parallel_rank()
 
     def global_name(param, suffix=""):

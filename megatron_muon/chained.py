@@ -21,6 +21,18 @@ def find_megatron_fsdp(chunk):
     return None
 
 
+def named_main_weights(chunk) -> list:
+    """(name, main weight) for every param of a Megatron-FSDP model chunk, named as the chunk
+    names its params. The chunk's modules hold the main weights only between the grad sync and
+    the next param sync or forward (Megatron-FSDP swaps them), so this asks Megatron-FSDP."""
+    fsdp = find_megatron_fsdp(chunk)
+    prefix, module = "", chunk
+    while module is not fsdp:
+        prefix, module = prefix + "module.", module.module
+    return [(f"{prefix}module.{name}", p)
+            for name, p in fsdp.param_and_grad_buffer.optimizer_named_parameters]
+
+
 class FSDPMuonChainedOptimizer:
     """Steps Megatron-FSDP models the way `megatron_fsdp.fully_shard_optimizer` does, for a chain.
 
@@ -74,9 +86,21 @@ class FSDPMuonChainedOptimizer:
         update_successful = result[0] if isinstance(result, tuple) else True
         if update_successful:
             self._successful_steps += 1
-            for fsdp in self._fsdp_models:
-                fsdp.install_optimized_model_weights()
+            self._install_weights_for_the_next_forward()
         return result
+
+    def _install_weights_for_the_next_forward(self, force_sync=False):
+        """Copy the main weights into the compute weights, then sync them as megatron-core's
+        DistributedOptimizer.step_with_ready_grads does: under ZeRO-1/2 the compute weights are
+        unsharded and each rank only installed its own rows, so start_param_sync all-gathers the
+        rest (with --overlap-param-gather, always on under ZeRO-3, it starts the first bucket and
+        the forward's hooks gather the others, the grad sync having dropped the old gathers;
+        no_shard needs nothing). `force_sync` drops and redoes every gather now, as
+        megatron.training's force_param_sync: for weights that changed outside a step."""
+        for fsdp in self._fsdp_models:
+            fsdp.install_optimized_model_weights()
+        for fsdp in self._fsdp_models:
+            fsdp.start_param_sync(force_sync=force_sync)
 
     def _any_rank_has_nonfinite_grads(self) -> bool:
         """Whether a NaN or Inf is in any rank's gradient shard. Reduced over every rank, so all
@@ -105,7 +129,7 @@ class FSDPMuonChainedOptimizer:
         names, local experts renamed to their global index so expert-parallel ranks never share
         a key."""
         if self._param_names is None:
-            by_name = {name: p for chunk in self.model_chunks for name, p in chunk.named_parameters()}
+            by_name = {name: p for chunk in self.model_chunks for name, p in named_main_weights(chunk)}
             num_experts = getattr(self.model_chunks[0].config, "num_moe_experts", None)
             by_name = handle_experts_in_state_dict(by_name, num_experts)
             self._param_names = {p: name for name, p in by_name.items()}
@@ -141,7 +165,9 @@ class FSDPMuonChainedOptimizer:
         """Load what `sharded_state_dict` made (DCP has usually filled its tensors in place). A
         param's step goes where its optimizer keeps it: the param group's (TE FusedAdam) or each
         param's state (torch Adam), as the count of steps taken. The main weights are the
-        model's: its load_state_dict installs them (Megatron-FSDP's post-load hook)."""
+        model's: its load_state_dict installs them (Megatron-FSDP's post-load hook), and they
+        are installed and synced here once more, so the next forward reads them whatever ran
+        before (a process that trained first has its ZeRO-1/2 compute weights gathered)."""
         named_params = self._named_params()
         missing = [name for name, _, part, _ in named_params
                    if name not in state_dict[self._section(part)]]
@@ -158,6 +184,7 @@ class FSDPMuonChainedOptimizer:
                 optimizer_state["step"] = torch.tensor(
                     float(self._successful_steps), dtype=torch.float32,
                     device=p.device if on_param else "cpu")
+        self._install_weights_for_the_next_forward(force_sync=True)
 
     def zero_grad(self, *args, **kwargs):
         self.optimizer.zero_grad(*args, **kwargs)

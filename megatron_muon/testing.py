@@ -30,13 +30,22 @@ class GPTShape:
 TINY = GPTShape()
 
 
+_parallel_layout = None  # the layout megatron-core's process groups were last built for
+
+
 def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1, replicas: int = 1):
-    """megatron-core's process groups; `replicas` > 1 is HSDP's number of optimizer instances."""
+    """megatron-core's process groups; `replicas` > 1 is HSDP's number of optimizer instances.
+    The groups of the last layout are kept (a process running many cases builds them once per
+    layout); the RNG states are reset every time."""
+    global _parallel_layout
     apply_megatron_training_compat()
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                             expert_model_parallel_size=expert_parallel,
-                                             num_distributed_optimizer_instances=replicas)
+    layout = (torch.distributed.get_world_size(), expert_parallel, tensor_parallel, replicas)
+    if layout != _parallel_layout or not parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                                 expert_model_parallel_size=expert_parallel,
+                                                 num_distributed_optimizer_instances=replicas)
+        _parallel_layout = layout
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     tp_random.model_parallel_cuda_manual_seed(123)
 
@@ -59,14 +68,15 @@ def gpt(shape: GPTShape = TINY, num_experts=None):
 
 
 def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=None,
-             outer_strategy="no_shard"):
+             outer_strategy="no_shard", overlap=False):
     """The GPT in FullyShardedDataParallel; HSDP (with `outer_strategy` across the replicas) when
-    init_parallel_state was given replicas."""
+    init_parallel_state was given replicas; `overlap`: --overlap-grad-reduce and
+    --overlap-param-gather."""
     model = gpt(shape, num_experts)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True,
         data_parallel_sharding_strategy=strategy, gradient_reduce_div_fusion=False,
-        overlap_grad_reduce=False, overlap_param_gather=False,
+        overlap_grad_reduce=overlap, overlap_param_gather=overlap,
         num_distributed_optimizer_instances=parallel_state.get_data_parallel_world_size(
             with_context_parallel=True) // parallel_state.get_data_parallel_world_size(
             with_context_parallel=True, partial_data_parallel=True),
@@ -87,11 +97,14 @@ def lm_loss(model, step, rank, shape: GPTShape = TINY):
     return loss_on(model, torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq), generator=g))
 
 
+GLOBAL_BATCH = 4  # sequences
+
+
 def global_batch_loss(model, step, rank, world_size, shape: GPTShape = TINY):
-    """Mean LM loss on this rank's slice of a global batch fixed by step (4 sequences): the same
-    data, hence the same mean gradient, at world sizes 1, 2 and 4."""
+    """Mean LM loss on this rank's slice of a global batch fixed by step (GLOBAL_BATCH
+    sequences): the same data, hence the same mean gradient, at world sizes 1, 2 and 4."""
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, shape.vocab, (4, shape.seq), generator=g)
+    tokens = torch.randint(0, shape.vocab, (GLOBAL_BATCH, shape.seq), generator=g)
     per_rank = len(tokens) // world_size
     return loss_on(model, tokens[rank * per_rank:(rank + 1) * per_rank])
 

@@ -108,3 +108,29 @@ def split_params(module):
 def reference_optimizers(ref):
     matrices, vectors = split_params(ref)
     return [TensorParallelMuon(matrices, **MUON_KWARGS), torch.optim.Adam(vectors, lr=0.01, foreach=False)]
+
+
+class ForwardReads:
+    """The weights the model's forward computes with: forward pre-hooks on every module holding
+    params, registered after Megatron-FSDP's (which all-gather ZeRO-3's weights), record each
+    param as its module sees it. Names are those of Megatron-FSDP's main weights."""
+
+    def __init__(self, megatron_fsdp):
+        self.megatron_fsdp = megatron_fsdp
+        self.seen = {}
+        for prefix, module in megatron_fsdp.module.named_modules():
+            names = [name for name, _ in module.named_parameters(recurse=False)]
+            if names:
+                module.register_forward_pre_hook(functools.partial(self._record, prefix, names))
+
+    def _record(self, prefix, names, module, args):
+        for name in names:
+            self.seen[f"{prefix}.{name}" if prefix else name] = getattr(module, name).detach().clone()
+
+    def assert_main_weights(self, when: str):
+        """The last forward read the optimizer's main weights, bit for bit (collective)."""
+        main = dict(self.megatron_fsdp.param_and_grad_buffer.optimizer_named_parameters)
+        assert self.seen.keys() == main.keys(), when
+        stale = [name for name in sorted(main)
+                 if not torch.equal(self.seen[name], full_tensor(main[name], main[name]))]
+        assert not stale, f"{when}: the forward read stale weights for {stale}"

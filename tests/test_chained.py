@@ -15,6 +15,9 @@ class FakeMegatronFSDP:
     def install_optimized_model_weights(self):
         self.log.append(f"install {self.name}")
 
+    def start_param_sync(self, force_sync=False):
+        self.log.append(f"param sync {self.name}")
+
     def zero_grad_buffer(self):
         self.log.append(f"zero buffer {self.name}")
 
@@ -46,19 +49,21 @@ class FakeOptimizer:
         return {"state": "inner"}
 
 
-def test_step_syncs_then_steps_then_installs_once_per_chunk():
+def test_step_syncs_grads_steps_then_installs_and_syncs_params_once_per_chunk():
     log = []
     a, b = FakeMegatronFSDP(log, "a"), FakeMegatronFSDP(log, "b")
     opt = FSDPMuonChainedOptimizer(FakeOptimizer(log), [FakeCoreFSDPWrapper(a), b])
     assert opt.step() == (True, 1.5, None)
-    assert log == ["sync a", "sync b", "inner step", "install a", "install b"]
+    # As DistributedOptimizer: every chunk's weights installed, then every chunk's param sync.
+    assert log == ["sync a", "sync b", "inner step", "install a", "install b", "param sync a",
+                   "param sync b"]
 
 
 def test_auto_sync_models_are_not_synced_again():
     log = []
     opt = FSDPMuonChainedOptimizer(FakeOptimizer(log), [FakeMegatronFSDP(log, "a", auto_sync=True)])
     opt.step()
-    assert log == ["inner step", "install a"]
+    assert log == ["inner step", "install a", "param sync a"]
 
 
 def test_grads_synced_by_finalize_model_grads_are_not_reduced_twice():
@@ -68,7 +73,7 @@ def test_grads_synced_by_finalize_model_grads_are_not_reduced_twice():
     chunk.finish_grad_sync(force_all_reduce=False)  # what finalize_model_grads does
     opt.step()
     opt.step()  # the next step has no finalize before it: sync again
-    assert log == ["sync a", "inner step", "install a", "sync a", "inner step", "install a"]
+    assert log == ["sync a", "inner step", "install a", "param sync a"] * 2
 
 
 def test_failed_update_installs_nothing():

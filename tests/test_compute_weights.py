@@ -1,0 +1,58 @@
+"""What the next forward reads: after every step of the chain (a skipped one too) each module
+computes with the optimizer's main weights, for every sharding strategy, as megatron-core's own
+optimizer leaves the model. Under ZeRO-1/2 the compute weights are unsharded and a rank installs
+only its own rows: without the param sync the other rows stay stale and training goes wrong
+silently. (After a checkpoint load: test_checkpoint.)"""
+
+import pytest
+import torch
+
+from fsdp_models import STRATEGIES, ForwardReads
+from megatron_muon import get_megatron_optimizer
+from megatron_muon.chained import find_megatron_fsdp
+from megatron_muon.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
+
+STEPS, SKIPPED_STEP = 3, 1
+# (strategy, HSDP outer strategy or None, expert parallel, --overlap-grad-reduce and
+# --overlap-param-gather, finalize_model_grads syncs the grads before the step)
+PLAIN = [(strategy, None, 1, False, False) for strategy in STRATEGIES]
+OVERLAPPED = [(strategy, None, 1, True, True) for strategy in STRATEGIES]
+CASES = {
+    2: PLAIN + OVERLAPPED,
+    4: PLAIN + [("optim_grads_params", "no_shard", 1, True, True),
+                ("optim_grads_params", "optim", 1, True, True),
+                ("optim", None, 2, False, True), ("optim_grads", None, 2, True, False)],
+}
+
+
+def _forward_reads_main_weights(rank, world_size, case):
+    strategy, outer, expert_parallel, overlap, finalize = case
+    init_parallel_state(expert_parallel=expert_parallel, replicas=2 if outer else 1)
+    model = fsdp_gpt(strategy=strategy, outer_strategy=outer or "no_shard", overlap=overlap,
+                     num_experts=4 if expert_parallel > 1 else None)
+    reads = ForwardReads(find_megatron_fsdp(model))
+    optimizer = get_megatron_optimizer(optimizer_config(), [model])
+    for step in range(STEPS + 1):
+        optimizer.zero_grad()
+        with model.no_sync():  # as Megatron's schedules mark the last micro-batch
+            pass
+        loss = lm_loss(model, step, rank)
+        reads.assert_main_weights(f"{case} W={world_size} forward after {step} steps")
+        if step == STEPS:
+            return
+        if step == SKIPPED_STEP and rank == world_size - 1:
+            loss = loss * float("nan")  # every gradient non-finite: the step is skipped
+        loss.backward()
+        if finalize:
+            model.finish_grad_sync()
+        assert optimizer.step()[0] == (step != SKIPPED_STEP)
+
+
+def _every_case(rank, world_size):
+    for case in CASES[world_size]:
+        _forward_reads_main_weights(rank, world_size, case)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_next_forward_reads_the_main_weights(distributed, world_size):
+    distributed(_every_case, world_size)
