@@ -1,4 +1,15 @@
+"""Distributed tests on gloo. A test's function runs on every rank of a pool of worker processes,
+one pool per test module and world size: process start-up, imports and the process group are
+paid once per module and world size, not once per test. Modules do not share processes: what one
+leaves in its processes (megatron-core's process groups, megatron.training's CPU layer, which
+slows every torch call) stays out of the others'; when a module of tests ends, its pools close.
+(Idle workers are not free: every gloo process group keeps a thread that polls its sockets every
+10 ms, and torch never ends it.)"""
+
+import atexit
+import gc
 import os
+import queue
 import socket
 import sys
 import time
@@ -10,6 +21,14 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Megatron-FSDP's gloo collectives in backward sometimes lose a rank before any optimizer code
+# runs, and the others then lose their peer (once in 3 clean-clone CI runs of 99 tests, at W=4;
+# at W=3 as heap corruption). Such a run is repeated once, in fresh processes; any other
+# failure, a hang included, is final.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer")
+# How long the other ranks may take to report once one rank has failed or died.
+GRACE_SECONDS = 15
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -17,7 +36,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, errors, timeout):
+def _serve(rank, world_size, port, tasks, results):
+    """A worker: join the gloo group once, then run each task's function on this rank."""
     import faulthandler
 
     import torch
@@ -25,68 +45,130 @@ def _worker(rank, world_size, port, fn, args, errors, timeout):
 
     from megatron_muon.cpu import apply_cpu_compat
 
-    # A rank still running shortly before the test gives up prints where it is stuck.
-    faulthandler.dump_traceback_later(max(timeout - 10, 1), exit=False)
-
     apply_cpu_compat()
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        dist.destroy_process_group()
-        raise
-    # Every check has passed on this rank. Once all ranks are here, leave without gloo's
-    # teardown: once, after all assertions had passed, it aborted a rank ("terminate called
-    # without an active exception") and failed the test.
-    dist.barrier()
+    # Megatron-FSDP collects garbage whenever it builds a model: with the imports and what the
+    # earlier tests left frozen, a collection scans only the current test's objects.
+    gc.freeze()
+    while (task := tasks.get()) is not None:
+        fn, args, timeout = task
+        # A rank still running shortly before the test gives up prints where it is stuck.
+        faulthandler.dump_traceback_later(max(timeout - 10, 1), exit=False)
+        try:
+            fn(rank, world_size, *args)
+        except BaseException:
+            results.put((rank, f"rank {rank}:\n{traceback.format_exc()}"))
+            # Leave at once: the other ranks lose their peer and fail now, not at the deadline.
+            _leave(1, results)
+        faulthandler.cancel_dump_traceback_later()
+        gc.collect()
+        gc.freeze()
+        results.put((rank, None))
+    # Without gloo's teardown: once, after all assertions had passed, it aborted a rank
+    # ("terminate called without an active exception").
+    _leave(0, results)
+
+
+def _leave(code, results):
+    results.close()
+    results.join_thread()  # what was put reaches the parent
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
-# Megatron-FSDP's gloo collectives in backward sometimes lose a rank before any optimizer code
-# runs, and the others then lose their peer (once in 3 clean-clone CI runs of 99 tests, at W=4;
-# at W=3 as heap corruption). Such a run is repeated once; any other failure, a hang included,
-# is final.
-PEER_LOST = ("Connection reset by peer", "Connection closed by peer")
+class _Pool:
+    """`world_size` gloo ranks in worker processes, running one function at a time on all."""
+
+    def __init__(self, world_size):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, world_size, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, timeout):
+        """The first failure of running fn(rank, world_size, *args) on every rank, or None."""
+        for tasks in self.tasks:
+            tasks.put((fn, args, timeout))
+        deadline = time.monotonic() + timeout  # for all ranks together
+        finished, failures = set(), []
+        while len(finished) < self.world_size:
+            if failures or self._dead(finished):
+                deadline = min(deadline, time.monotonic() + GRACE_SECONDS)
+            try:
+                rank, failure = self.results.get(timeout=max(min(1.0, deadline - time.monotonic()), 0.01))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    break
+                continue
+            finished.add(rank)
+            if failure:
+                failures.append(failure)
+        if failures:
+            return failures[0]
+        dead = self._dead(finished)
+        if dead:
+            return f"ranks {dead} died (exit codes {[self.procs[r].exitcode for r in dead]})"
+        if len(finished) < self.world_size:
+            return (f"{self.world_size - len(finished)} of {self.world_size} ranks did not finish "
+                    f"within {timeout}s (deadlock?)")
+        return None
+
+    def _dead(self, finished):
+        return [r for r, p in enumerate(self.procs) if r not in finished and not p.is_alive()]
+
+    def close(self):
+        for tasks in self.tasks:
+            tasks.put(None)
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300):
-    """Run fn(rank, world_size, *args) on world_size gloo processes; re-raise the first failure."""
-    failure = _run_once(fn, world_size, args, timeout)
+_pools: dict[tuple[str, int], _Pool] = {}  # by test module and world size
+
+
+def close_pools(keep=lambda key: False):
+    """Close the worker pools (but those whose key `keep` accepts)."""
+    for key in [key for key in _pools if not keep(key)]:
+        _pools.pop(key).close()
+
+
+atexit.register(close_pools)
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300, fresh: bool = False):
+    """Run fn(rank, world_size, *args) on world_size gloo ranks; fail with the first failure.
+
+    The ranks are the pool of fn's module for this world size, so fn must leave nothing behind
+    that the module's next test could trip over (restore what it patches); `fresh` runs it in
+    processes of its own instead. A pool in which a run failed is discarded."""
+    failure = _run_once(fn, world_size, args, timeout, fresh)
     if failure and any(sign in failure for sign in PEER_LOST):
         warnings.warn(f"a rank lost its gloo peer; running again. First run:\n{failure}")
-        failure = _run_once(fn, world_size, args, timeout)
+        failure = _run_once(fn, world_size, args, timeout, fresh)
     if failure:
         pytest.fail(failure, pytrace=False)
 
 
-def _run_once(fn, world_size, args, timeout):
-    """The first failure of one run, or None."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors, timeout))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout  # for all ranks together
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    if not errors.empty():
-        return errors.get()
-    if hung:
-        return f"{len(hung)} of {world_size} ranks did not finish within {timeout}s (deadlock?)"
-    bad = [p.exitcode for p in procs if p.exitcode != 0]
-    if bad:
-        return f"ranks exited with codes {bad}"
-    return None
+def _run_once(fn, world_size, args, timeout, fresh):
+    key = (fn.__module__, world_size)
+    close_pools(keep=lambda other: other[0] == key[0])  # the other modules' tests are done
+    pool = _Pool(world_size) if fresh else _pools.pop(key, None) or _Pool(world_size)
+    failure = pool.run(fn, args, timeout)
+    if failure or fresh:
+        pool.close()
+    else:
+        _pools[key] = pool
+    return failure
 
 
 @pytest.fixture

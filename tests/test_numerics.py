@@ -1,6 +1,7 @@
 """Phase 2: ZeROTensorParallelMuon on real Megatron-FSDP equals single-device Muon bit for bit."""
 
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -108,7 +109,11 @@ def _count_newton_schulz(rank, world_size):
         calls.append(x.shape[0] if x.dim() == 3 else 1)
         return newton_schulz_tp(x, *args, **kwargs)
 
-    core_muon.newton_schulz_tp = counted
+    with mock.patch.object(core_muon, "newton_schulz_tp", counted):
+        _count_each_case(rank, world_size, calls)
+
+
+def _count_each_case(rank, world_size, calls):
     cases = [(strategy, outer, "owner", 1) for strategy, outer in
              (("optim_grads_params", None), ("no_shard", None), ("optim_grads_params", "no_shard"),
               ("optim_grads_params", "optim"))]
@@ -137,7 +142,6 @@ def test_owner_mode_runs_each_newton_schulz_once_across_ranks_and_replicas(distr
 
 
 def _count_traffic(rank, world_size):
-
     all_to_all_single = dist.all_to_all_single
     traffic = {"received": 0, "calls": 0}
 
@@ -146,7 +150,11 @@ def _count_traffic(rank, world_size):
         traffic["received"] += (sum(output_split_sizes) - output_split_sizes[rank]) * output.element_size()
         return all_to_all_single(output, input, output_split_sizes, input_split_sizes, **kwargs)
 
-    dist.all_to_all_single = counted
+    with mock.patch.object(dist, "all_to_all_single", counted):
+        _count_traffic_of_each_layout(rank, world_size, traffic)
+
+
+def _count_traffic_of_each_layout(rank, world_size, traffic):
     for unit_modules in (True, False):
         _, fsdp = make_models("optim_grads_params", world_size, unit_modules)
         matrices, _ = split_params(fsdp)

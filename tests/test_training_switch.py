@@ -55,7 +55,7 @@ def _switch(rank, world_size):
 
 
 def test_install_lets_megatron_validate_muon_on_megatron_fsdp_only(distributed):
-    distributed(_switch, 1)
+    distributed(_switch, 1, fresh=True)  # install() patches megatron.training for good
 
 
 def _inert_with_cuda():
