@@ -66,9 +66,9 @@ def _clipping_matches_unsharded(rank, world_size):
     expected = dict(unsharded.named_parameters())
     optimizer_of = {p: part.optimizer for part in reference.chained_optimizers
                     for group in part.optimizer.param_groups for p in group["params"]}
+    lrs = [reference.param_groups[0]["lr"]] * STEPS
     for name, p in named_main_weights(model):
         ref = expected[name.removeprefix("module.module.")]
-        lrs = [reference.param_groups[0]["lr"]] * STEPS
         if isinstance(optimizer_of[ref], torch.optim.Adam):
             allowed = adam_drift(lrs, 1, optimizer_of[ref].state[ref]["exp_avg_sq"], REORDERING)
         else:
