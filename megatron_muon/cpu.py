@@ -7,6 +7,7 @@ here runs when CUDA is available.
 """
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 
@@ -83,6 +84,14 @@ def _one_by_one(group=None, device=None, async_ops=False):
         torch.distributed.all_gather_into_tensor = all_gather
 
 
+def _reduce_without_premul_sum(gradient_reduce_preprocessing, grad_data, scaling_factor,
+                               ddp_config):
+    """gloo has no PREMUL_SUM, which Megatron-FSDP's default gradient_reduce_div_fusion reduces
+    with: scale the gradients first and sum, as Megatron-FSDP does with the fusion off."""
+    ddp_config = dataclasses.replace(ddp_config, gradient_reduce_div_fusion=False)
+    return gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config)
+
+
 _applied = False
 
 
@@ -111,6 +120,8 @@ def apply_cpu_compat() -> bool:
 
     for module in (buffers, core_buffers):
         module._coalescing_manager = _one_by_one
+        module.gradient_reduce_preprocessing = functools.partial(
+            _reduce_without_premul_sum, module.gradient_reduce_preprocessing)
     _applied = True
     return True
 
@@ -195,7 +206,7 @@ def apply_megatron_training_compat() -> bool:
 def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
     """Megatron sets up model parallelism only when it sees a GPU (initialize.py:358).
 
-    Start the process group here, then let Megatron's own code build the model-parallel groups
+    Start the (gloo) process group here, then let Megatron's own code build the model-parallel groups
     with a GPU presented (it only skips process-group setup, already done, and runs mpu init).
     """
     from megatron.core.tensor_parallel import random as tensor_parallel_random
@@ -203,8 +214,9 @@ def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
 
     megatron_args = get_args()
     if not torch.distributed.is_initialized():
+        # gloo whatever --distributed-backend says: NCCL needs GPUs.
         torch.distributed.init_process_group(
-            backend=megatron_args.distributed_backend, world_size=megatron_args.world_size,
+            backend='gloo', world_size=megatron_args.world_size,
             rank=megatron_args.rank,
             timeout=datetime.timedelta(minutes=megatron_args.distributed_timeout_minutes))
     device_count = torch.cuda.device_count

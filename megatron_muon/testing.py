@@ -75,7 +75,7 @@ def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=
     model = gpt(shape, num_experts)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True,
-        data_parallel_sharding_strategy=strategy, gradient_reduce_div_fusion=False,
+        data_parallel_sharding_strategy=strategy,
         overlap_grad_reduce=overlap, overlap_param_gather=overlap,
         num_distributed_optimizer_instances=parallel_state.get_data_parallel_world_size(
             with_context_parallel=True) // parallel_state.get_data_parallel_world_size(

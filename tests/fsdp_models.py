@@ -63,11 +63,9 @@ def fully_shard(module, strategy: str, world_size: int, unit_modules, outer: str
         mesh, hybrid_group = _hsdp_mesh(world_size)
         hsdp = dict(dp_outer_dim="dp_outer", outer_dp_sharding_strategy=outer,
                     hybrid_fsdp_group=hybrid_group)
-    fsdp = megatron_fsdp.fully_shard_model(
+    return megatron_fsdp.fully_shard_model(
         module, device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp", zero_dp_strategy=strategy,
         device=torch.device("cpu"), fsdp_unit_modules=unit_modules, **hsdp)
-    fsdp.ddp_config.gradient_reduce_div_fusion = False  # gloo has no PREMUL_SUM
-    return fsdp
 
 
 @functools.cache
