@@ -8,10 +8,8 @@ any Megatron flag given on the command line overrides them (e.g. `--optimizer ad
 """
 
 import functools
-from pathlib import Path
 
 import torch
-import megatron.core.datasets.utils
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -22,10 +20,7 @@ from megatron.training.arguments import parse_and_validate_args
 
 import megatron_muon.training
 from megatron_muon.arguments import add_muon_args
-from megatron_muon.cpu import apply_megatron_training_compat
 from synthetic_data import markov_chain_datasets
-
-ON_CPU = not torch.cuda.is_available()
 
 DEMO_DEFAULTS = dict(
     # Model: 4 layers, hidden 256, 4 heads, vocabulary 1024, sequences of 256 tokens.
@@ -40,9 +35,6 @@ DEMO_DEFAULTS = dict(
     ckpt_format='fsdp_dtensor',
     # Logging and evaluation: log every iteration, evaluate only at the end.
     log_interval=1, eval_interval=100, eval_iters=2, num_workers=0,
-    distributed_backend='gloo' if ON_CPU else 'nccl',
-    # gloo has no PREMUL_SUM: divide gradients apart from the reduction.
-    gradient_reduce_div_fusion=False,
     # Fused kernels that need apex/TransformerEngine, or torch.compile (a C++ toolchain) on CPU.
     gradient_accumulation_fusion=False, no_persist_layer_norm=True,
     bias_dropout_fusion=False, bias_gelu_fusion=False,
@@ -102,17 +94,8 @@ def forward_step(data_iterator, model):
     return output_tensor, functools.partial(loss_func, batch['loss_mask'])
 
 
-def use_prebuilt_dataset_helpers():
-    """The megatron-core wheel ships its dataset helpers built but no Makefile to build them with:
-    skip the build that initialize_megatron runs (it would exit), also on GPUs."""
-    if not (Path(megatron.core.datasets.utils.__file__).parent / 'Makefile').exists():
-        megatron.core.datasets.utils.compile_helpers = lambda: None
-
-
 def main():
-    apply_megatron_training_compat()  # Inert when CUDA is available.
-    use_prebuilt_dataset_helpers()
-    megatron_muon.training.install()
+    megatron_muon.training.install()  # Before Megatron parses its arguments.
     args = parse_and_validate_args(extra_args_provider=add_demo_args)
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)

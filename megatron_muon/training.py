@@ -9,14 +9,24 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   Muon on Megatron-FSDP lacks; every other combination is validated, and refused, as before;
 * routes megatron.training's optimizer factory to `megatron_muon.factory.get_megatron_optimizer`
   with `--muon-dist-mode` (training.py imports the name, so megatron.core.optimizer's attribute is
-  not the one it calls).
+  not the one it calls);
+* without CUDA, makes megatron.training run on CPU with gloo (megatron_muon.cpu; inert with CUDA);
+* lets a megatron-core whose dataset helper is already built start without a Makefile to build it
+  with: the wheel ships `helpers_cpp` built and no Makefile, and initialize_megatron's
+  `compile_helpers()` would exit. A source checkout (Makefile present) still builds, and a build
+  failure still stops the run.
 """
 
+import importlib.machinery
+from pathlib import Path
+
+import megatron.core.datasets.utils
 import megatron.training.arguments
 import megatron.training.training
 
 from megatron_muon import factory
 from megatron_muon.arguments import validate_muon_args
+from megatron_muon.cpu import apply_megatron_training_compat
 
 _megatron_validate_args = megatron.training.arguments.validate_args
 
@@ -46,7 +56,24 @@ def _get_megatron_optimizer(*args, **kwargs):
     return factory.get_megatron_optimizer(*args, muon_dist_mode=muon_dist_mode, **kwargs)
 
 
+def dataset_helper_is_prebuilt(datasets_dir: Path) -> bool:
+    """The wheel's layout: megatron.core.datasets holds the built helper and no Makefile."""
+    built = any((datasets_dir / f'helpers_cpp{suffix}').exists()
+                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+    return built and not (datasets_dir / 'Makefile').exists()
+
+
+def _skip_dataset_helper_build():
+    """Replaces compile_helpers where the helper is prebuilt (dataset_helper_is_prebuilt)."""
+
+
 def install() -> None:
-    """Point megatron.training's argument validation and optimizer factory at Muon-on-FSDP."""
+    """Point megatron.training's argument validation and optimizer factory at Muon-on-FSDP, and
+    let it start on this machine (CPU layer without CUDA, the wheel's prebuilt dataset helper)."""
+    apply_megatron_training_compat()
+    datasets = megatron.core.datasets.utils
+    if dataset_helper_is_prebuilt(Path(datasets.__file__).parent):
+        # initialize.py imports compile_helpers from the module when it runs: patch the module.
+        datasets.compile_helpers = _skip_dataset_helper_build
     megatron.training.arguments.validate_args = _validate_args
     megatron.training.training.get_megatron_optimizer = _get_megatron_optimizer

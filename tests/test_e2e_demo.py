@@ -1,5 +1,6 @@
 """End to end: examples/pretrain_gpt.py trains the demo GPT with megatron.training at W=2, and at
-W=4 with experts, tensor parallelism, HSDP and HFSDP."""
+W=4 with experts, tensor parallelism, HSDP and HFSDP; a script laid out like Megatron-LM's own
+pretrain_gpt.py trains with only the README's additions."""
 
 import functools
 import os
@@ -29,11 +30,12 @@ def no_idle_workers():
 
 
 def train(*flags: str, iterations: int = ITERATIONS, processes: int = 2,
-          logged: tuple[int, int] | None = None) -> list[float]:
-    """Run the demo; return the logged training losses (iterations `logged`, first and last:
-    1 to `iterations` unless the run resumes or exits early)."""
+          logged: tuple[int, int] | None = None, script: str = 'examples/pretrain_gpt.py'
+          ) -> list[float]:
+    """Run the demo (or `script`); return the logged training losses (iterations `logged`, first
+    and last: 1 to `iterations` unless the run resumes or exits early)."""
     run = subprocess.run(
-        [str(TORCHRUN), '--standalone', '--nproc-per-node', str(processes), 'examples/pretrain_gpt.py',
+        [str(TORCHRUN), '--standalone', '--nproc-per-node', str(processes), script,
          '--train-iters', str(iterations), '--eval-iters', '0', *flags],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, 'OMP_NUM_THREADS': '1'})
@@ -86,6 +88,33 @@ def test_every_sharding_strategy_trains_alike(optimizer):
     for strategy, losses in runs.items():
         assert losses == pytest.approx(zero3, rel=1e-5, abs=0), (strategy, losses, zero3)
     assert zero3[-1] < zero3[0] - 0.1, zero3
+
+
+# What the Megatron-LM-style script is told, as its user would: the demo's GPT and optimizer
+# settings without the demo's defaults, megatron-core's mock data, and what megatron-core without
+# apex or TransformerEngine needs on any machine (a torch LayerNorm, no gradient-accumulation
+# fusion). The jit fusions would compile with torch.compile, which on CPU takes seconds.
+MEGATRON_LM_STYLE_RUN = (
+    *SMALL, *NO_DROPOUT, '--num-attention-heads', '4', '--micro-batch-size', '4',
+    '--mock-data', '--vocab-size', '1024', '--transformer-impl', 'local',
+    '--optimizer', 'muon', '--lr', '3e-3', '--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor',
+    '--log-interval', '1', '--eval-interval', str(STRATEGY_ITERATIONS),
+    '--no-persist-layer-norm', '--no-gradient-accumulation-fusion',
+    '--no-bias-gelu-fusion', '--no-bias-dropout-fusion')
+
+
+def test_megatron_lm_style_script_trains_with_muon_on_every_sharding_strategy():
+    """tests/megatron_lm_style_pretrain_gpt.py parses its own arguments and calls pretrain() as
+    Megatron-LM's script does; with install() and add_muon_args chained into its provider (the
+    README's two additions) it trains, and every strategy computes the same training."""
+    runs = {strategy: train(*MEGATRON_LM_STYLE_RUN, '--data-parallel-sharding-strategy', strategy,
+                            iterations=STRATEGY_ITERATIONS,
+                            script='tests/megatron_lm_style_pretrain_gpt.py')
+            for strategy in STRATEGIES}
+    zero3 = runs['optim_grads_params']
+    for strategy, losses in runs.items():
+        assert losses == pytest.approx(zero3, rel=1e-5, abs=0), (strategy, losses, zero3)
+    assert zero3[-1] < zero3[0] - 0.3, zero3
 
 
 PARALLELISMS = {

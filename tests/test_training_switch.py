@@ -1,7 +1,9 @@
-"""megatron_muon.training.install() through megatron.training's own argument validation, and the
-CPU layer's inertness on a CUDA machine. Each check runs in a fresh interpreter: both patch
+"""megatron_muon.training.install() through megatron.training's own argument validation, its
+choice to build megatron-core's dataset helper or not, and the CPU layer's inertness on a CUDA
+machine. Each check runs in a fresh interpreter: both patch
 modules for the life of the process."""
 
+import importlib.machinery
 import sys
 
 import pytest
@@ -12,6 +14,8 @@ BASE_ARGV = ["pretrain", "--num-layers", "2", "--hidden-size", "64", "--num-atte
              "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
              "--no-gradient-accumulation-fusion", "--use-megatron-fsdp",
              "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]
+
+BUILT_HELPER = f"helpers_cpp{importlib.machinery.EXTENSION_SUFFIXES[0]}"
 
 
 def _validate(*flags):
@@ -31,16 +35,25 @@ def _refused(match, *flags):
         _validate(*flags)
 
 
-def _switch(rank, world_size):
-    from megatron_muon.cpu import apply_megatron_training_compat
-
-    apply_megatron_training_compat()
+def _switch(rank, world_size, checkout):
     _refused("Megatron-FSDP does not support the muon optimizer", "--optimizer", "muon")
+    import megatron.core.datasets.utils as datasets
     import megatron.training.training
 
     import megatron_muon.training
+    # In a Megatron-LM checkout (a Makefile beside the helper) the build runs, and a failing build
+    # still stops the run.
+    wheel_file, build = datasets.__file__, datasets.compile_helpers
+    datasets.__file__ = f"{checkout}/utils.py"
+    megatron_muon.training.install()
+    assert datasets.compile_helpers is build
+    with pytest.raises(SystemExit):
+        datasets.compile_helpers()  # make in the checkout: its Makefile fails
+    datasets.__file__ = wheel_file
     megatron_muon.training.install()
     megatron_muon.training.install()  # idempotent
+    # This venv has megatron-core's wheel: its helper is built, its Makefile absent.
+    assert datasets.compile_helpers is megatron_muon.training._skip_dataset_helper_build
     assert megatron.training.training.get_megatron_optimizer is megatron_muon.training._get_megatron_optimizer
     args = _validate("--optimizer", "muon")
     assert args.optimizer == "muon" and args.use_megatron_fsdp and args.muon_dist_mode == "owner"
@@ -54,8 +67,24 @@ def _switch(rank, world_size):
     _refused("Megatron-FSDP does not support the soap optimizer", "--optimizer", "soap")
 
 
-def test_install_lets_megatron_validate_muon_on_megatron_fsdp_only(distributed):
-    distributed(_switch, 1, fresh=True)  # install() patches megatron.training for good
+def test_install_lets_megatron_validate_muon_on_megatron_fsdp_only(distributed, tmp_path):
+    (tmp_path / "Makefile").write_text("all:\n\tfalse\n")
+    (tmp_path / BUILT_HELPER).touch()
+    distributed(_switch, 1, str(tmp_path), fresh=True)  # install() patches megatron.training for good
+
+
+@pytest.mark.parametrize("files, prebuilt", [
+    ([BUILT_HELPER], True),  # the wheel
+    ([BUILT_HELPER, "Makefile"], False),  # a checkout, built
+    (["Makefile", "helpers.cpp"], False),  # a checkout, not built yet
+    (["helpers.cpp"], False),  # nothing to build with, nothing built: the build fails, as before
+])
+def test_dataset_helper_is_prebuilt_only_in_the_wheels_layout(tmp_path, files, prebuilt):
+    from megatron_muon.training import dataset_helper_is_prebuilt
+
+    for name in files:
+        (tmp_path / name).touch()
+    assert dataset_helper_is_prebuilt(tmp_path) is prebuilt
 
 
 def _inert_with_cuda():
@@ -66,6 +95,9 @@ def _inert_with_cuda():
     from megatron_muon import cpu
 
     assert cpu.apply_cpu_compat() is False and cpu.apply_megatron_training_compat() is False
+    import megatron_muon.training
+
+    megatron_muon.training.install()
     assert torch.cuda.Stream is stream and torch.cuda.device_count is device_count
     assert torch.overrides._get_current_function_mode() is None
 
