@@ -6,6 +6,7 @@ silently. (After a checkpoint load: test_checkpoint.)"""
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
 from fsdp_models import STRATEGIES, ForwardReads
 from megatron_muon import get_megatron_optimizer
@@ -13,21 +14,23 @@ from megatron_muon.chained import find_megatron_fsdp
 from megatron_muon.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 
 STEPS, SKIPPED_STEP = 3, 1
-# (strategy, HSDP outer strategy or None, expert parallel, --overlap-grad-reduce and
-# --overlap-param-gather, finalize_model_grads syncs the grads before the step)
-PLAIN = [(strategy, None, 1, False, False) for strategy in STRATEGIES]
-OVERLAPPED = [(strategy, None, 1, True, True) for strategy in STRATEGIES]
+# (strategy, HSDP outer strategy or None, expert parallel, tensor parallel, --overlap-grad-reduce
+# and --overlap-param-gather, finalize_model_grads syncs the grads before the step)
+PLAIN = [(strategy, None, 1, 1, False, False) for strategy in STRATEGIES]
+OVERLAPPED = [(strategy, None, 1, 1, True, True) for strategy in STRATEGIES]
 CASES = {
     2: PLAIN + OVERLAPPED,
-    4: PLAIN + [("optim_grads_params", "no_shard", 1, True, True),
-                ("optim_grads_params", "optim", 1, True, True),
-                ("optim", None, 2, False, True), ("optim_grads", None, 2, True, False)],
+    4: PLAIN + [("optim_grads_params", "no_shard", 1, 1, True, True),
+                ("optim_grads_params", "optim", 1, 1, True, True),
+                ("optim", None, 2, 1, False, True), ("optim_grads", None, 2, 1, True, False),
+                ("optim", None, 1, 2, False, False), ("optim_grads_params", None, 1, 2, True, True)],
 }
 
 
 def _forward_reads_main_weights(rank, world_size, case):
-    strategy, outer, expert_parallel, overlap, finalize = case
-    init_parallel_state(expert_parallel=expert_parallel, replicas=2 if outer else 1)
+    strategy, outer, expert_parallel, tensor_parallel, overlap, finalize = case
+    init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel,
+                        replicas=2 if outer else 1)
     model = fsdp_gpt(strategy=strategy, outer_strategy=outer or "no_shard", overlap=overlap,
                      num_experts=4 if expert_parallel > 1 else None)
     reads = ForwardReads(find_megatron_fsdp(model))
@@ -36,7 +39,8 @@ def _forward_reads_main_weights(rank, world_size, case):
         optimizer.zero_grad()
         with model.no_sync():  # as Megatron's schedules mark the last micro-batch
             pass
-        loss = lm_loss(model, step, rank)
+        # Tensor-parallel ranks read the same batch: the batch follows the data-parallel rank.
+        loss = lm_loss(model, step, parallel_state.get_data_parallel_rank())
         reads.assert_main_weights(f"{case} W={world_size} forward after {step} steps")
         if step == STEPS:
             return
