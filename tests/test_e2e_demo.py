@@ -65,29 +65,44 @@ STRATEGIES = ('no_shard', 'optim', 'optim_grads', 'optim_grads_params')
 STRATEGY_ITERATIONS = 10
 
 
-def test_muon_on_zero3_matches_muon_on_the_unsharded_model():
-    """Megatron DDP with megatron-core's own Muon holds every matrix whole; the losses may differ
-    only by fp32 round-off (the gradient reductions add in another order)."""
-    sharded = train(*SMALL, '--optimizer', 'muon', iterations=COMPARED_ITERATIONS)
-    unsharded = train(*SMALL, '--optimizer', 'muon', '--no-use-megatron-fsdp', '--ckpt-format',
-                      'torch_dist', iterations=COMPARED_ITERATIONS)
-    assert sharded == pytest.approx(unsharded, rel=1e-5, abs=0), (sharded, unsharded)
-    assert sharded[-1] != sharded[0]  # the updates did change the model
+@pytest.fixture(scope='module')
+def strategy_runs(tmp_path_factory):
+    """The demo's losses by optimizer and sharding strategy (dropout off), each run once for the
+    tests below. Muon's ZeRO-3 run also saves a checkpoint every 3 iterations into
+    `strategy_runs.checkpoints`: the uninterrupted run the resume test compares with."""
+    checkpoints = tmp_path_factory.mktemp('uninterrupted')
+
+    @functools.cache
+    def losses(optimizer, strategy):
+        saves = (('--save', str(checkpoints), '--save-interval', '3')
+                 if (optimizer, strategy) == ('muon', 'optim_grads_params') else ())
+        return train(*SMALL, *NO_DROPOUT, '--optimizer', optimizer,
+                     '--data-parallel-sharding-strategy', strategy, *saves,
+                     iterations=STRATEGY_ITERATIONS)
+
+    losses.checkpoints = checkpoints
+    return losses
 
 
 @pytest.mark.parametrize('optimizer', ['muon', 'adam'])
-def test_every_sharding_strategy_trains_alike(optimizer):
+def test_every_sharding_strategy_trains_alike(strategy_runs, optimizer):
     """no_shard and ZeRO-1/2/3 compute the same training: every forward reads the weights the
     last step made (under ZeRO-1/2 only after the step's param sync), so the losses agree up to
     fp32 round-off. megatron-core's Adam on Megatron-FSDP is the comparison for Muon's chain."""
-    runs = {strategy: train(*SMALL, *NO_DROPOUT, '--optimizer', optimizer,
-                            '--data-parallel-sharding-strategy', strategy,
-                            iterations=STRATEGY_ITERATIONS)
-            for strategy in STRATEGIES}
-    zero3 = runs['optim_grads_params']
-    for strategy, losses in runs.items():
+    zero3 = strategy_runs(optimizer, 'optim_grads_params')
+    for strategy in STRATEGIES:
+        losses = strategy_runs(optimizer, strategy)
         assert losses == pytest.approx(zero3, rel=1e-5, abs=0), (strategy, losses, zero3)
     assert zero3[-1] < zero3[0] - 0.1, zero3
+
+
+def test_muon_on_zero3_matches_muon_on_the_unsharded_model(strategy_runs):
+    """Megatron DDP with megatron-core's own Muon holds every matrix whole; the losses may differ
+    only by fp32 round-off (the gradient reductions add in another order)."""
+    sharded = strategy_runs('muon', 'optim_grads_params')
+    unsharded = train(*SMALL, *NO_DROPOUT, '--optimizer', 'muon', '--no-use-megatron-fsdp',
+                      '--ckpt-format', 'torch_dist', iterations=STRATEGY_ITERATIONS)
+    assert sharded == pytest.approx(unsharded, rel=1e-5, abs=0), (sharded, unsharded)
 
 
 # What the Megatron-LM-style script is told, as its user would: the demo's GPT and optimizer
@@ -158,18 +173,19 @@ def _model_and_optimizer(checkpoint: Path, tmp_path: Path) -> dict:
     return tensors
 
 
-def test_demo_resumes_from_its_checkpoint_bit_identically(tmp_path):
+def test_demo_resumes_from_its_checkpoint_bit_identically(strategy_runs, tmp_path):
     """--save/--save-interval/--exit-interval stop a run at iteration 3; --load resumes it. At
-    iteration 6 its model and optimizer (momentum, Adam's moments, step) equal the uninterrupted
-    run's bit for bit. Dropout off: on CPU it draws from the CPU generator, which the resumed run
-    does not find where the uninterrupted one was (Megatron's RNG restore; the weights are ours)."""
-    flags = (*SMALL, *NO_DROPOUT, '--save-interval', '3')
-    whole, resumed = tmp_path / 'whole', tmp_path / 'resumed'
-    train(*flags, '--save', str(whole), iterations=6)
-    train(*flags, '--save', str(resumed), '--exit-interval', '3', iterations=6, logged=(1, 3))
-    train(*flags, '--save', str(resumed), '--load', str(resumed), iterations=6, logged=(4, 6))
-    expected = _model_and_optimizer(whole / 'iter_0000006', tmp_path)
-    got = _model_and_optimizer(resumed / 'iter_0000006', tmp_path)
+    iteration 6 its model and optimizer (momentum, Adam's moments, step) equal those of the
+    uninterrupted run (strategy_runs) bit for bit. Dropout off: on CPU it draws from the CPU
+    generator, which the resumed run does not find where the uninterrupted one was (Megatron's
+    RNG restore; the weights are ours)."""
+    strategy_runs('muon', 'optim_grads_params')
+    flags = (*SMALL, *NO_DROPOUT, '--save', str(tmp_path / 'resumed'), '--save-interval', '3')
+    train(*flags, '--exit-interval', '3', iterations=STRATEGY_ITERATIONS, logged=(1, 3))
+    train(*flags, '--load', str(tmp_path / 'resumed'), '--exit-interval', '6',
+          iterations=STRATEGY_ITERATIONS, logged=(4, 6))
+    expected = _model_and_optimizer(strategy_runs.checkpoints / 'iter_0000006', tmp_path)
+    got = _model_and_optimizer(tmp_path / 'resumed' / 'iter_0000006', tmp_path)
     assert got.keys() == expected.keys()
     assert any('momentum_buffer' in key for key in got)
     different = [key for key in expected if not torch.equal(got[key], expected[key])]
