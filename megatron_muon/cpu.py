@@ -206,8 +206,9 @@ def apply_megatron_training_compat() -> bool:
 def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
     """Megatron sets up model parallelism only when it sees a GPU (initialize.py:358).
 
-    Start the (gloo) process group here, then let Megatron's own code build the model-parallel groups
-    with a GPU presented (it only skips process-group setup, already done, and runs mpu init).
+    Start the (gloo) process group here, then let Megatron's own code build the model-parallel
+    groups with a GPU presented (it only skips process-group setup, already done, and runs mpu
+    init).
     """
     from megatron.core.tensor_parallel import random as tensor_parallel_random
     from megatron.training import get_args
