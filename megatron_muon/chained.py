@@ -107,13 +107,15 @@ class FSDPMuonChainedOptimizer:
         skip the step together (a rank skipping alone would leave the others waiting in its
         collectives) and parameters, momentum and Adam's moments stay as they were."""
         nonfinite = []  # one flag tensor per grad: a single host sync below, not one per param
+        device = torch.device("cpu")  # without params (stand-ins in tests)
         for group in self.optimizer.param_groups:
             for p in group["params"]:
+                device = p.to_local().device if isinstance(p, DTensor) else p.device
                 grad = p.grad if p.grad is not None else getattr(p, "main_grad", None)
                 if grad is not None:
                     grad = grad.to_local() if isinstance(grad, DTensor) else grad
                     nonfinite.append(torch.isfinite(grad).all().logical_not())
-        flag = torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
+        flag = torch.zeros(1, device=device)  # on the params' device, as their process group's
         if nonfinite:
             flag[0] = torch.stack(nonfinite).any()
         if dist.is_initialized():
@@ -155,7 +157,8 @@ class FSDPMuonChainedOptimizer:
         for name, p, part, _ in self._named_params():
             sections[self._section(part)][name] = {
                 key: value for key, value in part.optimizer.state[p].items() if key != "step"}
-        return {**sections, "step": torch.tensor(self._successful_steps)}
+        # The step count is host metadata, the same for every rank and device.
+        return {**sections, "step": torch.tensor(self._successful_steps, device="cpu")}
 
     @staticmethod
     def _section(part) -> str:

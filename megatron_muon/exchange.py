@@ -8,11 +8,12 @@ import torch.distributed as dist
 from .plan import Matrix, RowLayout, gather_segments, scatter_segments
 
 
-def all_gather_ints(values: list[int], group) -> list[list[int]]:
-    """Every rank's list of as many ints (e.g. its row counts), rank-major (one collective)."""
+def all_gather_ints(values: list[int], group, device: torch.device) -> list[list[int]]:
+    """Every rank's list of as many ints (e.g. its row counts), rank-major (one collective).
+    `device`: the group's (CUDA for NCCL, CPU for gloo), e.g. that of the params it describes."""
     world = dist.get_world_size(group)
-    local = torch.tensor(values, dtype=torch.int64)
-    table = torch.empty(world * len(values), dtype=torch.int64)
+    local = torch.tensor(values, dtype=torch.int64, device=device)
+    table = torch.empty(world * len(values), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(table, local, group=group)
     return table.view(world, len(values)).tolist()
 

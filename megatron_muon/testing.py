@@ -94,7 +94,8 @@ def optimizer_config(optimizer="muon", **overrides):
 def lm_loss(model, step, rank, shape: GPTShape = TINY):
     """Mean LM loss on a random batch fixed by (step, rank)."""
     g = torch.Generator().manual_seed(100 * step + rank)
-    return loss_on(model, torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq), generator=g))
+    return loss_on(model, torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq), generator=g,
+                                        device="cpu"))
 
 
 GLOBAL_BATCH = 4  # sequences
@@ -104,17 +105,19 @@ def global_batch_loss(model, step, rank, world_size, shape: GPTShape = TINY):
     """Mean LM loss on this rank's slice of a global batch fixed by step (GLOBAL_BATCH
     sequences): the same data, hence the same mean gradient, at world sizes 1, 2 and 4."""
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, shape.vocab, (GLOBAL_BATCH, shape.seq), generator=g)
+    tokens = torch.randint(0, shape.vocab, (GLOBAL_BATCH, shape.seq), generator=g, device="cpu")
     per_rank = len(tokens) // world_size
     return loss_on(model, tokens[rank * per_rank:(rank + 1) * per_rank])
 
 
 def loss_on(model, tokens):
-    """Mean next-token loss of `model` on a batch of token sequences."""
+    """Mean next-token loss of `model` on a batch of token sequences (drawn on the CPU, so every
+    machine trains on the same ones)."""
     batch, seq = tokens.shape
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
-    mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool)).logical_not().view(1, 1, seq, seq)
     device = next(model.parameters()).device
-    tokens, position_ids, mask = tokens.to(device), position_ids.to(device), mask.to(device)
+    tokens = tokens.to(device)
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+    mask = torch.tril(torch.ones(seq, seq, dtype=torch.bool, device=device)).logical_not().view(
+        1, 1, seq, seq)
     losses = model(tokens, position_ids, mask, labels=torch.roll(tokens, -1, dims=1))
     return losses.float().mean()

@@ -237,7 +237,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for (exchange_group, _), params in by_group.items():
             table = all_gather_ints(
                 [_shard_index(params[0])] + [_as_rows(p.to_local()).shape[0] for p in params],
-                exchange_group)
+                exchange_group, params[0].to_local().device)
             layouts = row_layouts([row[0] for row in table], [row[1:] for row in table],
                                   [_tp_local_rows(p) for p in params])
             rank = dist.get_rank(exchange_group)
@@ -366,10 +366,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def _batched_is_exact(self, p, shape, batch_key) -> bool:
         """Whether batched Newton-Schulz reproduces the per-matrix bits for this shape here: the
         backend may pick other kernels for 3-D input (seen on CPU for 7x13, not for 256x1024).
-        Checked once per shape and orthogonalization on random input."""
+        Checked once per shape and orthogonalization, on random input on the params' device
+        (where the kernels that matter run; on a GPU the check costs milliseconds)."""
         key = (tuple(shape), batch_key)
         if key not in self._batched_ns_exact:
-            sample = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
+            device = p.to_local().device
+            sample = torch.randn((2, *shape), device=device,
+                                 generator=torch.Generator(device).manual_seed(0))
             attrs = _ParamAttributes(p)
             batched = self.orthogonalize(attrs, sample)
             single = torch.stack([self.orthogonalize(attrs, m) for m in sample])

@@ -12,7 +12,7 @@ ROWS = [[3, 0, 5], [0, 0, 1], [2, 4, 0], [0, 1, 1]]  # rows[rank][matrix]
 
 def _gather(rank, world_size):
     rows = [r[:] for r in ROWS[:world_size]]
-    table = all_gather_ints(rows[rank], dist.group.WORLD)
+    table = all_gather_ints(rows[rank], dist.group.WORLD, torch.device("cpu"))
     assert table == rows
     layouts = row_layouts(range(world_size), table, [sum(col) for col in zip(*rows)])
     for matrix, layout in enumerate(layouts):
