@@ -20,6 +20,14 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+# This suite is gloo on CPU everywhere, also on a machine with GPUs (where it would otherwise
+# build its models on CUDA and start several ranks on one GPU): CUDA stays hidden from it and
+# from every process it starts. The header says so.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_report_header():
+    return "distributed tests: gloo on CPU (CUDA_VISIBLE_DEVICES='' hides any GPU)"
 
 # Megatron-FSDP's gloo collectives in backward sometimes lose a rank before any optimizer code
 # runs, and the others then lose their peer (once in 3 clean-clone CI runs of 99 tests, at W=4;
