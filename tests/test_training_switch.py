@@ -110,3 +110,17 @@ def test_cpu_layer_changes_nothing_when_cuda_is_available():
     proc.start()
     proc.join(120)
     assert proc.exitcode == 0
+
+
+def test_the_top_level_arguments_module_is_the_packages():
+    import importlib.util
+    from pathlib import Path
+
+    import megatron_muon.arguments
+
+    spec = importlib.util.spec_from_file_location(
+        "top_level_arguments", Path(__file__).resolve().parents[1] / "arguments.py")
+    top_level = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(top_level)
+    assert top_level.add_muon_args is megatron_muon.arguments.add_muon_args
+    assert top_level.validate_muon_args is megatron_muon.arguments.validate_muon_args
