@@ -35,8 +35,9 @@ DEMO_DEFAULTS = dict(
     ckpt_format='fsdp_dtensor',
     # Logging and evaluation: log every iteration, evaluate only at the end.
     log_interval=1, eval_interval=100, eval_iters=2, num_workers=0,
-    # Fused kernels that need apex/TransformerEngine, or torch.compile (a C++ toolchain) on CPU.
-    gradient_accumulation_fusion=False, no_persist_layer_norm=True,
+    # Fused kernels that need apex/TransformerEngine (the masked softmax one is used in bf16 and
+    # its extension is built only with them), or torch.compile (a C++ toolchain) on CPU.
+    gradient_accumulation_fusion=False, no_persist_layer_norm=True, masked_softmax_fusion=False,
     bias_dropout_fusion=False, bias_gelu_fusion=False,
 )
 
