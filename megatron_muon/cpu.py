@@ -6,6 +6,7 @@ further asks for CUDA tensors, RNG states and devices (apply_megatron_training_c
 here runs when CUDA is available.
 """
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -203,6 +204,15 @@ def apply_megatron_training_compat() -> bool:
     return True
 
 
+def _destroy_process_groups():
+    """At exit, while the interpreter is whole: megatron.training leaves its groups alive, and
+    gloo's threads may still hold work whose tensors Python owns; freeing those during the
+    interpreter's finalization aborted ranks after finished runs ("terminate called without an
+    active exception"; pytorch/pytorch#179291 describes the mechanism)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
     """Megatron sets up model parallelism only when it sees a GPU (initialize.py:358).
 
@@ -220,6 +230,7 @@ def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
             backend='gloo', world_size=megatron_args.world_size,
             rank=megatron_args.rank,
             timeout=datetime.timedelta(minutes=megatron_args.distributed_timeout_minutes))
+        atexit.register(_destroy_process_groups)
     device_count = torch.cuda.device_count
     torch.cuda.device_count = lambda: 1
     try:
