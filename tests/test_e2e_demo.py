@@ -1,21 +1,29 @@
 """End to end: examples/pretrain_gpt.py trains the demo GPT with megatron.training at W=2, and at
 W=4 with experts, tensor parallelism, HSDP and HFSDP; a script laid out like Megatron-LM's own
-pretrain_gpt.py trains with only the README's additions."""
+pretrain_gpt.py trains with only the README's additions.
+
+One test launches the demo with torchrun, as `make demo` does. The others run each rank of a
+script as torchrun would (its environment variables, the script as __main__) in a fresh process
+forked from the suite's server, which has imported torch and megatron once: a torchrun launch
+spent about half of its 15 s in the same imports, over again in every process."""
 
 import functools
 import os
 import re
+import runpy
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import close_pools
+from conftest import close_pools, run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
+DEMO = 'examples/pretrain_gpt.py'
 TORCHRUN = Path(sys.executable).with_name('torchrun')
 ITERATIONS = 25
 COMPARED_ITERATIONS = 4  # the loss of iteration 4 is the first to see the third update
@@ -25,25 +33,60 @@ ITERATION_LOSS = re.compile(r' iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([-+.\dE
 
 @pytest.fixture(autouse=True, scope="module")
 def no_idle_workers():
-    """The other tests' idle gloo workers would take CPU from torchrun's processes (conftest)."""
+    """The other modules' idle gloo workers would take CPU from these runs (conftest)."""
     close_pools()
 
 
-def train(*flags: str, iterations: int = ITERATIONS, processes: int = 2,
-          logged: tuple[int, int] | None = None, script: str = 'examples/pretrain_gpt.py'
-          ) -> list[float]:
-    """Run the demo (or `script`); return the logged training losses (iterations `logged`, first
-    and last: 1 to `iterations` unless the run resumes or exits early)."""
+def _logged_losses(log: str, first: int, last: int) -> list[float]:
+    losses = {int(i): float(loss) for i, loss in ITERATION_LOSS.findall(log)}
+    assert sorted(losses) == list(range(first, last + 1)), log[-3000:]
+    return [losses[i] for i in sorted(losses)]
+
+
+def torchrun(*flags: str, iterations: int = ITERATIONS) -> list[float]:
+    """Launch the demo with torchrun at W=2; return its training losses."""
     run = subprocess.run(
-        [str(TORCHRUN), '--standalone', '--nproc-per-node', str(processes), script,
+        [str(TORCHRUN), '--standalone', '--nproc-per-node', '2', DEMO,
          '--train-iters', str(iterations), '--eval-iters', '0', *flags],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert run.returncode == 0, f'training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}'
-    losses = {int(i): float(loss) for i, loss in ITERATION_LOSS.findall(run.stdout)}
+    return _logged_losses(run.stdout, 1, iterations)
+
+
+def _run_as_torchrun_would(rank, world_size, argv, log_dir):
+    """This rank of `torchrun --nproc-per-node world_size argv...` (the pool's worker has set
+    MASTER_ADDR/MASTER_PORT and joined the gloo group, which megatron.training then adopts);
+    stdout and stderr go to log_dir/<rank>.log."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    os.chdir(REPO)
+    log = os.open(f'{log_dir}/{rank}.log', os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    script = str(REPO / argv[0])
+    sys.path.insert(0, os.path.dirname(script))
+    sys.argv = [script, *argv[1:]]
+    try:
+        runpy.run_path(script, run_name='__main__')
+    except SystemExit as exit:  # --exit-interval ends the run with sys.exit(0)
+        if exit.code not in (None, 0):
+            raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def train(*flags: str, iterations: int = ITERATIONS, processes: int = 2,
+          logged: tuple[int, int] | None = None, script: str = DEMO) -> list[float]:
+    """Run the demo (or `script`) on `processes` ranks; return the logged training losses
+    (iterations `logged`, first and last: 1 to `iterations` unless the run resumes or exits
+    early). Megatron logs them on the last rank."""
+    log_dir = Path(tempfile.mkdtemp(prefix='e2e-'))
+    argv = [script, '--train-iters', str(iterations), '--eval-iters', '0', *flags]
+    run_distributed(_run_as_torchrun_would, processes, argv, str(log_dir), timeout=600, fresh=True)
     first, last = logged or (1, iterations)
-    assert sorted(losses) == list(range(first, last + 1)), run.stdout[-3000:]
-    return [losses[i] for i in sorted(losses)]
+    return _logged_losses((log_dir / f'{processes - 1}.log').read_text(), first, last)
 
 
 def assert_loss_falls(losses: list[float]) -> None:
@@ -54,7 +97,7 @@ def assert_loss_falls(losses: list[float]) -> None:
 
 def test_muon_on_megatron_fsdp_loss_falls():
     """The default: --optimizer muon through megatron_muon.training's switch and factory."""
-    assert_loss_falls(train('--optimizer', 'muon'))
+    assert_loss_falls(torchrun('--optimizer', 'muon'))
 
 
 # A smaller GPT than the demo's for the comparisons below: they test the sharding, not the model.
@@ -108,12 +151,13 @@ def test_muon_on_zero3_matches_muon_on_the_unsharded_model(strategy_runs):
 # What the Megatron-LM-style script is told, as its user would: the demo's GPT and optimizer
 # settings without the demo's defaults, megatron-core's mock data, and what megatron-core without
 # apex or TransformerEngine needs on any machine (a torch LayerNorm, no gradient-accumulation
-# fusion). The jit fusions would compile with torch.compile, which on CPU takes seconds.
+# fusion). The jit fusions would compile with torch.compile, which on CPU takes seconds. The ranks
+# run in the suite's (daemonic) worker processes, which may not start DataLoader workers.
 MEGATRON_LM_STYLE_RUN = (
     *SMALL, *NO_DROPOUT, '--num-attention-heads', '4', '--micro-batch-size', '4',
     '--mock-data', '--vocab-size', '1024', '--transformer-impl', 'local',
     '--optimizer', 'muon', '--lr', '3e-3', '--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor',
-    '--log-interval', '1', '--eval-interval', str(STRATEGY_ITERATIONS),
+    '--log-interval', '1', '--eval-interval', str(STRATEGY_ITERATIONS), '--num-workers', '0',
     '--no-persist-layer-norm', '--no-gradient-accumulation-fusion',
     '--no-bias-gelu-fusion', '--no-bias-dropout-fusion')
 
