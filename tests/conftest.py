@@ -22,12 +22,14 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 # This suite is gloo on CPU everywhere, also on a machine with GPUs (where it would otherwise
 # build its models on CUDA and start several ranks on one GPU): CUDA stays hidden from it and
-# from every process it starts. The header says so.
+# from every process it starts. It says so first, also under -q.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
-def pytest_report_header():
-    return "distributed tests: gloo on CPU (CUDA_VISIBLE_DEVICES='' hides any GPU)"
+def pytest_sessionstart(session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("gloo on CPU: CUDA_VISIBLE_DEVICES='' hides any GPU from these tests")
 
 # Megatron-FSDP's gloo collectives in backward sometimes lose a rank before any optimizer code
 # runs, and the others then lose their peer (once in 3 clean-clone CI runs of 99 tests, at W=4;
