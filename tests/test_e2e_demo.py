@@ -82,11 +82,12 @@ def train(*flags: str, iterations: int = ITERATIONS, processes: int = 2,
     """Run the demo (or `script`) on `processes` ranks; return the logged training losses
     (iterations `logged`, first and last: 1 to `iterations` unless the run resumes or exits
     early). Megatron logs them on the last rank."""
-    log_dir = Path(tempfile.mkdtemp(prefix='e2e-'))
     argv = [script, '--train-iters', str(iterations), '--eval-iters', '0', *flags]
-    run_distributed(_run_as_torchrun_would, processes, argv, str(log_dir), timeout=600, fresh=True)
+    with tempfile.TemporaryDirectory(prefix='e2e-') as log_dir:
+        run_distributed(_run_as_torchrun_would, processes, argv, log_dir, timeout=600, fresh=True)
+        log = (Path(log_dir) / f'{processes - 1}.log').read_text()
     first, last = logged or (1, iterations)
-    return _logged_losses((log_dir / f'{processes - 1}.log').read_text(), first, last)
+    return _logged_losses(log, first, last)
 
 
 def assert_loss_falls(losses: list[float]) -> None:
