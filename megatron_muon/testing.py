@@ -42,9 +42,11 @@ def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1, repl
     layout = (torch.distributed.get_world_size(), expert_parallel, tensor_parallel, replicas)
     if layout != _parallel_layout or not parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                                 expert_model_parallel_size=expert_parallel,
-                                                 num_distributed_optimizer_instances=replicas)
+        # A fake process group (no data moves) cannot back megatron-core's extra gloo groups.
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel,
+            num_distributed_optimizer_instances=replicas,
+            create_gloo_process_groups=torch.distributed.get_backend() != "fake")
         _parallel_layout = layout
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     tp_random.model_parallel_cuda_manual_seed(123)

@@ -2,13 +2,18 @@
 
 import copy
 import functools
+from types import SimpleNamespace
 
 import megatron_fsdp
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+from megatron.core.utils import unwrap_model
+from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+from megatron_muon.chained import find_megatron_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -132,3 +137,25 @@ class ForwardReads:
         stale = [name for name in sorted(main)
                  if not torch.equal(self.seen[name], full_tensor(main[name], main[name]))]
         assert not stale, f"{when}: the forward read stale weights for {stale}"
+
+
+def checkpoint_state(model, optimizer, is_loading):
+    """What megatron.training saves and loads in the fsdp_dtensor format (generate_state_dict,
+    then preprocess_fsdp_dtensor_state_dict: global expert keys and uneven-DTensor chunks)."""
+    state = {"model": unwrap_model(model).state_dict_for_save_checkpoint(),
+             "optimizer": optimizer.sharded_state_dict({}, is_loading=is_loading)}
+    args = SimpleNamespace(swiglu=False, num_experts=model.config.num_moe_experts)
+    return state, preprocess_fsdp_dtensor_state_dict(args, state, model)
+
+
+def save_checkpoint(model, optimizer, path):
+    dcp.save(checkpoint_state(model, optimizer, is_loading=False)[1], checkpoint_id=path)
+
+
+def load_checkpoint(model, optimizer, path):
+    raw, preprocessed = checkpoint_state(model, optimizer, is_loading=True)
+    dcp.load(preprocessed, checkpoint_id=path)  # in place, into the tensors of `raw`
+    # megatron.training then calls the model's load_state_dict, whose Megatron-FSDP post-load hook
+    # installs the loaded main weights as the weights the model computes with.
+    find_megatron_fsdp(model).install_optimized_model_weights()
+    optimizer.load_state_dict(raw["optimizer"])

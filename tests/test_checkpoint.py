@@ -1,18 +1,13 @@
 """Checkpoints in Megatron's fsdp_dtensor format (DCP): a resumed run continues bit-identically,
 and a checkpoint saved at one world size loads at another with the optimizer state intact."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
-from megatron.core.utils import unwrap_model
-from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.tensor import DTensor
 
 from conftest import run_distributed
-from fsdp_models import ForwardReads, full_tensor
+from fsdp_models import ForwardReads, full_tensor, load_checkpoint, save_checkpoint
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.chained import find_megatron_fsdp, named_main_weights
 from megatron_muon.testing import (GLOBAL_BATCH, TINY, fsdp_gpt, global_batch_loss,
@@ -52,28 +47,6 @@ def _train(model, optimizer, steps, rank, world_size, reads=None):
             reads.assert_main_weights(f"{model.ddp_config.data_parallel_sharding_strategy}: forward of step {step}")
         loss.backward()
         assert optimizer.step()[0]
-
-
-def _checkpoint_state(model, optimizer, is_loading):
-    """What megatron.training saves and loads in the fsdp_dtensor format (generate_state_dict,
-    then preprocess_fsdp_dtensor_state_dict: global expert keys and uneven-DTensor chunks)."""
-    state = {"model": unwrap_model(model).state_dict_for_save_checkpoint(),
-             "optimizer": optimizer.sharded_state_dict({}, is_loading=is_loading)}
-    args = SimpleNamespace(swiglu=False, num_experts=model.config.num_moe_experts)
-    return state, preprocess_fsdp_dtensor_state_dict(args, state, model)
-
-
-def _save(model, optimizer, path):
-    dcp.save(_checkpoint_state(model, optimizer, is_loading=False)[1], checkpoint_id=path)
-
-
-def _load(model, optimizer, path):
-    raw, preprocessed = _checkpoint_state(model, optimizer, is_loading=True)
-    dcp.load(preprocessed, checkpoint_id=path)  # in place, into the tensors of `raw`
-    # megatron.training then calls the model's load_state_dict, whose Megatron-FSDP post-load hook
-    # installs the loaded main weights as the weights the model computes with.
-    find_megatron_fsdp(model).install_optimized_model_weights()
-    optimizer.load_state_dict(raw["optimizer"])
 
 
 def _tensors(model, optimizer):
@@ -123,7 +96,7 @@ def _run_and_save(rank, world_size, cases, tmp):
     for case in cases:
         model, optimizer = _build(case)
         _train(model, optimizer, range(1, SAVED_AT + 1), rank, world_size)
-        _save(model, optimizer, f"{tmp}/{case}-w{world_size}")
+        save_checkpoint(model, optimizer, f"{tmp}/{case}-w{world_size}")
         if CASES[case][2] is None:  # with expert parallelism ranks hold different experts
             _assert_every_rank_holds_the_same_state_keys(optimizer, world_size)
         at_save = _snapshot(model, optimizer)
@@ -182,7 +155,7 @@ def _resume_bit_identical(rank, world_size, tmp):
         _train(model, optimizer, [1], rank, world_size)  # state to be replaced, not kept
         _assert_preparing_a_load_changes_nothing(model, optimizer)
         _assert_a_checkpoint_without_a_params_state_is_refused(model, optimizer)
-        _load(model, optimizer, f"{tmp}/{case}-w{world_size}")
+        load_checkpoint(model, optimizer, f"{tmp}/{case}-w{world_size}")
         # The first forward after the load reads the loaded weights, though this process had
         # gathered ZeRO-1/2's compute weights before.
         _train(model, optimizer, range(SAVED_AT + 1, LAST + 1), rank, world_size, reads)
@@ -201,7 +174,7 @@ def _resume_resharded(rank, world_size, tmp, saved_world_size):
     for case in RESHARDED:
         records = _records(tmp, case, saved_world_size)
         model, optimizer = _build(case)
-        _load(model, optimizer, f"{tmp}/{case}-w{saved_world_size}")
+        load_checkpoint(model, optimizer, f"{tmp}/{case}-w{saved_world_size}")
         loaded, saved = _whole_tensors(model, optimizer), _whole(records, "saved")
         for name, t in loaded.items():  # params, momentum, Adam's moments and steps
             assert torch.equal(t, saved[name]), (case, name)

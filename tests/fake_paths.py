@@ -1,0 +1,56 @@
+"""The multi-rank code paths, run by every rank under fake_ranks (no float data moves): what they
+must not do is hand a collective a tensor off the ranks' device, or fail; the numbers are not
+checked here (the gloo suite does that)."""
+
+from fsdp_models import load_checkpoint, save_checkpoint
+from megatron_muon import get_megatron_optimizer
+from megatron_muon.chained import named_main_weights
+from megatron_muon.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
+
+# (name, sharding strategy, Muon dist mode, experts, HSDP replicas, minimum world size)
+CASES = [
+    ("zero3-owner", "optim_grads_params", "owner", None, 1, 2),
+    ("zero3-allgather", "optim_grads_params", "allgather", None, 1, 2),
+    ("zero1-owner", "optim", "owner", None, 1, 2),
+    ("no_shard-owner", "no_shard", "owner", None, 1, 2),
+    ("experts", "optim_grads_params", "owner", 4, 1, 2),
+    ("hsdp", "optim_grads_params", "owner", None, 2, 4),
+]
+
+
+def _build(strategy, dist_mode, experts, replicas):
+    init_parallel_state(expert_parallel=2 if experts else 1, replicas=replicas)
+    model = fsdp_gpt(strategy=strategy, num_experts=experts)
+    return model, get_megatron_optimizer(optimizer_config(), [model], muon_dist_mode=dist_mode)
+
+
+def _step(model, optimizer, rank, step):
+    """A step that is taken: the fake group leaves some buffers as they were, which can make the
+    gradients non-finite (and the step skipped); they are zeroed after the grad sync."""
+    optimizer.zero_grad()
+    lm_loss(model, step, rank).backward()
+    model.finish_grad_sync()
+    for _, p in named_main_weights(model):
+        if p.grad is not None:
+            p.grad.to_local().nan_to_num_(0.0, 0.0, 0.0)
+    return optimizer.step()[0]
+
+
+def every_path(rank, world_size, guard, checkpoint_dir):
+    """Construction, a step, and a checkpoint saved and loaded, for every case that fits."""
+    for name, strategy, dist_mode, experts, replicas, min_world in CASES:
+        if world_size < min_world:
+            continue
+        model, optimizer = _build(strategy, dist_mode, experts, replicas)
+        device = next(model.parameters()).device
+        assert device.type == guard.device_type, (name, device)
+        before = dict(guard.calls)
+        assert _step(model, optimizer, rank, 0), f"{name}: the step was skipped"
+        if dist_mode == "owner" and not experts:
+            # The step did reach the exchange: rows travelled to their owners and back.
+            assert guard.calls.get("all_to_all_single", 0) > before.get("all_to_all_single", 0), name
+        path = f"{checkpoint_dir}/{name}"
+        save_checkpoint(model, optimizer, path)
+        model, optimizer = _build(strategy, dist_mode, experts, replicas)
+        load_checkpoint(model, optimizer, path)
+        assert _step(model, optimizer, rank, 1), f"{name}: the step after loading was skipped"
