@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_models import (MUON_KWARGS, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
-                         reference_optimizers, split_params)
+from fsdp_models import (MUON_KWARGS, QKV_SPLIT, STRATEGIES, batch, full_tensor, fully_shard,
+                         make_models, reference_optimizers, split_params)
 from megatron_muon import ZeROTensorParallelMuon
 
 STEPS = 6
@@ -184,3 +184,34 @@ def _count_traffic_of_each_layout(rank, world_size, traffic):
 
 def test_owner_mode_moves_exactly_the_layout_minimum(distributed):
     distributed(_count_traffic, 4)
+
+
+def _batching_under_bf16_matmuls(rank, world_size):
+    """With `medium` (bf16 matmuls, Megatron's default) an owner's same-shape matrices go through
+    one batched Newton-Schulz each batch, with no per-shape exactness check (README)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
+    fsdp = fully_shard(module, "optim_grads_params", world_size, [torch.nn.Linear])
+    opt = ZeROTensorParallelMuon(list(fsdp.parameters()), **{**MUON_KWARGS, "fp32_matmul_prec": "medium"})
+    matrices_per_call = []
+    orthogonalize = opt.orthogonalize
+
+    def counted(p, grad, **kwargs):
+        matrices_per_call.append(grad.shape[0] if grad.dim() == 3 else 1)
+        return orthogonalize(p, grad, **kwargs)
+
+    opt.orthogonalize = counted
+    fsdp(torch.randn(6, 16)).square().mean().backward()
+    fsdp.finish_grad_sync()
+    opt.step()
+    owned_batches = sum(1 for plan in opt._plans for exchange in plan.exchanges if exchange.owned)
+    assert len(matrices_per_call) == owned_batches, (matrices_per_call, owned_batches)
+    assert not opt._batched_ns_exact
+    total = torch.tensor([sum(matrices_per_call), max(matrices_per_call, default=0)])
+    dist.all_reduce(total[:1])
+    dist.all_reduce(total[1:], op=dist.ReduceOp.MAX)
+    assert total.tolist()[0] == 4 and total.tolist()[1] > 1, total
+
+
+def test_bf16_newton_schulz_batches_same_shape_matrices(distributed):
+    distributed(_batching_under_bf16_matmuls, 2)
