@@ -1,4 +1,5 @@
-# `make demo` trains the demo GPT with Muon on Megatron-FSDP; `make test` runs the whole suite;
+# `make demo` trains the demo GPT with Muon on Megatron-FSDP; `make test` runs the whole suite
+# (the gloo suite on CPU, then the GPU tests, which skip without CUDA; `make test-gpu`: those alone);
 # `make bench` measures the optimizer step (benchmarks/results/latest.json and .png).
 # Both create or refresh .venv (Python >= 3.12) whenever setup.py changes.
 SHELL := /bin/bash
@@ -11,7 +12,7 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-gpu bench clean
 
 $(VENV)/.installed: setup.py
 	@if [ -z "$(PYTHON)" ]; then \
@@ -30,6 +31,10 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -rs tests_gpu
+
+test-gpu: venv
+	$(PY) -m pytest -q -rs tests_gpu
 
 bench: venv
 	$(PY) benchmarks/bench_muon_step.py
