@@ -16,6 +16,10 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='How Muon orthogonalizes FSDP-sharded matrices: "owner" gathers each '
                        'matrix on one rank, which runs Newton-Schulz and scatters the result; '
                        '"allgather" gathers every matrix on every rank.')
+    group.add_argument('--muon-max-consecutive-skipped-steps', type=int, default=10,
+                       help='Stop with an error after this many optimizer steps in a row skipped '
+                       'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '
+                       'step is reported.')
     return parser
 
 
@@ -33,6 +37,9 @@ def validate_muon_args(args: argparse.Namespace) -> None:
         problems.append(f'--muon-tp-mode {args.muon_tp_mode!r} (choose from {TP_MODES})')
     if args.muon_dist_mode not in DIST_MODES:
         problems.append(f'--muon-dist-mode {args.muon_dist_mode!r} (choose from {DIST_MODES})')
+    if args.muon_max_consecutive_skipped_steps < 0:
+        problems.append(f'--muon-max-consecutive-skipped-steps {args.muon_max_consecutive_skipped_steps} '
+                        '(at least 0)')
     if args.use_torch_fsdp2:
         problems.append('--use-torch-fsdp2 (Muon supports Megatron-FSDP only)')
     if args.optimizer_cpu_offload:

@@ -2,6 +2,7 @@
 inner Muon + Adam chain."""
 
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -9,6 +10,8 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_
 from torch.distributed.tensor import DTensor
 
 from .zero_muon import ZeROTensorParallelMuon
+
+logger = logging.getLogger(__name__)
 
 
 def find_megatron_fsdp(chunk):
@@ -41,10 +44,18 @@ class FSDPMuonChainedOptimizer:
     `install_optimized_model_weights()` once per chunk, after every inner part has updated its
     main weights. Everything else is the inner optimizer's.
 
-    Checkpoints: `sharded_state_dict` / `load_state_dict` in Megatron's `fsdp_dtensor` format.
+    A step whose gradients hold a NaN or Inf on any rank is skipped on every rank and said so;
+    after `max_consecutive_skipped_steps` of them in a row (0: never) the step raises instead: a
+    diverged run stops rather than train nothing for hours.
+
+    Checkpoints: `sharded_state_dict` / `load_state_dict` in Megatron's `fsdp_dtensor` format, and
+    torch's `state_dict` / `load_state_dict` pair (the same dict).
     """
 
-    def __init__(self, optimizer, model_chunks):
+    def __init__(self, optimizer, model_chunks, max_consecutive_skipped_steps: int = 10):
+        if max_consecutive_skipped_steps < 0:
+            raise ValueError("max_consecutive_skipped_steps (--muon-max-consecutive-skipped-steps) "
+                             f"must be at least 0, got {max_consecutive_skipped_steps}")
         fsdp_models = [find_megatron_fsdp(chunk) for chunk in model_chunks]
         missing = [i for i, m in enumerate(fsdp_models) if m is None]
         if not model_chunks or missing:
@@ -58,6 +69,8 @@ class FSDPMuonChainedOptimizer:
         # Steps taken, i.e. Adam's step on every param: a checkpoint saves it once (Adam has
         # none where a rank's shard is empty).
         self._successful_steps = 0
+        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
+        self._consecutive_skipped_steps = 0
         self._param_names = None
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
@@ -81,13 +94,28 @@ class FSDPMuonChainedOptimizer:
                 chunk.finish_grad_sync()
         self._synced.clear()
         if self._any_rank_has_nonfinite_grads():
+            self._skipped_a_step()
             return False, None, None  # as Megatron's optimizers report a skipped step
+        self._consecutive_skipped_steps = 0
         result = self.optimizer.step(*args, **kwargs)
         update_successful = result[0] if isinstance(result, tuple) else True
         if update_successful:
             self._successful_steps += 1
             self._install_weights_for_the_next_forward()
         return result
+
+    def _skipped_a_step(self):
+        """Every rank comes here together (the flag is reduced), so all stop together."""
+        self._consecutive_skipped_steps += 1
+        count, limit = self._consecutive_skipped_steps, self.max_consecutive_skipped_steps
+        if limit and count >= limit:
+            raise RuntimeError(
+                f"{count} optimizer steps in a row were skipped: the gradients hold NaN or Inf "
+                f"(the run has diverged; try a lower --lr or check the data). The limit is "
+                f"--muon-max-consecutive-skipped-steps={limit} (0: never stop).")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            stops = f"; the run stops at {limit}" if limit else ""
+            logger.warning(f"optimizer step skipped: NaN or Inf in the gradients ({count} in a row{stops})")
 
     def _install_weights_for_the_next_forward(self, force_sync=False):
         """Copy the main weights into the compute weights, then sync them as megatron-core's
@@ -153,6 +181,9 @@ class FSDPMuonChainedOptimizer:
         changes no param, momentum, moment or step count, on any rank, also when loading."""
         for part in self._parts():
             part.init_state_fn(part.optimizer, part.config)
+        # With the step count too: a load that finds no checkpoint (Megatron then trains from
+        # scratch) leaves this state as it is, and Adam expects a step beside its moments.
+        self._set_step_counts()
         sections = {"state": {}, "muon": {}}
         for name, p, part, _ in self._named_params():
             sections[self._section(part)][name] = {
@@ -164,10 +195,15 @@ class FSDPMuonChainedOptimizer:
     def _section(part) -> str:
         return "muon" if isinstance(part.optimizer, ZeROTensorParallelMuon) else "state"
 
+    def state_dict(self):
+        """torch's convention, for tools outside megatron.training: what `load_state_dict` takes
+        back, i.e. `sharded_state_dict()` (the state's tensors themselves, as torch's optimizers
+        return theirs)."""
+        return self.sharded_state_dict()
+
     def load_state_dict(self, state_dict):
-        """Load what `sharded_state_dict` made (DCP has usually filled its tensors in place). A
-        param's step goes where its optimizer keeps it: the param group's (TE FusedAdam) or each
-        param's state (torch Adam), as the count of steps taken. The main weights are the
+        """Load what `sharded_state_dict` made (DCP has usually filled its tensors in place),
+        the step count included (`_set_step_counts`). The main weights are the
         model's: its load_state_dict installs them (Megatron-FSDP's post-load hook), and they
         are installed and synced here once more, so the next forward reads them whatever ran
         before (a process that trained first has its ZeRO-1/2 compute weights gathered)."""
@@ -177,17 +213,22 @@ class FSDPMuonChainedOptimizer:
         if missing:
             raise KeyError(f"the checkpoint has no optimizer state for {missing}")
         self._successful_steps = int(state_dict["step"])
-        for name, p, part, group in named_params:
-            optimizer_state = part.optimizer.state[p]
-            optimizer_state.update(state_dict[self._section(part)][name])
+        for name, p, part, _ in named_params:
+            part.optimizer.state[p].update(state_dict[self._section(part)][name])
+        self._set_step_counts()
+        self._install_weights_for_the_next_forward(force_sync=True)
+
+    def _set_step_counts(self):
+        """Each param's step, the count of steps taken, where its optimizer keeps it: the param
+        group's (TE FusedAdam) or each param's state (torch Adam; Muon keeps none)."""
+        for _, p, part, group in self._named_params():
             if "step" in group:
                 group["step"] = self._successful_steps
             elif isinstance(part.optimizer, torch.optim.Adam):  # AdamW too
                 on_param = group.get("capturable") or group.get("fused")
-                optimizer_state["step"] = torch.tensor(
+                part.optimizer.state[p]["step"] = torch.tensor(
                     float(self._successful_steps), dtype=torch.float32,
                     device=p.device if on_param else "cpu")
-        self._install_weights_for_the_next_forward(force_sync=True)
 
     def zero_grad(self, *args, **kwargs):
         self.optimizer.zero_grad(*args, **kwargs)

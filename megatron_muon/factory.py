@@ -24,10 +24,11 @@ from .zero_muon import ZeROTensorParallelMuon
 
 def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
                            pg_collection=None, dump_param_to_param_group_map=None,
-                           muon_dist_mode="owner"):
+                           muon_dist_mode="owner", muon_max_consecutive_skipped_steps=10):
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` on Megatron-FSDP chunks.
 
-    `muon_dist_mode` is ZeROTensorParallelMuon's `dist_mode` ("owner" or "allgather")."""
+    `muon_dist_mode` is ZeROTensorParallelMuon's `dist_mode` ("owner" or "allgather");
+    `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on skipped steps."""
     if config.optimizer != "muon" or not all(find_megatron_fsdp(c) for c in model_chunks):
         return _core_get_megatron_optimizer(
             config, model_chunks, config_overrides=config_overrides,
@@ -43,7 +44,7 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     _average_hfsdp_gradients(model_chunks)
     chain = ChainedOptimizer(_build_parts(config, model_chunks, config_overrides, process_groups,
                                           pg_collection, muon_dist_mode))
-    return FSDPMuonChainedOptimizer(chain, model_chunks)
+    return FSDPMuonChainedOptimizer(chain, model_chunks, muon_max_consecutive_skipped_steps)
 
 
 def _average_hfsdp_gradients(model_chunks):

@@ -52,8 +52,11 @@ def _validate_args(args, defaults={}):
 
 
 def _get_megatron_optimizer(*args, **kwargs):
-    muon_dist_mode = getattr(megatron.training.get_args(), 'muon_dist_mode', 'owner')
-    return factory.get_megatron_optimizer(*args, muon_dist_mode=muon_dist_mode, **kwargs)
+    flags = megatron.training.get_args()
+    return factory.get_megatron_optimizer(
+        *args, muon_dist_mode=getattr(flags, 'muon_dist_mode', 'owner'),
+        muon_max_consecutive_skipped_steps=getattr(flags, 'muon_max_consecutive_skipped_steps', 10),
+        **kwargs)
 
 
 def dataset_helper_is_prebuilt(datasets_dir: Path) -> bool:

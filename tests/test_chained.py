@@ -45,9 +45,6 @@ class FakeOptimizer:
     def get_lr(self):
         return 0.1
 
-    def state_dict(self):
-        return {"state": "inner"}
-
 
 def test_step_syncs_grads_steps_then_installs_and_syncs_params_once_per_chunk():
     log = []
@@ -94,7 +91,7 @@ def test_everything_else_delegates_to_the_inner_optimizer():
     inner = FakeOptimizer([])
     opt = FSDPMuonChainedOptimizer(inner, [FakeMegatronFSDP([], "a")])
     assert opt.param_groups is inner.param_groups
-    assert opt.get_lr() == 0.1 and opt.state_dict() == {"state": "inner"}
+    assert opt.get_lr() == 0.1  # state_dict is the chain's own (its checkpoint format)
 
 
 def test_chunks_without_megatron_fsdp_are_refused():

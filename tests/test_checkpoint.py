@@ -1,6 +1,8 @@
 """Checkpoints in Megatron's fsdp_dtensor format (DCP): a resumed run continues bit-identically,
 and a checkpoint saved at one world size loads at another with the optimizer state intact."""
 
+import copy
+
 import pytest
 import torch
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
@@ -168,6 +170,54 @@ def _resume_bit_identical(rank, world_size, tmp):
 
 def test_resume_continues_bit_identically_for_every_strategy(saved_at_w2):
     run_distributed(_resume_bit_identical, 2, str(saved_at_w2))
+
+
+def _prepared_load_without_checkpoint_trains_as_from_scratch(rank, world_size):
+    """megatron.training builds the state dict to load into before it finds that --load holds no
+    checkpoint, then trains from scratch: the state that preparing created (moments, step count)
+    must be what a fresh optimizer starts from."""
+    for case in CASES:
+        fresh = _local_tensors(*_trained(_build(case), rank, world_size))
+        model, optimizer = _build(case)
+        optimizer.sharded_state_dict({}, is_loading=True)
+        prepared = _local_tensors(*_trained((model, optimizer), rank, world_size))
+        # Preparing also gave Adam state for the shards where this rank holds nothing.
+        assert fresh.keys() <= prepared.keys(), case
+        assert all(prepared[name].numel() == 0 for name in prepared.keys() - fresh.keys()), case
+        for name in fresh:
+            assert torch.equal(prepared[name], fresh[name]), (case, name)
+
+
+def _trained(model_and_optimizer, rank, world_size):
+    _train(*model_and_optimizer, range(1, 3), rank, world_size)
+    return model_and_optimizer
+
+
+def test_a_load_that_finds_no_checkpoint_trains_as_from_scratch():
+    run_distributed(_prepared_load_without_checkpoint_trains_as_from_scratch, 2)
+
+
+OPTIMIZER_STATE = (".momentum_buffer", ".exp_avg", ".exp_avg_sq", ".step")
+
+
+def _torch_state_dict_round_trip(rank, world_size):
+    """chain.load_state_dict(chain.state_dict()), torch's pair, restores the optimizer's state
+    exactly (what tools outside megatron.training call)."""
+    for case in CASES:
+        model, optimizer = _build(case)
+        _train(model, optimizer, [1, 2], rank, world_size)
+        saved = copy.deepcopy(optimizer.state_dict())
+        at_save = {name: t for name, t in _local_tensors(model, optimizer).items()
+                   if name.endswith(OPTIMIZER_STATE)}
+        _train(model, optimizer, [3], rank, world_size)
+        optimizer.load_state_dict(saved)
+        restored = _local_tensors(model, optimizer)
+        assert at_save and all(torch.equal(restored[name], t) for name, t in at_save.items()), case
+        assert int(optimizer.state_dict()["step"]) == 2, case
+
+
+def test_torch_state_dict_round_trips_exactly():
+    run_distributed(_torch_state_dict_round_trip, 2)
 
 
 def _resume_resharded(rank, world_size, tmp, saved_world_size):

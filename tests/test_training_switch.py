@@ -61,6 +61,8 @@ def _switch(rank, world_size, checkout):
     _refused("does not support: --fp16", "--optimizer", "muon", "--fp16")
     _refused("without --overlap-grad-reduce", "--optimizer", "muon",
              "--num-distributed-optimizer-instances", "2")
+    _refused(r"--muon-max-consecutive-skipped-steps -1 \(at least 0\)", "--optimizer", "muon",
+             "--muon-max-consecutive-skipped-steps", "-1")
     with pytest.raises(SystemExit):  # argparse: invalid choice
         _validate("--optimizer", "muon", "--muon-dist-mode", "everywhere")
     # What we do not support is still refused by Megatron, as before.
