@@ -192,6 +192,20 @@ def apply_megatron_training_compat() -> bool:
             return engine_run_backward(*args, **kwargs)
 
     torch.autograd._engine_run_backward = engine_run_backward_in_mode
+    # On CPU dropout draws from the default generator, which building the data iterators draws
+    # from too (each DataLoader iterator takes a seed from it): keep that generator as it was, so
+    # that a run resumed from a checkpoint, which restored it before the iterators were built,
+    # continues the uninterrupted run's dropout stream.
+    build_data_iterators = megatron.training.training.build_train_valid_test_data_iterators
+
+    def build_data_iterators_keeping_the_generator(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return build_data_iterators(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    megatron.training.training.build_train_valid_test_data_iterators = build_data_iterators_keeping_the_generator
     # arguments.py:1444 reads the device's compute capability when Megatron-FSDP is on.
     megatron.training.arguments.get_device_arch_version = lambda: 0
     # pretrain() calls initialize_megatron without allow_no_cuda (initialize.py:66 asserts CUDA).
