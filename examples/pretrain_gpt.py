@@ -95,9 +95,23 @@ def forward_step(data_iterator, model):
     return output_tensor, functools.partial(loss_func, batch['loss_mask'])
 
 
+def refuse_a_save_that_would_hang(args):
+    """megatron-core 0.19.2's own optimizers on Megatron-FSDP (Adam here: its
+    DistributedOptimizer) save fsdp_dtensor state only for the params that have some, and torch's
+    Adam has none where a rank's shard is empty, so the ranks wait in different collectives until
+    the timeout (10 minutes on gloo). Muon's chain gives every param state before it saves."""
+    if args.optimizer != 'muon' and args.use_megatron_fsdp and args.save:
+        raise SystemExit(
+            f'pretrain_gpt.py: --optimizer {args.optimizer} on Megatron-FSDP cannot --save: '
+            f'megatron-core 0.19.2 saves its optimizer state only for params whose shard on a rank '
+            f'is non-empty, and the ranks then hang in different collectives. Train it without '
+            f'--save, or with --no-use-megatron-fsdp --ckpt-format torch_dist.')
+
+
 def main():
     megatron_muon.training.install()  # Before Megatron parses its arguments.
     args = parse_and_validate_args(extra_args_provider=add_demo_args)
+    refuse_a_save_that_would_hang(args)
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 

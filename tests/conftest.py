@@ -161,7 +161,14 @@ atexit.register(close_pools)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300, fresh: bool = False):
-    """Run fn(rank, world_size, *args) on world_size gloo ranks; fail with the first failure.
+    """Run fn(rank, world_size, *args) on world_size gloo ranks; fail with the first failure."""
+    failure = first_failure(fn, world_size, *args, timeout=timeout, fresh=fresh)
+    if failure:
+        pytest.fail(failure, pytrace=False)
+
+
+def first_failure(fn, world_size: int, *args, timeout: float = 300, fresh: bool = False) -> str | None:
+    """Run fn(rank, world_size, *args) on world_size gloo ranks; the first failure, or None.
 
     The ranks are the pool of fn's module for this world size, so fn must leave nothing behind
     that the module's next test could trip over (restore what it patches); `fresh` runs it in
@@ -170,8 +177,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300, fresh: boo
     if failure and any(sign in failure for sign in PEER_LOST):
         warnings.warn(f"a rank lost its gloo peer; running again. First run:\n{failure}")
         failure = _run_once(fn, world_size, args, timeout, fresh)
-    if failure:
-        pytest.fail(failure, pytrace=False)
+    return failure
 
 
 def _run_once(fn, world_size, args, timeout, fresh):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import close_pools, run_distributed
+from conftest import close_pools, first_failure, run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = 'examples/pretrain_gpt.py'
@@ -29,6 +29,7 @@ ITERATIONS = 25
 COMPARED_ITERATIONS = 4  # the loss of iteration 4 is the first to see the third update
 # Megatron's per-iteration log line, e.g. "iteration        3/      25 | ... | lm loss: 6.72E+00 |".
 ITERATION_LOSS = re.compile(r' iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([-+.\dEe]+) \|')
+ITERATION_GRAD_NORM = re.compile(r' iteration\s+(\d+)/\s*\d+ \|.*\| grad norm: ([-+.\dEeinfa]+) \|')
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -81,13 +82,33 @@ def train(*flags: str, iterations: int = ITERATIONS, processes: int = 2,
           logged: tuple[int, int] | None = None, script: str = DEMO) -> list[float]:
     """Run the demo (or `script`) on `processes` ranks; return the logged training losses
     (iterations `logged`, first and last: 1 to `iterations` unless the run resumes or exits
-    early). Megatron logs them on the last rank."""
+    early)."""
+    first, last = logged or (1, iterations)
+    return _logged_losses(training_log(*flags, iterations=iterations, processes=processes,
+                                       script=script), first, last)
+
+
+def training_log(*flags: str, iterations: int, processes: int = 2, script: str = DEMO) -> str:
+    """What the last rank, where Megatron logs the iterations, printed."""
     argv = [script, '--train-iters', str(iterations), '--eval-iters', '0', *flags]
     with tempfile.TemporaryDirectory(prefix='e2e-') as log_dir:
         run_distributed(_run_as_torchrun_would, processes, argv, log_dir, timeout=600, fresh=True)
-        log = (Path(log_dir) / f'{processes - 1}.log').read_text()
-    first, last = logged or (1, iterations)
-    return _logged_losses(log, first, last)
+        return (Path(log_dir) / f'{processes - 1}.log').read_text()
+
+
+def _logged_grad_norms(log: str) -> dict[int, str]:
+    """Megatron's printed gradient norm (3 decimals) by iteration."""
+    return {int(i): norm for i, norm in ITERATION_GRAD_NORM.findall(log)}
+
+
+def failure_of(*flags: str, iterations: int, processes: int = 2) -> str:
+    """Run the demo, which must stop with an error; what the failing rank raised."""
+    argv = [DEMO, '--train-iters', str(iterations), '--eval-iters', '0', *flags]
+    with tempfile.TemporaryDirectory(prefix='e2e-') as log_dir:
+        failure = first_failure(_run_as_torchrun_would, processes, argv, log_dir, timeout=600,
+                                fresh=True)
+    assert failure, 'the run did not stop with an error'
+    return failure
 
 
 def assert_loss_falls(losses: list[float]) -> None:
@@ -113,18 +134,22 @@ STRATEGY_ITERATIONS = 10
 def strategy_runs(tmp_path_factory):
     """The demo's losses by optimizer and sharding strategy (dropout off), each run once for the
     tests below. Muon's ZeRO-3 run also saves a checkpoint every 3 iterations into
-    `strategy_runs.checkpoints`: the uninterrupted run the resume test compares with."""
+    `strategy_runs.checkpoints`: the uninterrupted run the resume tests compare with
+    (`strategy_runs.log`: its log)."""
     checkpoints = tmp_path_factory.mktemp('uninterrupted')
 
     @functools.cache
-    def losses(optimizer, strategy):
+    def log(optimizer, strategy):
         saves = (('--save', str(checkpoints), '--save-interval', '3')
                  if (optimizer, strategy) == ('muon', 'optim_grads_params') else ())
-        return train(*SMALL, *NO_DROPOUT, '--optimizer', optimizer,
-                     '--data-parallel-sharding-strategy', strategy, *saves,
-                     iterations=STRATEGY_ITERATIONS)
+        return training_log(*SMALL, *NO_DROPOUT, '--optimizer', optimizer,
+                            '--data-parallel-sharding-strategy', strategy, *saves,
+                            iterations=STRATEGY_ITERATIONS)
 
-    losses.checkpoints = checkpoints
+    def losses(optimizer, strategy):
+        return _logged_losses(log(optimizer, strategy), 1, STRATEGY_ITERATIONS)
+
+    losses.log, losses.checkpoints = log, checkpoints
     return losses
 
 
@@ -218,20 +243,86 @@ def _model_and_optimizer(checkpoint: Path, tmp_path: Path) -> dict:
     return tensors
 
 
+def assert_logged_as_uninterrupted(resumed: str, uninterrupted: str, resumed_at: int, last: int,
+                                   rel: float = 0.0):
+    """The resumed run's log shows what the restored state determines: every iteration's
+    gradient norm and loss are the uninterrupted run's (within `rel`), but for the second
+    iteration after the start, whose logged loss is the mean of the uninterrupted run's two
+    corresponding losses: megatron.training's training_log keeps its loss sums over a run's first
+    iteration (should_reset = not is_first_iteration), in any run, with any optimizer."""
+    expected = {int(i): float(loss) for i, loss in ITERATION_LOSS.findall(uninterrupted)}
+    expected[resumed_at + 1] = (expected[resumed_at] + expected[resumed_at + 1]) / 2
+    got = dict(enumerate(_logged_losses(resumed, resumed_at, last), resumed_at))
+    for i in got:
+        # The mean of two printed losses against the printed mean: one unit in the 7th digit.
+        tolerance = max(rel, 2e-7 if i == resumed_at + 1 else 0.0)
+        assert got[i] == pytest.approx(expected[i], rel=tolerance, abs=0), (i, got, expected)
+    norms, expected_norms = _logged_grad_norms(resumed), _logged_grad_norms(uninterrupted)
+    for i in got:
+        if rel:  # printed with 3 decimals
+            assert float(norms[i]) == pytest.approx(float(expected_norms[i]), abs=1e-3), i
+        else:
+            assert norms[i] == expected_norms[i], (i, norms, expected_norms)
+
+
 def test_demo_resumes_from_its_checkpoint_bit_identically(strategy_runs, tmp_path):
     """--save/--save-interval/--exit-interval stop a run at iteration 3; --load resumes it. At
     iteration 6 its model and optimizer (momentum, Adam's moments, step) equal those of the
-    uninterrupted run (strategy_runs) bit for bit. Dropout off: on CPU it draws from the CPU
-    generator, which the resumed run does not find where the uninterrupted one was (Megatron's
-    RNG restore; the weights are ours)."""
-    strategy_runs('muon', 'optim_grads_params')
+    uninterrupted run (strategy_runs) bit for bit, and its log shows the same training."""
+    uninterrupted = strategy_runs.log('muon', 'optim_grads_params')
     flags = (*SMALL, *NO_DROPOUT, '--save', str(tmp_path / 'resumed'), '--save-interval', '3')
     train(*flags, '--exit-interval', '3', iterations=STRATEGY_ITERATIONS, logged=(1, 3))
-    train(*flags, '--load', str(tmp_path / 'resumed'), '--exit-interval', '6',
-          iterations=STRATEGY_ITERATIONS, logged=(4, 6))
+    resumed = training_log(*flags, '--load', str(tmp_path / 'resumed'), '--exit-interval', '6',
+                           iterations=STRATEGY_ITERATIONS)
+    assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6)
     expected = _model_and_optimizer(strategy_runs.checkpoints / 'iter_0000006', tmp_path)
     got = _model_and_optimizer(tmp_path / 'resumed' / 'iter_0000006', tmp_path)
     assert got.keys() == expected.keys()
     assert any('momentum_buffer' in key for key in got)
     different = [key for key in expected if not torch.equal(got[key], expected[key])]
     assert not different, different
+
+
+def test_a_load_from_a_directory_without_a_checkpoint_trains_from_scratch(strategy_runs, tmp_path):
+    """Megatron's contract: warn ("could not find the metadata file") and train from scratch;
+    the training is the one without --load."""
+    empty = tmp_path / 'no-checkpoint-here'
+    empty.mkdir()
+    losses = train(*SMALL, *NO_DROPOUT, '--optimizer', 'muon', '--data-parallel-sharding-strategy',
+                   'optim_grads_params', '--load', str(empty), iterations=STRATEGY_ITERATIONS)
+    assert losses == strategy_runs('muon', 'optim_grads_params')
+
+
+def test_a_diverged_run_stops_with_a_clear_error():
+    """--lr 1e6: every step after the first has NaN gradients and is skipped; after the default
+    10 in a row the run stops (non-zero exit) instead of training nothing."""
+    failure = failure_of(*SMALL, '--lr', '1e6', iterations=STRATEGY_ITERATIONS + 5)
+    assert ('RuntimeError: 10 optimizer steps in a row were skipped: the gradients hold NaN or Inf'
+            in failure), failure
+
+
+def test_adam_on_megatron_fsdp_refuses_to_save_rather_than_hang(tmp_path):
+    failure = failure_of('--optimizer', 'adam', '--save', str(tmp_path), '--save-interval', '1',
+                         iterations=2)
+    assert 'SystemExit: pretrain_gpt.py: --optimizer adam on Megatron-FSDP cannot --save' in failure, failure
+
+
+def test_a_checkpoint_from_two_processes_resumes_on_four_at_the_same_global_batch(strategy_runs):
+    """The uninterrupted two-process run's checkpoint of iteration 3 (global batch 8: 4 sequences
+    per rank), resumed on four processes (2 per rank): the same training up to the order in which
+    the gradients add."""
+    uninterrupted = strategy_runs.log('muon', 'optim_grads_params')
+    resumed = training_log(*SMALL, *NO_DROPOUT, '--micro-batch-size', '2', '--global-batch-size', '8',
+                           '--load', str(strategy_runs.checkpoints), '--ckpt-step', '3',
+                           '--exit-interval', '6', iterations=STRATEGY_ITERATIONS, processes=4)
+    assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6, rel=1e-5)
+
+
+def test_with_dropout_a_resumed_run_draws_the_uninterrupted_runs_dropout(tmp_path):
+    """Megatron's checkpoint holds the RNG states; on CPU dropout draws from the default
+    generator, which megatron_muon.cpu keeps as the load restored it while the data iterators are
+    built: the resumed run is the uninterrupted one, dropout included."""
+    uninterrupted = training_log(*SMALL, '--save', str(tmp_path), '--save-interval', '3',
+                                 iterations=6)
+    resumed = training_log(*SMALL, '--load', str(tmp_path), '--ckpt-step', '3', iterations=6)
+    assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6)
