@@ -11,9 +11,12 @@ import functools
 import os
 import re
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -326,3 +329,51 @@ def test_with_dropout_a_resumed_run_draws_the_uninterrupted_runs_dropout(tmp_pat
                                  iterations=6)
     resumed = training_log(*SMALL, '--load', str(tmp_path), '--ckpt-step', '3', iterations=6)
     assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6)
+
+
+def _worker_pid(launcher_pid: int, local_rank: int) -> int:
+    """The pid of torchrun's worker process with this LOCAL_RANK."""
+    for entry in Path('/proc').iterdir():
+        try:
+            parent = int((entry / 'stat').read_text().rsplit(')', 1)[1].split()[1])
+            environ = (entry / 'environ').read_bytes().split(b'\0')
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher_pid and f'LOCAL_RANK={local_rank}'.encode() in environ:
+            return int(entry.name)
+    raise LookupError(f'no worker with LOCAL_RANK={local_rank} under pid {launcher_pid}')
+
+
+@pytest.mark.parametrize('processes', [2, 4])
+def test_a_rank_killed_mid_run_ends_the_job_naming_it(processes):
+    """SIGKILL to the last rank at iteration 5 of 30: torchrun ends the whole job within 60 s
+    with a non-zero exit and names the lost rank; no rank is left waiting for it."""
+    launch = subprocess.Popen(
+        [str(TORCHRUN), '--standalone', '--nproc-per-node', str(processes), DEMO, *SMALL,
+         '--train-iters', '30', '--eval-iters', '0'],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    lines, at_iteration_5 = [], threading.Event()
+
+    def read():
+        for line in launch.stdout:
+            lines.append(line)
+            if re.search(r' iteration\s+5/', line):
+                at_iteration_5.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert at_iteration_5.wait(timeout=300), ''.join(lines[-50:])
+        victim = processes - 1
+        os.kill(_worker_pid(launch.pid, victim), signal.SIGKILL)
+        killed_at = time.monotonic()
+        returncode = launch.wait(timeout=120)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        launch.kill()
+    reader.join(timeout=10)
+    log = ''.join(lines)
+    print(f'W={processes}: the job ended {ended_after:.1f} s after the kill, exit code {returncode}')
+    assert returncode != 0 and ended_after < 60, (returncode, ended_after, log[-3000:])
+    assert re.search(rf'rank\s*: {victim} \(local_rank: {victim}\)\s*exitcode\s*: -9', log), log[-3000:]
