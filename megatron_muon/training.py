@@ -14,21 +14,29 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
 * lets a megatron-core whose dataset helper is already built start without a Makefile to build it
   with: the wheel ships `helpers_cpp` built and no Makefile, and initialize_megatron's
   `compile_helpers()` would exit. A source checkout (Makefile present) still builds, and a build
-  failure still stops the run.
+  failure still stops the run;
+* says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
+  another optimizer, or with --no-save-optim), where DCP names one missing key.
 """
 
 import importlib.machinery
+import re
 from pathlib import Path
 
 import megatron.core.datasets.utils
 import megatron.training.arguments
+import megatron.training.checkpointing
 import megatron.training.training
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_muon import factory
 from megatron_muon.arguments import validate_muon_args
 from megatron_muon.cpu import apply_megatron_training_compat
 
 _megatron_validate_args = megatron.training.arguments.validate_args
+_megatron_load_base_checkpoint = megatron.training.checkpointing._load_base_checkpoint
+MISSING_OPTIMIZER_STATE = re.compile(r'Missing key in checkpoint state_dict: (optimizer\.[^\s]*?)\.?$',
+                                     re.MULTILINE)
 
 
 def _validate_args(args, defaults={}):
@@ -59,6 +67,20 @@ def _get_megatron_optimizer(*args, **kwargs):
         **kwargs)
 
 
+def _load_base_checkpoint(*args, **kwargs):
+    try:
+        return _megatron_load_base_checkpoint(*args, **kwargs)
+    except CheckpointException as error:  # a BaseException
+        missing = MISSING_OPTIMIZER_STATE.search(str(error))
+        if missing is None or megatron.training.get_args().optimizer != 'muon':
+            raise
+        raise RuntimeError(
+            f'the checkpoint has no optimizer state for this run (first missing: {missing[1]}): '
+            f'it was saved by another optimizer, or with --no-save-optim. Load the model only with '
+            f'--no-load-optim: the optimizer state (Muon\'s momentum, the scalar optimizer\'s '
+            f'moments) then starts at zero.') from error
+
+
 def dataset_helper_is_prebuilt(datasets_dir: Path) -> bool:
     """The wheel's layout: megatron.core.datasets holds the built helper and no Makefile."""
     built = any((datasets_dir / f'helpers_cpp{suffix}').exists()
@@ -79,4 +101,5 @@ def install() -> None:
         # initialize.py imports compile_helpers from the module when it runs: patch the module.
         datasets.compile_helpers = _skip_dataset_helper_build
     megatron.training.arguments.validate_args = _validate_args
+    megatron.training.checkpointing._load_base_checkpoint = _load_base_checkpoint
     megatron.training.training.get_megatron_optimizer = _get_megatron_optimizer

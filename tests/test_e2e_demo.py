@@ -377,3 +377,15 @@ def test_a_rank_killed_mid_run_ends_the_job_naming_it(processes):
     print(f'W={processes}: the job ended {ended_after:.1f} s after the kill, exit code {returncode}')
     assert returncode != 0 and ended_after < 60, (returncode, ended_after, log[-3000:])
     assert re.search(rf'rank\s*: {victim} \(local_rank: {victim}\)\s*exitcode\s*: -9', log), log[-3000:]
+
+
+def test_a_checkpoint_without_optimizer_state_says_to_load_the_model_only(tmp_path):
+    """A Muon run's --load of a checkpoint without its optimizer state (saved by Adam, or with
+    --no-save-optim) stops saying what to do; with --no-load-optim it trains on."""
+    flags = (*SMALL, '--load', str(tmp_path))
+    train(*SMALL, '--save', str(tmp_path), '--save-interval', '2', '--no-save-optim',
+          '--exit-interval', '2', iterations=4, logged=(1, 2))
+    failure = failure_of(*flags, iterations=4)
+    assert re.search(r'RuntimeError: the checkpoint has no optimizer state for this run \(first '
+                     r'missing: optimizer\.\S+\): .*--no-load-optim', failure), failure
+    train(*flags, '--no-load-optim', iterations=4, logged=(3, 4))
