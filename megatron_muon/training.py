@@ -16,25 +16,34 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   `compile_helpers()` would exit. A source checkout (Makefile present) still builds, and a build
   failure still stops the run;
 * says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
-  another optimizer, or with --no-save-optim), where DCP names one missing key.
+  another optimizer, or with --no-save-optim), where DCP names one missing key;
+* makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
+  (megatron_muon.checksums) and verify them before a load, on every rank together: a damaged
+  file stops the run, named, before any state changes.
 """
 
 import importlib.machinery
 import re
+import warnings
 from pathlib import Path
 
 import megatron.core.datasets.utils
 import megatron.training.arguments
 import megatron.training.checkpointing
 import megatron.training.training
+import torch.distributed as dist
+from megatron.training.checkpointing import (get_checkpoint_name, get_checkpoint_tracker_filename,
+                                             read_metadata)
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_muon import factory
+from megatron_muon import checksums, factory
 from megatron_muon.arguments import validate_muon_args
 from megatron_muon.cpu import apply_megatron_training_compat
 
 _megatron_validate_args = megatron.training.arguments.validate_args
 _megatron_load_base_checkpoint = megatron.training.checkpointing._load_base_checkpoint
+_megatron_save_checkpoint = megatron.training.training.save_checkpoint
+_megatron_load_checkpoint = megatron.training.training.load_checkpoint
 MISSING_OPTIMIZER_STATE = re.compile(r'Missing key in checkpoint state_dict: (optimizer\.[^\s]*?)\.?$',
                                      re.MULTILINE)
 
@@ -81,6 +90,57 @@ def _load_base_checkpoint(*args, **kwargs):
             f'moments) then starts at zero.') from error
 
 
+def _checksummed(flags) -> bool:
+    return (flags.optimizer == 'muon' and flags.use_megatron_fsdp
+            and flags.ckpt_format == 'fsdp_dtensor')
+
+
+def _save_checkpoint(iteration, *args, **kwargs):
+    """Megatron's save, then each rank's files' checksums (synchronous saves: an async one is
+    still writing). A save killed before Megatron's final barrier never reaches its tracker
+    file, so --load keeps picking the previous checkpoint."""
+    result = _megatron_save_checkpoint(iteration, *args, **kwargs)
+    flags = megatron.training.get_args()
+    if _checksummed(flags) and not flags.async_save:
+        checksums.record(Path(get_checkpoint_name(flags.save, iteration, return_base_dir=True)),
+                         dist.get_rank())
+        dist.barrier()
+    return result
+
+
+def _load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', *args, **kwargs):
+    flags = megatron.training.get_args()
+    load_dir = getattr(flags, load_arg, None)
+    if _checksummed(flags) and load_dir:
+        _verify(load_dir, flags)
+    return _megatron_load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args,
+                                     **kwargs)
+
+
+def _verify(load_dir, flags):
+    """Check the checkpoint --load will read against its recorded checksums, the ranks sharing
+    the files; raise on every rank, naming each damaged file, before anything is read."""
+    tracker = Path(get_checkpoint_tracker_filename(load_dir))
+    if not tracker.is_file():
+        return  # Megatron warns and trains from scratch
+    iteration, release = read_metadata(str(tracker))
+    checkpoint = Path(get_checkpoint_name(load_dir, getattr(flags, 'ckpt_step', None) or iteration,
+                                          release, return_base_dir=True))
+    files = checksums.recorded(checkpoint)
+    if files is None:
+        if dist.get_rank() == 0:
+            warnings.warn(f'{checkpoint} has no recorded checksums (saved without them): loading '
+                          f'it unverified')
+        return
+    everyones = [None] * dist.get_world_size()
+    dist.all_gather_object(everyones, checksums.damage(checkpoint, files, dist.get_rank(),
+                                                       dist.get_world_size()))
+    problems = [problem for mine in everyones for problem in mine]
+    if problems:
+        raise RuntimeError(f'the checkpoint {checkpoint} is damaged; nothing was loaded:\n  '
+                           + '\n  '.join(problems))
+
+
 def dataset_helper_is_prebuilt(datasets_dir: Path) -> bool:
     """The wheel's layout: megatron.core.datasets holds the built helper and no Makefile."""
     built = any((datasets_dir / f'helpers_cpp{suffix}').exists()
@@ -102,4 +162,6 @@ def install() -> None:
         datasets.compile_helpers = _skip_dataset_helper_build
     megatron.training.arguments.validate_args = _validate_args
     megatron.training.checkpointing._load_base_checkpoint = _load_base_checkpoint
+    megatron.training.training.save_checkpoint = _save_checkpoint
+    megatron.training.training.load_checkpoint = _load_checkpoint
     megatron.training.training.get_megatron_optimizer = _get_megatron_optimizer

@@ -167,14 +167,16 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300, fresh: boo
         pytest.fail(failure, pytrace=False)
 
 
-def first_failure(fn, world_size: int, *args, timeout: float = 300, fresh: bool = False) -> str | None:
+def first_failure(fn, world_size: int, *args, timeout: float = 300, fresh: bool = False,
+                  retry_lost_peer: bool = True) -> str | None:
     """Run fn(rank, world_size, *args) on world_size gloo ranks; the first failure, or None.
 
     The ranks are the pool of fn's module for this world size, so fn must leave nothing behind
     that the module's next test could trip over (restore what it patches); `fresh` runs it in
-    processes of its own instead. A pool in which a run failed is discarded."""
+    processes of its own instead. A pool in which a run failed is discarded. A run in which a
+    rank lost its peer runs once more unless `retry_lost_peer` is False (a test that kills one)."""
     failure = _run_once(fn, world_size, args, timeout, fresh)
-    if failure and any(sign in failure for sign in PEER_LOST):
+    if retry_lost_peer and failure and any(sign in failure for sign in PEER_LOST):
         warnings.warn(f"a rank lost its gloo peer; running again. First run:\n{failure}")
         failure = _run_once(fn, world_size, args, timeout, fresh)
     return failure

@@ -8,8 +8,10 @@ forked from the suite's server, which has imported torch and megatron once: a to
 spent about half of its 15 s in the same imports, over again in every process."""
 
 import functools
+import itertools
 import os
 import re
+import shutil
 import runpy
 import signal
 import subprocess
@@ -389,3 +391,73 @@ def test_a_checkpoint_without_optimizer_state_says_to_load_the_model_only(tmp_pa
     assert re.search(r'RuntimeError: the checkpoint has no optimizer state for this run \(first '
                      r'missing: optimizer\.\S+\): .*--no-load-optim', failure), failure
     train(*flags, '--no-load-optim', iterations=4, logged=(3, 4))
+
+
+def _damaged_copy(checkpoints: Path, tmp_path: Path, damage) -> Path:
+    """A copy of `checkpoints` whose latest checkpoint's files `damage` has changed."""
+    copy = tmp_path / 'damaged'
+    shutil.copytree(checkpoints, copy)
+    latest = (copy / 'latest_checkpointed_iteration.txt').read_text().strip()
+    damage(copy / f'iter_{int(latest):07d}')
+    return copy
+
+
+def _truncate(checkpoint: Path):
+    shard = checkpoint / '__1_0.distcp'
+    os.truncate(shard, shard.stat().st_size // 2)
+
+
+def _flip_bytes(checkpoint: Path):
+    shard = checkpoint / '__0_0.distcp'
+    data = bytearray(shard.read_bytes())
+    for offset in (len(data) // 3, len(data) // 2, len(data) // 2 + 17):
+        data[offset] ^= 0x5A
+    shard.write_bytes(data)
+
+
+@pytest.mark.parametrize('damage, found', [
+    (_truncate, r'__1_0\.distcp: \d+ bytes, \d+ when saved \(truncated or overwritten\)'),
+    (_flip_bytes, r'__0_0\.distcp: contents differ from the save \(CRC-32 \w+, \w+ when saved\)')])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(strategy_runs, tmp_path, damage, found):
+    """Sizes and CRC-32s recorded at save are verified before --load reads anything (a truncated
+    shard gave a bare EOFError, flipped bytes loaded silently and trained on NaN)."""
+    strategy_runs('muon', 'optim_grads_params')
+    damaged = _damaged_copy(strategy_runs.checkpoints, tmp_path, damage)
+    failure = failure_of(*SMALL, *NO_DROPOUT, '--load', str(damaged),
+                         iterations=STRATEGY_ITERATIONS + 2)
+    assert re.search(rf'RuntimeError: the checkpoint \S+ is damaged; nothing was loaded:\n.*{found}',
+                     failure), failure
+
+
+def _run_killing_a_rank_while_it_saves(rank, world_size, argv, log_dir, victim, save):
+    """`_run_as_torchrun_would`, but rank `victim` dies (SIGKILL) having written half of its
+    files of the `save`-th checkpoint."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data, saves = FileSystemWriter.write_data, itertools.count(1)
+
+    def write_half_then_die(self, plan, planner):
+        written = write_data(self, plan, planner)
+        if rank == victim and next(saves) == save:
+            written.wait()
+            for shard in Path(self.path).glob(f'__{rank}_*.distcp'):
+                os.truncate(shard, shard.stat().st_size // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+    FileSystemWriter.write_data = write_half_then_die
+    _run_as_torchrun_would(rank, world_size, argv, log_dir)
+
+
+def test_a_save_killed_half_way_is_never_the_checkpoint_loaded(tmp_path):
+    """Rank 1 dies writing the checkpoint of iteration 4: the run fails, Megatron's tracker still
+    names iteration 2 (it is written after every rank has finished), and --load resumes there."""
+    flags = (*SMALL, '--save', str(tmp_path), '--save-interval', '2')
+    argv = [DEMO, '--train-iters', '6', '--eval-iters', '0', *flags]
+    with tempfile.TemporaryDirectory(prefix='e2e-') as log_dir:
+        failure = first_failure(_run_killing_a_rank_while_it_saves, 2, argv, log_dir, 1, 2,
+                                timeout=600, fresh=True, retry_lost_peer=False)
+    assert failure, 'the run did not fail'
+    assert (tmp_path / 'latest_checkpointed_iteration.txt').read_text().strip() == '2'
+    assert (tmp_path / 'iter_0000004').is_dir()  # what the killed save left
+    train(*flags, '--load', str(tmp_path), iterations=6, logged=(3, 6))
