@@ -38,8 +38,8 @@ def validate_muon_args(args: argparse.Namespace) -> None:
     if args.muon_dist_mode not in DIST_MODES:
         problems.append(f'--muon-dist-mode {args.muon_dist_mode!r} (choose from {DIST_MODES})')
     if args.muon_max_consecutive_skipped_steps < 0:
-        problems.append(f'--muon-max-consecutive-skipped-steps {args.muon_max_consecutive_skipped_steps} '
-                        '(at least 0)')
+        problems.append('--muon-max-consecutive-skipped-steps '
+                        f'{args.muon_max_consecutive_skipped_steps} (at least 0)')
     if args.use_torch_fsdp2:
         problems.append('--use-torch-fsdp2 (Muon supports Megatron-FSDP only)')
     if args.optimizer_cpu_offload:

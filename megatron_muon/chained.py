@@ -115,7 +115,8 @@ class FSDPMuonChainedOptimizer:
                 f"--muon-max-consecutive-skipped-steps={limit} (0: never stop).")
         if not dist.is_initialized() or dist.get_rank() == 0:
             stops = f"; the run stops at {limit}" if limit else ""
-            logger.warning(f"optimizer step skipped: NaN or Inf in the gradients ({count} in a row{stops})")
+            logger.warning("optimizer step skipped: NaN or Inf in the gradients "
+                           f"({count} in a row{stops})")
 
     def _install_weights_for_the_next_forward(self, force_sync=False):
         """Copy the main weights into the compute weights, then sync them as megatron-core's

@@ -205,7 +205,8 @@ def apply_megatron_training_compat() -> bool:
         finally:
             torch.set_rng_state(state)
 
-    megatron.training.training.build_train_valid_test_data_iterators = build_data_iterators_keeping_the_generator
+    megatron.training.training.build_train_valid_test_data_iterators = (
+        build_data_iterators_keeping_the_generator)
     # arguments.py:1444 reads the device's compute capability when Megatron-FSDP is on.
     megatron.training.arguments.get_device_arch_version = lambda: 0
     # pretrain() calls initialize_megatron without allow_no_cuda (initialize.py:66 asserts CUDA).

@@ -96,14 +96,16 @@ def _checksummed(flags) -> bool:
 
 
 def _save_checkpoint(iteration, *args, **kwargs):
-    """Megatron's save, then each rank's files' checksums (synchronous saves: an async one is
-    still writing). A save killed before Megatron's final barrier never reaches its tracker
-    file, so --load keeps picking the previous checkpoint."""
+    """Megatron's save, then each rank's files' checksums: of persistent, synchronous saves (an
+    async one is still writing when this returns). A save killed before Megatron's final barrier
+    never reaches its tracker file, so --load keeps picking the previous checkpoint."""
     result = _megatron_save_checkpoint(iteration, *args, **kwargs)
     flags = megatron.training.get_args()
-    if _checksummed(flags) and not flags.async_save:
-        checksums.record(Path(get_checkpoint_name(flags.save, iteration, return_base_dir=True)),
-                         dist.get_rank())
+    if (_checksummed(flags) and not flags.async_save
+            and not kwargs.get('non_persistent_ckpt', False)):
+        checkpoint = get_checkpoint_name(flags.save, iteration, kwargs.get('release', False),
+                                         return_base_dir=True)
+        checksums.record(Path(checkpoint), dist.get_rank())
         dist.barrier()
     return result
 
