@@ -6,6 +6,7 @@ integer gathers do move, through a TCPStore the ranks share; everything else is 
 runs check devices and control flow, not numbers."""
 
 import datetime
+import inspect
 import pickle
 import queue
 import time
@@ -50,13 +51,17 @@ class Guard:
         setattr(dist, name, fn)  # where callers look them up (torch's own internals not)
 
     def _checked(self, name, collective):
+        signature = inspect.signature(collective)
+
         def run(*args, **kwargs):
             tensors = [t for a in [*args, *kwargs.values()]
-                       for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+                       for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]
             for t in tensors:
                 if t.device.type != self.device_type:
                     raise WrongDevice(f"torch.distributed.{name} was handed a tensor on {t.device} "
-                                      f"(shape {tuple(t.shape)}); this group's device is {self.device_type}")
+                                      f"(shape {tuple(t.shape)}); this group's device is "
+                                      f"{self.device_type}")
             self.calls[name] = self.calls.get(name, 0) + 1
             if name == "all_to_all_single":
                 # The fake group refuses uneven splits where a rank receives but sends nothing
@@ -65,7 +70,7 @@ class Guard:
                 tensors[0].zero_()
                 return _Done() if kwargs.get("async_op") else None
             work = collective(*args, **kwargs)
-            group = kwargs.get("group", args[2] if len(args) > 2 else None)
+            group = signature.bind(*args, **kwargs).arguments.get("group")
             output = tensors[0] if tensors else None
             # The fake group leaves outputs as they were (possibly uninitialized memory): give
             # them finite values, as if every rank held what this one holds.
@@ -99,23 +104,32 @@ class Guard:
         object_list[:] = self._exchange("gather", group, obj, range(dist.get_world_size(group)))
 
     def broadcast_object_list(self, object_list, src=None, group=None, device=None, group_src=None):
-        src = group_src if group_src is not None else dist.get_group_rank(group or dist.group.WORLD, src)
+        src = _group_rank(group, src, group_src)
         is_src = dist.get_rank(group) == src
-        object_list[:] = self._exchange("broadcast", group, list(object_list), [src], publish=is_src)[0]
+        object_list[:] = self._exchange("broadcast", group, list(object_list), [src],
+                                        publish=is_src)[0]
 
     def gather_object(self, obj, object_gather_list=None, dst=None, group=None, group_dst=None):
-        dst = group_dst if group_dst is not None else dist.get_group_rank(group or dist.group.WORLD, dst)
-        everyone = range(dist.get_world_size(group))
-        values = self._exchange("gather_object", group, obj, everyone if dist.get_rank(group) == dst else [])
-        if dist.get_rank(group) == dst:
+        is_dst = dist.get_rank(group) == _group_rank(group, dst, group_dst)
+        readers = range(dist.get_world_size(group)) if is_dst else []
+        values = self._exchange("gather_object", group, obj, readers)
+        if is_dst:
             object_gather_list[:] = values
 
     def scatter_object_list(self, scatter_object_output_list, scatter_object_input_list=None,
                             src=None, group=None, group_src=None):
-        src = group_src if group_src is not None else dist.get_group_rank(group or dist.group.WORLD, src)
+        src = _group_rank(group, src, group_src)
         is_src = dist.get_rank(group) == src
-        everyone = self._exchange("scatter", group, scatter_object_input_list, [src], publish=is_src)[0]
+        everyone = self._exchange("scatter", group, scatter_object_input_list, [src],
+                                  publish=is_src)[0]
         scatter_object_output_list[0] = everyone[dist.get_rank(group)]
+
+
+def _group_rank(group, global_rank, group_rank):
+    """The group rank an object collective names, as a global rank or a group rank."""
+    if group_rank is not None:
+        return group_rank
+    return dist.get_group_rank(group or dist.group.WORLD, global_rank)
 
 
 def _rank_main(fn, rank, world_size, device_type, port, args, results):
@@ -128,14 +142,16 @@ def _rank_main(fn, rank, world_size, device_type, port, args, results):
         torch.set_num_threads(1)
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=120))
         fn(rank, world_size, Guard(device_type, store), *args)
         results.put((rank, None))
     except BaseException:
         results.put((rank, f"rank {rank}:\n{traceback.format_exc()}"))
 
 
-def run_fake_ranks(fn, world_size: int, device_type: str, *args, timeout: float = 300) -> str | None:
+def run_fake_ranks(fn, world_size: int, device_type: str, *args,
+                   timeout: float = 300) -> str | None:
     """Run fn(rank, world_size, guard, *args) in one process per rank, all on this machine's one
     `device_type` device; the first failure, or None."""
     context = mp.get_context("forkserver")
