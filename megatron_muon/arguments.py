@@ -40,6 +40,8 @@ def validate_muon_args(args: argparse.Namespace) -> None:
     if args.muon_max_consecutive_skipped_steps < 0:
         problems.append('--muon-max-consecutive-skipped-steps '
                         f'{args.muon_max_consecutive_skipped_steps} (at least 0)')
+    if args.qk_clip:
+        problems.append('--qk-clip (not yet on Megatron-FSDP; --log-max-attention-logit is)')
     if args.use_torch_fsdp2:
         problems.append('--use-torch-fsdp2 (Muon supports Megatron-FSDP only)')
     if args.optimizer_cpu_offload:

@@ -19,6 +19,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
+from .qk_clip import observe_max_attention_logits
 from .zero_muon import ZeROTensorParallelMuon
 
 
@@ -42,6 +43,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     _average_hfsdp_gradients(model_chunks)
+    if model_chunks[0].config.log_max_attention_logit:
+        observe_max_attention_logits(model_chunks)
     chain = ChainedOptimizer(_build_parts(config, model_chunks, config_overrides, process_groups,
                                           pg_collection, muon_dist_mode))
     return FSDPMuonChainedOptimizer(chain, model_chunks, muon_max_consecutive_skipped_steps)

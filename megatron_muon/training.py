@@ -17,6 +17,8 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   failure still stops the run;
 * says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
   another optimizer, or with --no-save-optim), where DCP names one missing key;
+* measures --log-max-attention-logit on megatron-core's local attention too, for Muon on
+  Megatron-FSDP, reduced over the data-parallel ranks in one all-reduce (megatron_muon.qk_clip);
 * makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
   (megatron_muon.checksums) and verify them before a load, on every rank together: a damaged
   file stops the run, named, before any state changes.
@@ -32,11 +34,12 @@ import megatron.training.arguments
 import megatron.training.checkpointing
 import megatron.training.training
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.training.checkpointing import (get_checkpoint_name, get_checkpoint_tracker_filename,
                                              read_metadata)
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_muon import checksums, factory
+from megatron_muon import checksums, factory, qk_clip
 from megatron_muon.arguments import validate_muon_args
 from megatron_muon.cpu import apply_megatron_training_compat
 
@@ -44,8 +47,9 @@ _megatron_validate_args = megatron.training.arguments.validate_args
 _megatron_load_base_checkpoint = megatron.training.checkpointing._load_base_checkpoint
 _megatron_save_checkpoint = megatron.training.training.save_checkpoint
 _megatron_load_checkpoint = megatron.training.training.load_checkpoint
-MISSING_OPTIMIZER_STATE = re.compile(r'Missing key in checkpoint state_dict: (optimizer\.[^\s]*?)\.?$',
-                                     re.MULTILINE)
+_megatron_clip_qk = megatron.training.training.clip_qk
+MISSING_OPTIMIZER_STATE = re.compile(
+    r'Missing key in checkpoint state_dict: (optimizer\.[^\s]*?)\.?$', re.MULTILINE)
 
 
 def _validate_args(args, defaults={}):
@@ -59,12 +63,17 @@ def _validate_args(args, defaults={}):
         args_to_print.optimizer = 'muon'
         print_args(title, args_to_print)
 
+    # Megatron measures max attention logits only in TransformerEngine's attention; megatron_muon
+    # measures them in the local one too (megatron_muon.qk_clip).
+    log_max_attention_logit = args.log_max_attention_logit
     args.optimizer = 'adam'
+    args.log_max_attention_logit &= args.transformer_impl != 'local'
     megatron.training.arguments._print_args = print_args_as_given
     try:
         return _megatron_validate_args(args, defaults)
     finally:
         args.optimizer = 'muon'
+        args.log_max_attention_logit = log_max_attention_logit
         megatron.training.arguments._print_args = print_args
 
 
@@ -88,6 +97,18 @@ def _load_base_checkpoint(*args, **kwargs):
             f'it was saved by another optimizer, or with --no-save-optim. Load the model only with '
             f'--no-load-optim: the optimizer state (Muon\'s momentum, the scalar optimizer\'s '
             f'moments) then starts at zero.') from error
+
+
+def _clip_qk(model, log_max_only=False):
+    """megatron.training's max-logit step after the optimizer's: for Muon on Megatron-FSDP one
+    all-reduce for all layers (megatron_muon.qk_clip), logging only (--qk-clip is refused)."""
+    flags = megatron.training.get_args()
+    if not (flags.optimizer == 'muon' and flags.use_megatron_fsdp):
+        return _megatron_clip_qk(model, log_max_only)
+    largest = qk_clip.reduce_max_attention_logits(
+        model, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    qk_clip.forget_max_attention_logits(model)
+    return largest
 
 
 def _checksummed(flags) -> bool:
@@ -166,4 +187,5 @@ def install() -> None:
     megatron.training.checkpointing._load_base_checkpoint = _load_base_checkpoint
     megatron.training.training.save_checkpoint = _save_checkpoint
     megatron.training.training.load_checkpoint = _load_checkpoint
+    megatron.training.training.clip_qk = _clip_qk
     megatron.training.training.get_megatron_optimizer = _get_megatron_optimizer

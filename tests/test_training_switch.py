@@ -61,6 +61,10 @@ def _switch(rank, world_size, checkout):
     _refused("does not support: --fp16", "--optimizer", "muon", "--fp16")
     _refused("without --overlap-grad-reduce", "--optimizer", "muon",
              "--num-distributed-optimizer-instances", "2")
+    _refused(r"--qk-clip \(not yet on Megatron-FSDP", "--optimizer", "muon", "--qk-clip")
+    # Megatron alone asks TransformerEngine for it; megatron_muon measures local attention too.
+    assert _validate("--optimizer", "muon", "--transformer-impl", "local",
+                     "--log-max-attention-logit").log_max_attention_logit
     _refused(r"--muon-max-consecutive-skipped-steps -1 \(at least 0\)", "--optimizer", "muon",
              "--muon-max-consecutive-skipped-steps", "-1")
     with pytest.raises(SystemExit):  # argparse: invalid choice
