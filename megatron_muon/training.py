@@ -35,8 +35,7 @@ import megatron.training.checkpointing
 import megatron.training.training
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.training.checkpointing import (get_checkpoint_name, get_checkpoint_tracker_filename,
-                                             read_metadata)
+from megatron.training.checkpointing import get_checkpoint_name, get_load_checkpoint_path_by_args
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_muon import checksums, factory, qk_clip
@@ -133,22 +132,18 @@ def _save_checkpoint(iteration, *args, **kwargs):
 
 def _load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', *args, **kwargs):
     flags = megatron.training.get_args()
-    load_dir = getattr(flags, load_arg, None)
-    if _checksummed(flags) and load_dir:
-        _verify(load_dir, flags)
+    if _checksummed(flags) and getattr(flags, load_arg, None):
+        _verify(Path(get_load_checkpoint_path_by_args(flags, load_arg)))
     return _megatron_load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args,
                                      **kwargs)
 
 
-def _verify(load_dir, flags):
-    """Check the checkpoint --load will read against its recorded checksums, the ranks sharing
-    the files; raise on every rank, naming each damaged file, before anything is read."""
-    tracker = Path(get_checkpoint_tracker_filename(load_dir))
-    if not tracker.is_file():
-        return  # Megatron warns and trains from scratch
-    iteration, release = read_metadata(str(tracker))
-    checkpoint = Path(get_checkpoint_name(load_dir, getattr(flags, 'ckpt_step', None) or iteration,
-                                          release, return_base_dir=True))
+def _verify(checkpoint: Path):
+    """Check the checkpoint --load will read (Megatron's own choice of it) against its recorded
+    checksums, the ranks sharing the files; raise on every rank, naming each damaged file, before
+    anything is read."""
+    if not checkpoint.is_dir():
+        return  # no checkpoint: Megatron warns and trains from scratch
     files = checksums.recorded(checkpoint)
     if files is None:
         if dist.get_rank() == 0:
