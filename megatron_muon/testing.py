@@ -52,8 +52,8 @@ def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1, repl
     tp_random.model_parallel_cuda_manual_seed(123)
 
 
-def gpt(shape: GPTShape = TINY, num_experts=None, **config):
-    """`config`: further TransformerConfig settings."""
+def gpt(shape: GPTShape = TINY, num_experts=None, **settings):
+    """`settings`: further TransformerConfig settings."""
     torch.manual_seed(0)
     config = TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
@@ -65,17 +65,17 @@ def gpt(shape: GPTShape = TINY, num_experts=None, **config):
         add_bias_linear=num_experts is None,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, **config)
+        apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, **settings)
     return GPTModel(config, get_gpt_layer_local_spec(num_experts=num_experts),
                     vocab_size=shape.vocab, max_sequence_length=shape.seq)
 
 
 def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=None,
-             outer_strategy="no_shard", overlap=False, **config):
+             outer_strategy="no_shard", overlap=False, **settings):
     """The GPT in FullyShardedDataParallel; HSDP (with `outer_strategy` across the replicas) when
     init_parallel_state was given replicas; `overlap`: --overlap-grad-reduce and
-    --overlap-param-gather; `config`: further TransformerConfig settings."""
-    model = gpt(shape, num_experts, **config)
+    --overlap-param-gather; `settings`: further TransformerConfig settings."""
+    model = gpt(shape, num_experts, **settings)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True,
         data_parallel_sharding_strategy=strategy,

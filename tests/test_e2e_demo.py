@@ -52,8 +52,7 @@ def _logged_losses(log: str, first: int, last: int) -> list[float]:
 def torchrun(*flags: str, iterations: int = ITERATIONS) -> list[float]:
     """Launch the demo with torchrun at W=2; return its training losses."""
     run = subprocess.run(
-        [str(TORCHRUN), '--standalone', '--nproc-per-node', '2', DEMO,
-         '--train-iters', str(iterations), '--eval-iters', '0', *flags],
+        [str(TORCHRUN), '--standalone', '--nproc-per-node', '2', *_argv(DEMO, iterations, flags)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert run.returncode == 0, f'training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}'
@@ -93,9 +92,13 @@ def train(*flags: str, iterations: int = ITERATIONS, processes: int = 2,
                                        script=script), first, last)
 
 
+def _argv(script: str, iterations: int, flags) -> list[str]:
+    return [script, '--train-iters', str(iterations), '--eval-iters', '0', *flags]
+
+
 def training_log(*flags: str, iterations: int, processes: int = 2, script: str = DEMO) -> str:
     """What the last rank, where Megatron logs the iterations, printed."""
-    argv = [script, '--train-iters', str(iterations), '--eval-iters', '0', *flags]
+    argv = _argv(script, iterations, flags)
     with tempfile.TemporaryDirectory(prefix='e2e-') as log_dir:
         run_distributed(_run_as_torchrun_would, processes, argv, log_dir, timeout=600, fresh=True)
         return (Path(log_dir) / f'{processes - 1}.log').read_text()
@@ -106,12 +109,13 @@ def _logged_grad_norms(log: str) -> dict[int, str]:
     return {int(i): norm for i, norm in ITERATION_GRAD_NORM.findall(log)}
 
 
-def failure_of(*flags: str, iterations: int, processes: int = 2) -> str:
-    """Run the demo, which must stop with an error; what the failing rank raised."""
-    argv = [DEMO, '--train-iters', str(iterations), '--eval-iters', '0', *flags]
+def failure_of(*flags: str, iterations: int, processes: int = 2,
+               run_rank=_run_as_torchrun_would, retry_lost_peer: bool = True) -> str:
+    """Run the demo (each rank as `run_rank` runs it), which must stop with an error; what the
+    failing rank raised."""
     with tempfile.TemporaryDirectory(prefix='e2e-') as log_dir:
-        failure = first_failure(_run_as_torchrun_would, processes, argv, log_dir, timeout=600,
-                                fresh=True)
+        failure = first_failure(run_rank, processes, _argv(DEMO, iterations, flags), log_dir,
+                                timeout=600, fresh=True, retry_lost_peer=retry_lost_peer)
     assert failure, 'the run did not stop with an error'
     return failure
 
@@ -354,8 +358,8 @@ def test_a_rank_killed_mid_run_ends_the_job_naming_it(processes):
     """SIGKILL to the last rank at iteration 5 of 30: torchrun ends the whole job within 60 s
     with a non-zero exit and names the lost rank; no rank is left waiting for it."""
     launch = subprocess.Popen(
-        [str(TORCHRUN), '--standalone', '--nproc-per-node', str(processes), DEMO, *SMALL,
-         '--train-iters', '30', '--eval-iters', '0'],
+        [str(TORCHRUN), '--standalone', '--nproc-per-node', str(processes),
+         *_argv(DEMO, 30, SMALL)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, 'OMP_NUM_THREADS': '1'})
     lines, at_iteration_5 = [], threading.Event()
@@ -432,16 +436,16 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(strategy_runs, tmp_path
                      failure), failure
 
 
-def _run_killing_a_rank_while_it_saves(rank, world_size, argv, log_dir, victim, save):
-    """`_run_as_torchrun_would`, but rank `victim` dies (SIGKILL) having written half of its
-    files of the `save`-th checkpoint."""
+def _run_killing_rank_1_in_its_second_save(rank, world_size, argv, log_dir):
+    """`_run_as_torchrun_would`, but rank 1 dies (SIGKILL) having written half of its files of
+    the second checkpoint."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     write_data, saves = FileSystemWriter.write_data, itertools.count(1)
 
     def write_half_then_die(self, plan, planner):
         written = write_data(self, plan, planner)
-        if rank == victim and next(saves) == save:
+        if rank == 1 and next(saves) == 2:
             written.wait()
             for shard in Path(self.path).glob(f'__{rank}_*.distcp'):
                 os.truncate(shard, shard.stat().st_size // 2)
@@ -456,11 +460,8 @@ def test_a_save_killed_half_way_is_never_the_checkpoint_loaded(tmp_path):
     """Rank 1 dies writing the checkpoint of iteration 4: the run fails, Megatron's tracker still
     names iteration 2 (it is written after every rank has finished), and --load resumes there."""
     flags = (*SMALL, '--save', str(tmp_path), '--save-interval', '2')
-    argv = [DEMO, '--train-iters', '6', '--eval-iters', '0', *flags]
-    with tempfile.TemporaryDirectory(prefix='e2e-') as log_dir:
-        failure = first_failure(_run_killing_a_rank_while_it_saves, 2, argv, log_dir, 1, 2,
-                                timeout=600, fresh=True, retry_lost_peer=False)
-    assert failure, 'the run did not fail'
+    failure_of(*flags, iterations=6, run_rank=_run_killing_rank_1_in_its_second_save,
+               retry_lost_peer=False)
     assert (tmp_path / 'latest_checkpointed_iteration.txt').read_text().strip() == '2'
     assert (tmp_path / 'iter_0000004').is_dir()  # what the killed save left
     train(*flags, '--load', str(tmp_path), iterations=6, logged=(3, 6))
