@@ -1,5 +1,6 @@
 # `make demo` trains the demo GPT with Muon on Megatron-FSDP; `make test` runs the whole suite
-# (the gloo suite on CPU, then the GPU tests, which skip without CUDA; `make test-gpu`: those alone);
+# (the GPU tests, which skip without CUDA and say why, then the gloo suite on CPU, whose summary is
+# the last line: CI reads it; `make test-gpu`: the GPU tests alone);
 # `make bench` measures the optimizer step (benchmarks/results/latest.json and .png).
 # Both create or refresh .venv (Python >= 3.12) whenever setup.py changes.
 SHELL := /bin/bash
@@ -30,8 +31,8 @@ demo: venv
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/pretrain_gpt.py $(DEMO_ARGS)
 
 test: venv
-	$(PY) -m pytest -q tests
 	$(PY) -m pytest -q -rs tests_gpu
+	$(PY) -m pytest -q tests
 
 test-gpu: venv
 	$(PY) -m pytest -q -rs tests_gpu
