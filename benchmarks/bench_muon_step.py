@@ -3,8 +3,9 @@
     python benchmarks/bench_muon_step.py [--world-sizes 1 2 4] [--steps 10]
 
 Runs itself under torchrun once per world size (gloo on CPU, NCCL on GPUs), on the demo GPT, a
-wider one, an MoE GPT (4 experts, expert-parallel 2) and the demo GPT under HSDP (2 replicas,
-outer strategy no_shard or optim), and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
+wider one, an MoE GPT (4 experts, expert-parallel 2), the demo GPT under HSDP (2 replicas,
+outer strategy no_shard or optim) and the demo GPT with MuonClip (--qk-clip, a threshold its
+logits pass every step), and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
 Newton-Schulz FLOPs are counted from the calls a step really makes; times are medians of --steps
 steps after warm-up, every mode measured side by side in the same processes.
 """
@@ -40,6 +41,8 @@ def configs(world):
         "moe": (GPTShape(layers=2, hidden=256, ffn=512, heads=4, vocab=1024, seq=128, micro_batch=4),
                 dict(num_experts=4, expert_parallel=min(2, world))),
     }
+    # The clip's cost: the max-logit all-reduce and the q/k row scaling, over "demo"'s step.
+    runs["clip"] = (demo, dict(model=dict(qk_clip=True, qk_clip_threshold=0.01)))
     if world > 1:
         runs["hsdp"] = (demo, dict(replicas=2, outer_strategy="no_shard"))
         runs["hfsdp"] = (demo, dict(replicas=2, outer_strategy="optim"))
@@ -202,7 +205,8 @@ def build(shape, parallel, mode):
     from megatron_muon.testing import fsdp_gpt, optimizer_config
 
     model = fsdp_gpt(shape, num_experts=parallel.get("num_experts"),
-                     outer_strategy=parallel.get("outer_strategy", "no_shard"))
+                     outer_strategy=parallel.get("outer_strategy", "no_shard"),
+                     **parallel.get("model", {}))
     config = optimizer_config("adam" if mode == "adam" else "muon", muon_fp32_matmul_prec="medium")
     optimizer = get_megatron_optimizer(config, [model], muon_dist_mode="owner" if mode == "adam" else mode)
     return model, optimizer, config

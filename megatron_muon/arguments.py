@@ -41,7 +41,16 @@ def validate_muon_args(args: argparse.Namespace) -> None:
         problems.append('--muon-max-consecutive-skipped-steps '
                         f'{args.muon_max_consecutive_skipped_steps} (at least 0)')
     if args.qk_clip:
-        problems.append('--qk-clip (not yet on Megatron-FSDP; --log-max-attention-logit is)')
+        if not 0 < args.qk_clip_alpha < 1:
+            problems.append(f'--qk-clip-alpha {args.qk_clip_alpha} (must lie in (0, 1))')
+        if not args.qk_clip_threshold > 0:
+            problems.append(f'--qk-clip-threshold {args.qk_clip_threshold} (must be positive)')
+        if args.multi_latent_attention:
+            problems.append('--qk-clip with --multi-latent-attention (MLA has no fused q/k/v '
+                            'weight; only SelfAttention\'s is clipped)')
+        if args.attention_output_gate:
+            problems.append('--qk-clip with --attention-output-gate (megatron-core\'s QK-clip '
+                            'does not define the gate rows)')
     if args.use_torch_fsdp2:
         problems.append('--use-torch-fsdp2 (Muon supports Megatron-FSDP only)')
     if args.optimizer_cpu_offload:

@@ -48,11 +48,16 @@ class FSDPMuonChainedOptimizer:
     after `max_consecutive_skipped_steps` of them in a row (0: never) the step raises instead: a
     diverged run stops rather than train nothing for hours.
 
+    `max_attention_logits` (megatron_muon.qk_clip, for --log-max-attention-logit and --qk-clip):
+    each step reduces the forward's max attention logits, and a step that updates the weights
+    clips the main weights' q and k rows (MuonClip) before installing them.
+
     Checkpoints: `sharded_state_dict` / `load_state_dict` in Megatron's `fsdp_dtensor` format, and
     torch's `state_dict` / `load_state_dict` pair (the same dict).
     """
 
-    def __init__(self, optimizer, model_chunks, max_consecutive_skipped_steps: int = 10):
+    def __init__(self, optimizer, model_chunks, max_consecutive_skipped_steps: int = 10,
+                 max_attention_logits=None):
         if max_consecutive_skipped_steps < 0:
             raise ValueError("max_consecutive_skipped_steps (--muon-max-consecutive-skipped-steps) "
                              f"must be at least 0, got {max_consecutive_skipped_steps}")
@@ -71,6 +76,7 @@ class FSDPMuonChainedOptimizer:
         self._successful_steps = 0
         self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
         self._consecutive_skipped_steps = 0
+        self.max_attention_logits = max_attention_logits
         self._param_names = None
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
@@ -93,6 +99,8 @@ class FSDPMuonChainedOptimizer:
             if index not in self._synced and not fsdp.model_auto_sync:
                 chunk.finish_grad_sync()
         self._synced.clear()
+        if self.max_attention_logits is not None:
+            self.max_attention_logits.reduce()
         if self._any_rank_has_nonfinite_grads():
             self._skipped_a_step()
             return False, None, None  # as Megatron's optimizers report a skipped step
@@ -101,6 +109,8 @@ class FSDPMuonChainedOptimizer:
         update_successful = result[0] if isinstance(result, tuple) else True
         if update_successful:
             self._successful_steps += 1
+            if self.max_attention_logits is not None:
+                self.max_attention_logits.clip_main_weights()
             self._install_weights_for_the_next_forward()
         return result
 

@@ -19,7 +19,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
-from .qk_clip import observe_max_attention_logits
+from .qk_clip import build_max_attention_logits
 from .zero_muon import ZeROTensorParallelMuon
 
 
@@ -43,11 +43,28 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     _average_hfsdp_gradients(model_chunks)
-    if model_chunks[0].config.log_max_attention_logit:
-        observe_max_attention_logits(model_chunks)
-    chain = ChainedOptimizer(_build_parts(config, model_chunks, config_overrides, process_groups,
-                                          pg_collection, muon_dist_mode))
-    return FSDPMuonChainedOptimizer(chain, model_chunks, muon_max_consecutive_skipped_steps)
+    parts = _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
+                         muon_dist_mode)
+    max_attention_logits = build_max_attention_logits(
+        model_chunks, pg_collection.dp_cp, _held_rows_in(parts))
+    return FSDPMuonChainedOptimizer(ChainedOptimizer(parts), model_chunks,
+                                    muon_max_consecutive_skipped_steps, max_attention_logits)
+
+
+def _held_rows_in(parts):
+    """ZeROTensorParallelMuon.held_rows of whichever Muon part steps a main weight (KeyError if
+    none does)."""
+    muons = [part.optimizer for part in parts if isinstance(part.optimizer, ZeROTensorParallelMuon)]
+
+    def held_rows(main_weight):
+        for muon in muons:
+            try:
+                return muon.held_rows(main_weight)
+            except KeyError:
+                pass
+        raise KeyError(main_weight)
+
+    return held_rows
 
 
 def _average_hfsdp_gradients(model_chunks):

@@ -101,6 +101,20 @@ def row_layouts(shard_of: Sequence[int], rows_per_rank: Sequence[Sequence[int]],
     return layouts
 
 
+@dataclass(frozen=True)
+class QKVRows:
+    """megatron-core's fused QKV weight (SelfAttention.linear_qkv), TP-local: for each query
+    group in turn, the q rows of its heads, then its k rows, then its v rows."""
+
+    groups: int
+    q_rows: int  # per group
+    kv_rows: int  # per group, for k and for v
+
+    @property
+    def num_rows(self) -> int:
+        return self.groups * (self.q_rows + 2 * self.kv_rows)
+
+
 def ns_flops(rows: int, cols: int, steps: int) -> int:
     """Newton-Schulz FLOPs of one m x n matrix: k(4m^2 n + 2m^3) with m the smaller side."""
     m, n = min(rows, cols), max(rows, cols)

@@ -1,19 +1,34 @@
-"""MuonClip's measurement on megatron-core's local attention (DotProductAttention): each layer's
-per-head maximum attention logit over a step's micro-batches, kept where TransformerEngine's
-attention keeps it (`core_attention.current_max_attn_logits`), and reduced over the data-parallel
-ranks for all layers in one all-reduce (megatron-core's `clip_qk` issues one per layer)."""
+"""MuonClip on Megatron-FSDP (megatron-core's --qk-clip and --log-max-attention-logit).
+
+Each self-attention layer's per-head maximum attention logit over a step's micro-batches is kept
+where TransformerEngine's attention (>= 2.9) keeps it, `core_attention.current_max_attn_logits`;
+on megatron-core's local attention a forward hook records it there. The optimizer's step reduces
+all layers' values over the data-parallel ranks in one all-reduce (megatron-core's `clip_qk`
+issues one per layer) and, after the update, scales the q and k rows of each query group whose
+logits passed the threshold in the sharded fp32 main weights, each rank its own rows, before
+Megatron-FSDP installs them for the next forward. Nothing is gathered.
+"""
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from .chained import named_main_weights
+from .muon_math import qk_clip_row_factors
+from .plan import QKVRows
+
+
+def _self_attentions(model_chunks) -> list[tuple[int, str, SelfAttention]]:
+    return [(index, name, module) for index, chunk in enumerate(model_chunks)
+            for name, module in chunk.named_modules() if isinstance(module, SelfAttention)]
+
 
 def _core_attentions(model_chunks) -> list:
-    return [module.core_attention for chunk in model_chunks for module in chunk.modules()
-            if isinstance(module, SelfAttention)]
+    return [module.core_attention for _, _, module in _self_attentions(model_chunks)]
 
 
 def observe_max_attention_logits(model_chunks) -> None:
@@ -55,7 +70,104 @@ def reduce_max_attention_logits(model_chunks, group) -> float:
     return stacked.max().item()
 
 
-def forget_max_attention_logits(model_chunks) -> None:
-    """Start the next step's measurement afresh."""
-    for attention in _core_attentions(model_chunks):
+def take_max_attention_logit(model_chunks) -> float:
+    """The step's largest max logit (already reduced by the step), and start the next step's
+    measurement afresh."""
+    attentions = [a for a in _core_attentions(model_chunks)
+                  if getattr(a, "current_max_attn_logits", None) is not None]
+    largest = max((a.current_max_attn_logits.max().item() for a in attentions), default=0.0)
+    for attention in attentions:
         attention.current_max_attn_logits = None
+    return largest
+
+
+class _ClippedLayer(NamedTuple):
+    core_attention: torch.nn.Module
+    qkv: QKVRows  # of this tensor-parallel rank
+    main_weight: torch.Tensor  # linear_qkv's, a DTensor: this rank holds rows [start, stop)
+    start: int
+    stop: int
+
+
+class MaxAttentionLogits:
+    """What --log-max-attention-logit and --qk-clip ask of each optimizer step.
+
+    `reduce()` (every step, a skipped one too: its max is logged) all-reduces the layers' per-head
+    max logits over `group`; `clip_main_weights()` (after an update, before the weights are
+    installed) applies MuonClip where `clip` is given: (layers, threshold, alpha)."""
+
+    def __init__(self, model_chunks, group, clip: tuple[list[_ClippedLayer], float, float] | None):
+        self.model_chunks, self.group, self.clip = model_chunks, group, clip
+        self.largest = 0.0
+
+    def reduce(self) -> None:
+        self.largest = reduce_max_attention_logits(self.model_chunks, self.group)
+
+    @torch.no_grad()
+    def clip_main_weights(self) -> None:
+        if self.clip is None:
+            return
+        layers, threshold, alpha = self.clip
+        if not self.largest > threshold:
+            return  # no head passed the threshold: nothing changes (one host read per step)
+        for layer in layers:
+            max_logits = layer.core_attention.current_max_attn_logits
+            local = layer.main_weight.to_local()
+            if max_logits is None or local.numel() == 0:
+                continue
+            factors = qk_clip_row_factors(max_logits, layer.qkv, threshold, alpha)
+            local.mul_(factors[layer.start:layer.stop].unsqueeze(1))
+
+
+def build_max_attention_logits(model_chunks, group, held_rows) -> MaxAttentionLogits | None:
+    """The step's max-logit work the model's config asks for (None: neither flag). Checks that
+    every self-attention layer can be observed and, for --qk-clip, clipped, before any state
+    changes. `held_rows(main_weight)`: (start, stop, rows), this rank holds rows [start, stop) of
+    its TP-local matrix of `rows` rows (ZeROTensorParallelMuon.held_rows; KeyError for a weight
+    Muon does not step)."""
+    config = model_chunks[0].config
+    if not (config.qk_clip or config.log_max_attention_logit):
+        return None
+    flag = "--qk-clip" if config.qk_clip else "--log-max-attention-logit"
+    attentions = _self_attentions(model_chunks)
+    if not attentions:
+        found = sorted({type(m).__name__ for chunk in model_chunks for m in chunk.modules()
+                        if "Attention" in type(m).__name__})
+        raise ValueError(f"{flag} needs self-attention layers with fused q/k/v weights "
+                         f"(megatron-core's SelfAttention); this model has none"
+                         + (f" (its attention: {', '.join(found)})" if found else ""))
+    for _, name, attention in attentions:
+        core = attention.core_attention
+        if not (isinstance(core, DotProductAttention) or hasattr(core, "current_max_attn_logits")):
+            raise ValueError(
+                f"{flag}: the max attention logits of {name}.core_attention "
+                f"({type(core).__name__}) cannot be observed; use megatron-core's local attention "
+                f"(--transformer-impl local) or TransformerEngine's (>= 2.9)")
+    if config.qk_clip and config.attention_output_gate:
+        raise ValueError("--qk-clip with --attention-output-gate: megatron-core's QK-clip does not "
+                         "define the gate rows of the fused q/k/v weight")
+    clip = None
+    if config.qk_clip:
+        main_weights = [dict(named_main_weights(chunk)) for chunk in model_chunks]
+        layers = [_clipped_layer(name, attention,
+                                 main_weights[index][f"{name}.linear_qkv.weight"], held_rows)
+                  for index, name, attention in attentions]
+        clip = (layers, config.qk_clip_threshold, config.qk_clip_alpha)
+    observe_max_attention_logits(model_chunks)
+    return MaxAttentionLogits(model_chunks, group, clip)
+
+
+def _clipped_layer(name: str, attention: SelfAttention, main_weight, held_rows) -> _ClippedLayer:
+    groups = attention.num_query_groups_per_partition
+    heads_per_group = attention.num_attention_heads_per_partition // groups
+    head_size = attention.hidden_size_per_attention_head
+    qkv = QKVRows(groups, heads_per_group * head_size, head_size)
+    try:
+        start, stop, rows = held_rows(main_weight)
+    except KeyError:
+        raise ValueError(f"--qk-clip: {name}.linear_qkv.weight is not stepped by Muon (the "
+                         f"optimizer's overrides give it to another optimizer)") from None
+    if rows != qkv.num_rows:
+        raise ValueError(f"--qk-clip: {name}.linear_qkv.weight has {rows} rows per tensor-parallel "
+                         f"rank, not the {qkv.num_rows} of {groups} query groups of q, k and v")
+    return _ClippedLayer(attention.core_attention, qkv, main_weight, start, stop)

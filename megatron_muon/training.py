@@ -17,14 +17,17 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   failure still stops the run;
 * says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
   another optimizer, or with --no-save-optim), where DCP names one missing key;
-* measures --log-max-attention-logit on megatron-core's local attention too, for Muon on
-  Megatron-FSDP, reduced over the data-parallel ranks in one all-reduce (megatron_muon.qk_clip);
+* gives Muon on Megatron-FSDP MuonClip (--qk-clip) and --log-max-attention-logit, on
+  megatron-core's local attention too: the optimizer's step reduces the max logits over the
+  data-parallel ranks in one all-reduce and clips the sharded main weights (megatron_muon.qk_clip);
+  the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
 * makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
   (megatron_muon.checksums) and verify them before a load, on every rank together: a damaged
   file stops the run, named, before any state changes.
 """
 
 import importlib.machinery
+import inspect
 import re
 import warnings
 from pathlib import Path
@@ -34,8 +37,8 @@ import megatron.training.arguments
 import megatron.training.checkpointing
 import megatron.training.training
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.training.checkpointing import get_checkpoint_name, get_load_checkpoint_path_by_args
+from megatron.training.utils import print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_muon import checksums, factory, qk_clip
@@ -47,6 +50,7 @@ _megatron_load_base_checkpoint = megatron.training.checkpointing._load_base_chec
 _megatron_save_checkpoint = megatron.training.training.save_checkpoint
 _megatron_load_checkpoint = megatron.training.training.load_checkpoint
 _megatron_clip_qk = megatron.training.training.clip_qk
+_megatron_training_log = megatron.training.training.training_log
 MISSING_OPTIMIZER_STATE = re.compile(
     r'Missing key in checkpoint state_dict: (optimizer\.[^\s]*?)\.?$', re.MULTILINE)
 
@@ -62,17 +66,19 @@ def _validate_args(args, defaults={}):
         args_to_print.optimizer = 'muon'
         print_args(title, args_to_print)
 
-    # Megatron measures max attention logits only in TransformerEngine's attention; megatron_muon
-    # measures them in the local one too (megatron_muon.qk_clip).
-    log_max_attention_logit = args.log_max_attention_logit
+    # Megatron measures max attention logits only in TransformerEngine's attention (it asserts
+    # TE >= 2.9 for both flags); megatron_muon measures them in the local one too
+    # (megatron_muon.qk_clip), and validate_muon_args has checked --qk-clip's settings.
+    qk_flags = {'qk_clip': args.qk_clip, 'log_max_attention_logit': args.log_max_attention_logit}
     args.optimizer = 'adam'
-    args.log_max_attention_logit &= args.transformer_impl != 'local'
+    if args.transformer_impl == 'local':
+        args.qk_clip = args.log_max_attention_logit = False
     megatron.training.arguments._print_args = print_args_as_given
     try:
         return _megatron_validate_args(args, defaults)
     finally:
         args.optimizer = 'muon'
-        args.log_max_attention_logit = log_max_attention_logit
+        vars(args).update(qk_flags)
         megatron.training.arguments._print_args = print_args
 
 
@@ -99,15 +105,26 @@ def _load_base_checkpoint(*args, **kwargs):
 
 
 def _clip_qk(model, log_max_only=False):
-    """megatron.training's max-logit step after the optimizer's: for Muon on Megatron-FSDP one
-    all-reduce for all layers (megatron_muon.qk_clip), logging only (--qk-clip is refused)."""
+    """megatron.training's QK-clip after the optimizer's step: for Muon on Megatron-FSDP the step
+    has reduced the max logits and clipped (megatron_muon.qk_clip); what is left is the value
+    to log."""
     flags = megatron.training.get_args()
     if not (flags.optimizer == 'muon' and flags.use_megatron_fsdp):
         return _megatron_clip_qk(model, log_max_only)
-    largest = qk_clip.reduce_max_attention_logits(
-        model, parallel_state.get_data_parallel_group(with_context_parallel=True))
-    qk_clip.forget_max_attention_logits(model)
-    return largest
+    return qk_clip.take_max_attention_logit(model)
+
+
+def _training_log(*args, **kwargs):
+    """Megatron's log line, then the iteration's max attention logit (measured in its forward,
+    before any clip) on a line of its own: Megatron sends it only to TensorBoard and W&B."""
+    report_memory_flag = _megatron_training_log(*args, **kwargs)
+    logged = inspect.signature(_megatron_training_log).bind(*args, **kwargs).arguments
+    flags, iteration = megatron.training.get_args(), logged['iteration']
+    if flags.log_max_attention_logit and (iteration % flags.log_interval == 0
+                                          or logged.get('is_first_iteration')):
+        print_rank_last(f' iteration {iteration:8d} | max attention logit: '
+                        f'{logged["max_attention_logit"]:.4f} |')
+    return report_memory_flag
 
 
 def _checksummed(flags) -> bool:
@@ -183,4 +200,5 @@ def install() -> None:
     megatron.training.training.save_checkpoint = _save_checkpoint
     megatron.training.training.load_checkpoint = _load_checkpoint
     megatron.training.training.clip_qk = _clip_qk
+    megatron.training.training.training_log = _training_log
     megatron.training.training.get_megatron_optimizer = _get_megatron_optimizer

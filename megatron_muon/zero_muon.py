@@ -160,7 +160,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.dist_mode = dist_mode
         self._param_names = param_names or {}
         self._batched_ns_exact: dict[tuple, bool] = {}
+        self._held_rows: dict[DTensor, tuple[int, int, int]] = {}
         self._plans = self._plan(byte_slack, max_batch_bytes)
+
+    def held_rows(self, p: DTensor) -> tuple[int, int, int]:
+        """(start, stop, rows): this rank's shard of `p` holds rows [start, stop) of its
+        TP-local matrix of `rows` rows (3-D stacks: of their rows)."""
+        return self._held_rows[p]
 
     def _name(self, p) -> str:
         return self._param_names.get(p) or f"the parameter of shape {tuple(p.shape)}"
@@ -243,6 +249,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             rank = dist.get_rank(exchange_group)
             matrices, pieces = [], []
             for index, (p, layout) in enumerate(zip(params, layouts)):
+                self._held_rows[p] = (*layout.row_range(rank), layout.num_rows)
                 rows = layout.num_rows // self._num_experts(p)
                 for start in range(0, layout.num_rows, rows):
                     matrices.append(Matrix(layout.piece(start, start + rows), p.to_local().shape[-1],

@@ -34,6 +34,7 @@ ITERATIONS = 25
 COMPARED_ITERATIONS = 4  # the loss of iteration 4 is the first to see the third update
 # Megatron's per-iteration log line, e.g. "iteration        3/      25 | ... | lm loss: 6.72E+00 |".
 ITERATION_LOSS = re.compile(r' iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([-+.\dEe]+) \|')
+ITERATION_MAX_LOGIT = re.compile(r' iteration\s+(\d+) \| max attention logit: ([-+.\dEe]+) \|')
 ITERATION_GRAD_NORM = re.compile(r' iteration\s+(\d+)/\s*\d+ \|.*\| grad norm: ([-+.\dEeinfa]+) \|')
 
 
@@ -144,12 +145,12 @@ def strategy_runs(tmp_path_factory):
     """The demo's losses by optimizer and sharding strategy (dropout off), each run once for the
     tests below. Muon's ZeRO-3 run also saves a checkpoint every 3 iterations into
     `strategy_runs.checkpoints`: the uninterrupted run the resume tests compare with
-    (`strategy_runs.log`: its log)."""
+    (`strategy_runs.log`: its log), and logs its max attention logits."""
     checkpoints = tmp_path_factory.mktemp('uninterrupted')
 
     @functools.cache
     def log(optimizer, strategy):
-        saves = (('--save', str(checkpoints), '--save-interval', '3')
+        saves = (('--save', str(checkpoints), '--save-interval', '3', '--log-max-attention-logit')
                  if (optimizer, strategy) == ('muon', 'optim_grads_params') else ())
         return training_log(*SMALL, *NO_DROPOUT, '--optimizer', optimizer,
                             '--data-parallel-sharding-strategy', strategy, *saves,
@@ -303,6 +304,41 @@ def test_a_load_from_a_directory_without_a_checkpoint_trains_from_scratch(strate
     losses = train(*SMALL, *NO_DROPOUT, '--optimizer', 'muon', '--data-parallel-sharding-strategy',
                    'optim_grads_params', '--load', str(empty), iterations=STRATEGY_ITERATIONS)
     assert losses == strategy_runs('muon', 'optim_grads_params')
+
+
+QK_CLIP_THRESHOLD = 0.15  # the SMALL GPT's max attention logit passes it at iteration 6
+
+
+def _logged_max_logits(log: str) -> dict[int, float]:
+    return {int(i): float(logit) for i, logit in ITERATION_MAX_LOGIT.findall(log)}
+
+
+def test_muon_clip_caps_the_logits_and_resumes(strategy_runs, tmp_path):
+    """--qk-clip on ZeRO-3: every iteration logs its max attention logit; the training is the
+    unclipped run's until a logit first passes the threshold (the clip changes nothing before),
+    then the logits stay lower than without the clip; a run resumed from the checkpoint saved
+    after the first clip logs what the uninterrupted one does."""
+    unclipped = strategy_runs.log('muon', 'optim_grads_params')
+    flags = (*SMALL, *NO_DROPOUT, '--qk-clip', '--qk-clip-threshold', str(QK_CLIP_THRESHOLD),
+             '--log-max-attention-logit')
+    checkpoints = tmp_path / 'clipped'
+    clipped = training_log(*flags, '--save', str(checkpoints), '--save-interval', '3',
+                           iterations=STRATEGY_ITERATIONS)
+    logits, unclipped_logits = _logged_max_logits(clipped), _logged_max_logits(unclipped)
+    iterations = list(range(1, STRATEGY_ITERATIONS + 1))
+    assert sorted(logits) == iterations == sorted(unclipped_logits), clipped[-3000:]
+    first_clip = min(i for i in iterations if logits[i] > QK_CLIP_THRESHOLD)
+    assert 1 < first_clip <= 6, logits  # the checkpoint of iteration 6 holds a clip
+    before, after = iterations[:first_clip], iterations[first_clip:]
+    assert [logits[i] for i in before] == [unclipped_logits[i] for i in before]
+    losses = _logged_losses(clipped, 1, STRATEGY_ITERATIONS)
+    assert losses[:first_clip] == strategy_runs('muon', 'optim_grads_params')[:first_clip]
+    assert max(logits[i] for i in after) < max(unclipped_logits[i] for i in after), (
+        logits, unclipped_logits)
+    resumed = training_log(*flags, '--load', str(checkpoints), '--ckpt-step', '6',
+                           iterations=STRATEGY_ITERATIONS)
+    assert_logged_as_uninterrupted(resumed, clipped, resumed_at=7, last=STRATEGY_ITERATIONS)
+    assert _logged_max_logits(resumed) == {i: logits[i] for i in iterations[6:]}
 
 
 def test_a_diverged_run_stops_with_a_clear_error():

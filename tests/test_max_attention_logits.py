@@ -9,8 +9,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.qk_clip import (_core_attentions, forget_max_attention_logits,
-                                   observe_max_attention_logits, reduce_max_attention_logits)
+from megatron_muon.qk_clip import (_core_attentions, observe_max_attention_logits,
+                                   reduce_max_attention_logits, take_max_attention_logit)
 from megatron_muon.testing import (TINY, fsdp_gpt, global_batch_loss, gpt,
                                    init_parallel_state, optimizer_config)
 
@@ -41,7 +41,7 @@ def _measured_as_unsharded(rank, world_size, tensor_parallel):
         assert g.shape == (TINY.heads // tensor_parallel,) and torch.equal(g, e), (g, e)
         assert torch.allclose(g, d, rtol=1e-6, atol=0), (g, d)
     assert largest == max(t.max().item() for t in got)
-    forget_max_attention_logits([model])
+    assert take_max_attention_logit([model]) == largest
     assert all(t is None for t in _per_layer(model))
 
 

@@ -61,10 +61,20 @@ def _switch(rank, world_size, checkout):
     _refused("does not support: --fp16", "--optimizer", "muon", "--fp16")
     _refused("without --overlap-grad-reduce", "--optimizer", "muon",
              "--num-distributed-optimizer-instances", "2")
-    _refused(r"--qk-clip \(not yet on Megatron-FSDP", "--optimizer", "muon", "--qk-clip")
-    # Megatron alone asks TransformerEngine for it; megatron_muon measures local attention too.
-    assert _validate("--optimizer", "muon", "--transformer-impl", "local",
-                     "--log-max-attention-logit").log_max_attention_logit
+    # Megatron alone asks TransformerEngine for these; megatron_muon measures local attention too.
+    assert _validate("--optimizer", "muon", "--log-max-attention-logit").log_max_attention_logit
+    clip = _validate("--optimizer", "muon", "--qk-clip", "--qk-clip-threshold", "5")
+    assert clip.qk_clip and clip.qk_clip_threshold == 5 and clip.transformer_impl == "local"
+    for flags, refusal in [
+            (["--qk-clip-alpha", "1"], r"--qk-clip-alpha 1.0 \(must lie in \(0, 1\)\)"),
+            (["--qk-clip-alpha", "0"], r"--qk-clip-alpha 0.0 \(must lie in \(0, 1\)\)"),
+            (["--qk-clip-threshold", "0"], r"--qk-clip-threshold 0.0 \(must be positive\)"),
+            (["--multi-latent-attention"], "--qk-clip with --multi-latent-attention"),
+            (["--attention-output-gate"], "--qk-clip with --attention-output-gate")]:
+        _refused(refusal, "--optimizer", "muon", "--qk-clip", *flags)
+    # Without TransformerEngine its attention cannot report logits: Megatron's own check stands.
+    _refused("TE >= 2.9.0", "--optimizer", "muon", "--qk-clip", "--transformer-impl",
+             "transformer_engine")
     _refused(r"--muon-max-consecutive-skipped-steps -1 \(at least 0\)", "--optimizer", "muon",
              "--muon-max-consecutive-skipped-steps", "-1")
     with pytest.raises(SystemExit):  # argparse: invalid choice
