@@ -20,7 +20,9 @@ CASES = [
 
 def _build(strategy, dist_mode, experts, replicas):
     init_parallel_state(expert_parallel=2 if experts else 1, replicas=replicas)
-    model = fsdp_gpt(strategy=strategy, num_experts=experts)
+    # MuonClip on, with a threshold the logits pass: its all-reduce runs in every step, and its
+    # clip wherever the fake group's stand-in weights give a logit above 0.
+    model = fsdp_gpt(strategy=strategy, num_experts=experts, qk_clip=True, qk_clip_threshold=1e-6)
     return model, get_megatron_optimizer(optimizer_config(), [model], muon_dist_mode=dist_mode)
 
 
