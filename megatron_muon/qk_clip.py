@@ -59,8 +59,7 @@ def _record_max_logits(core_attention, softmax, args, probs):
 def reduce_max_attention_logits(model_chunks, group) -> float:
     """Every layer's per-head max logits, maximum over `group`'s ranks (each tensor-parallel rank
     keeps its own heads), in one all-reduce; the largest, or 0.0 if nothing was recorded."""
-    attentions = [a for a in _core_attentions(model_chunks)
-                  if getattr(a, "current_max_attn_logits", None) is not None]
+    attentions = _recorded(model_chunks)
     if not attentions:
         return 0.0
     stacked = torch.stack([a.current_max_attn_logits for a in attentions])
@@ -73,12 +72,19 @@ def reduce_max_attention_logits(model_chunks, group) -> float:
 def take_max_attention_logit(model_chunks) -> float:
     """The step's largest max logit (already reduced by the step), and start the next step's
     measurement afresh."""
-    attentions = [a for a in _core_attentions(model_chunks)
-                  if getattr(a, "current_max_attn_logits", None) is not None]
-    largest = max((a.current_max_attn_logits.max().item() for a in attentions), default=0.0)
+    attentions = _recorded(model_chunks)
+    if not attentions:
+        return 0.0
+    largest = torch.stack([a.current_max_attn_logits for a in attentions]).max().item()
     for attention in attentions:
         attention.current_max_attn_logits = None
     return largest
+
+
+def _recorded(model_chunks) -> list:
+    """The core attentions that hold max logits of this step."""
+    return [a for a in _core_attentions(model_chunks)
+            if getattr(a, "current_max_attn_logits", None) is not None]
 
 
 class _ClippedLayer(NamedTuple):
