@@ -108,10 +108,25 @@ def refuse_a_save_that_would_hang(args):
             f'--save, or with --no-use-megatron-fsdp --ckpt-format torch_dist.')
 
 
+def refuse_layer_wise_muon_in_fp32(args):
+    """megatron-core 0.19.2's own Muon with --use-distributed-optimizer on Megatron DDP
+    (LayerWiseDistributedOptimizer) cannot be built in fp32: it chains raw torch optimizers, which
+    carry no config, and megatron-core's ChainedOptimizer stops on a bare AssertionError
+    (optimizer.py:1440) when it chains it with its Adam part. tests/test_megatron_core_paths.py
+    shows megatron-core's own factory failing alike."""
+    if args.use_layer_wise_distributed_optimizer and not (args.bf16 or args.fp16):
+        raise SystemExit(
+            'pretrain_gpt.py: --optimizer muon --use-distributed-optimizer on Megatron DDP '
+            '(megatron-core\'s LayerWiseDistributedOptimizer) fails in fp32 in megatron-core '
+            '0.19.2: its parts carry no config and ChainedOptimizer asserts they share one. Add '
+            '--bf16, drop --use-distributed-optimizer, or use Megatron-FSDP (the default).')
+
+
 def main():
     megatron_muon.training.install()  # Before Megatron parses its arguments.
     args = parse_and_validate_args(extra_args_provider=add_demo_args)
     refuse_a_save_that_would_hang(args)
+    refuse_layer_wise_muon_in_fp32(args)
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 

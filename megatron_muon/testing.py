@@ -88,6 +88,18 @@ def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=
     return FullyShardedDataParallel(model.config, ddp_config, model, device=device)
 
 
+def ddp_gpt(shape: GPTShape = TINY, use_distributed_optimizer=False, layer_wise=False):
+    """The GPT in megatron-core's DistributedDataParallel (Megatron DDP: whole weights on every
+    rank), wrapped as megatron.training wraps it: buffers laid out for megatron-core's
+    distributed optimizer, or for its layer-wise one (Muon's)."""
+    from megatron.training.training import wrap_model_chunks_with_ddp
+
+    model = gpt(shape)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer)
+    return wrap_model_chunks_with_ddp([model], model.config, ddp_config,
+                                      use_layer_wise_distributed_optimizer=layer_wise)[0]
+
+
 def optimizer_config(optimizer="muon", **overrides):
     settings = dict(optimizer=optimizer, lr=0.01, use_distributed_optimizer=True,
                     muon_fp32_matmul_prec="highest")

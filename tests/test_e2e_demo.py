@@ -355,6 +355,18 @@ def test_adam_on_megatron_fsdp_refuses_to_save_rather_than_hang(tmp_path):
     assert 'SystemExit: pretrain_gpt.py: --optimizer adam on Megatron-FSDP cannot --save' in failure, failure
 
 
+def test_megatron_cores_layer_wise_muon_is_refused_in_fp32_and_trains_in_bf16():
+    """--no-use-megatron-fsdp --use-distributed-optimizer: megatron-core's own Muon
+    (LayerWiseDistributedOptimizer), which megatron-core cannot build in fp32
+    (test_megatron_core_paths.py): the demo says so before training; in bf16 it trains."""
+    flags = (*SMALL, '--no-use-megatron-fsdp', '--ckpt-format', 'torch_dist',
+             '--use-distributed-optimizer')
+    failure = failure_of(*flags, iterations=2)
+    assert 'SystemExit: pretrain_gpt.py: --optimizer muon --use-distributed-optimizer on Megatron DDP' in failure, failure
+    losses = train(*flags, '--bf16', iterations=6)
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
 def test_a_checkpoint_from_two_processes_resumes_on_four_at_the_same_global_batch(strategy_runs):
     """The uninterrupted two-process run's checkpoint of iteration 3 (global batch 8: 4 sequences
     per rank), resumed on four processes (2 per rank): the same training up to the order in which
