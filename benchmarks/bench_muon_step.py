@@ -1,4 +1,6 @@
-"""Muon's optimizer step on Megatron-FSDP (ZeRO-3): owner-compute vs gather-everything vs Adam.
+"""Muon's optimizer step on Megatron-FSDP (ZeRO-3): owner-compute vs gather-everything vs Adam,
+and megatron-core's own Muon on Megatron DDP (every rank orthogonalizes every matrix) and with its
+LayerWiseDistributedOptimizer (whole matrices per rank, ZeRO-1).
 
     python benchmarks/bench_muon_step.py [--world-sizes 1 2 4] [--steps 10]
 
@@ -7,7 +9,10 @@ wider one, an MoE GPT (4 experts, expert-parallel 2), the demo GPT under HSDP (2
 outer strategy no_shard or optim) and the demo GPT with MuonClip (--qk-clip, a threshold its
 logits pass every step), and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
 Newton-Schulz FLOPs are counted from the calls a step really makes; times are medians of --steps
-steps after warm-up, every mode measured side by side in the same processes.
+steps after warm-up, every mode measured side by side in the same processes. Bytes and collectives
+are the optimizer step's (gradient reductions run before it, ZeRO-3's weight gathers in the
+forward). megatron-core's layer-wise optimizer cannot be built in fp32 (README), so it runs with
+bf16 set on a fp32 model: its params stay fp32 and so does its arithmetic.
 """
 
 import argparse
@@ -27,6 +32,7 @@ import torch.distributed as dist
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("owner", "allgather", "adam")
+MEGATRON_CORE_MODES = ("ddp", "layerwise")  # on dense models without HSDP only
 WARMUP = 3
 
 
@@ -76,15 +82,20 @@ class StepCounter:
         if name == "all_gather_into_tensor":
             out = call["output_tensor"]
             return out.numel() * out.element_size() * (world - 1) // world
+        if name == "all_gather":
+            return sum(t.numel() * t.element_size()
+                       for i, t in enumerate(call["tensor_list"]) if i != rank)
         return 0
 
     @contextmanager
     def counting(self):
+        from megatron.core.distributed import param_and_grad_buffer as ddp_buffers
         from megatron.core.optimizer import emerging_optimizers as core_muon
         from megatron_muon.plan import ns_flops
 
         originals = {name: getattr(dist, name) for name in self.COLLECTIVES}
         newton_schulz_tp = core_muon.newton_schulz_tp
+        ddp_all_gather = ddp_buffers.dist_all_gather_func  # Megatron DDP's, bound at its import
 
         def wrap(name):
             signature = inspect.signature(originals[name])
@@ -104,12 +115,14 @@ class StepCounter:
 
         for name in self.COLLECTIVES:
             setattr(dist, name, wrap(name))
+        ddp_buffers.dist_all_gather_func = dist.all_gather_into_tensor
         core_muon.newton_schulz_tp = counted_newton_schulz
         try:
             yield self
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+            ddp_buffers.dist_all_gather_func = ddp_all_gather
             core_muon.newton_schulz_tp = newton_schulz_tp
 
 
@@ -202,8 +215,14 @@ def optimizer_state_bytes(optimizer):
 
 def build(shape, parallel, mode):
     from megatron_muon import get_megatron_optimizer
-    from megatron_muon.testing import fsdp_gpt, optimizer_config
+    from megatron_muon.testing import ddp_gpt, fsdp_gpt, optimizer_config
 
+    if mode in MEGATRON_CORE_MODES:
+        layer_wise = mode == "layerwise"
+        model = ddp_gpt(shape, layer_wise=layer_wise)
+        config = optimizer_config("muon", muon_fp32_matmul_prec="medium", use_distributed_optimizer=False,
+                                  use_layer_wise_distributed_optimizer=layer_wise, bf16=layer_wise)
+        return model, get_megatron_optimizer(config, [model]), config
     model = fsdp_gpt(shape, num_experts=parallel.get("num_experts"),
                      outer_strategy=parallel.get("outer_strategy", "no_shard"),
                      **parallel.get("model", {}))
@@ -219,7 +238,8 @@ def measure(shape, parallel, steps):
     init_parallel_state(expert_parallel=parallel.get("expert_parallel", 1),
                         replicas=parallel.get("replicas", 1))
     rank = dist.get_rank()
-    built = {mode: build(shape, parallel, mode) for mode in MODES}
+    modes = MODES + (MEGATRON_CORE_MODES if not parallel else ())
+    built = {mode: build(shape, parallel, mode) for mode in modes}
     figures = {}
     for mode, (model, optimizer, config) in built.items():
         counter = StepCounter(config.muon_num_ns_steps)
@@ -336,7 +356,7 @@ def summarize(world, per_rank):
                comm_bytes_layout_min=min_bytes / world,
                comm_bytes_generic_bound=2 * elements * 4 * (world - 1) / world ** 2)
     single_device_flops = sum(union("flops_by_matrix").values())
-    for mode in ("owner", "allgather"):
+    for mode in _muon_modes(per_rank[0]):
         figures = [r[mode] for r in per_rank]
         received = [f["received_bytes"] for f in figures]
         flops = [f["ns_flops"] for f in figures]
@@ -359,9 +379,18 @@ def summarize(world, per_rank):
                        optimizer_state_bytes=max(f["state_bytes"] for f in adam))
     row["owner_over_allgather"] = row["owner"]["muon_step_s"] / row["allgather"]["muon_step_s"]
     row["muon_over_adam_train_step"] = row["owner"]["train_step_s"] / row["adam"]["train_step_s"]
+    for mode in MEGATRON_CORE_MODES:
+        if mode in row:
+            row[f"owner_over_{mode}_train_step"] = row["owner"]["train_step_s"] / row[mode]["train_step_s"]
+            row[f"owner_over_{mode}_muon_step"] = row["owner"]["muon_step_s"] / row[mode]["muon_step_s"]
     row["largest_batch_bytes"] = plan["largest_batch_bytes"]
     row["owner_tradeoff"] = plan["owner_tradeoff"]
     return row
+
+
+def _muon_modes(figures) -> list[str]:
+    """The Muon modes a run measured: ours, then megatron-core's where the config has them."""
+    return [mode for mode in ("owner", "allgather") + MEGATRON_CORE_MODES if mode in figures]
 
 
 def _fixed(value) -> str:
@@ -375,7 +404,7 @@ def print_table(results):
     print(head)
     for name, rows in results.items():
         for row in rows:
-            for mode in ("owner", "allgather"):
+            for mode in _muon_modes(row):
                 m = row[mode]
                 ratio = "-" if m["comm_ratio_to_bound"] is None else f"{m['comm_ratio_to_bound']:.3f}"
                 mean = _fixed(m["ns_max_over_mean"])
@@ -391,6 +420,15 @@ def print_table(results):
                   f"{row['owner_over_allgather']:.2f}, muon/adam train step "
                   f"{row['muon_over_adam_train_step']:.2f}, peak transient "
                   f"{row['owner']['peak_transient_bytes'] / row['largest_batch_bytes']:.2f}x largest batch")
+            if "ddp" in row:
+                print(f"{'':9} owner vs megatron-core: train step / Muon DDP "
+                      f"{row['owner_over_ddp_train_step']:.2f}, / layer-wise "
+                      f"{row['owner_over_layerwise_train_step']:.2f}; optimizer step / Muon DDP "
+                      f"{row['owner_over_ddp_muon_step']:.2f}, / layer-wise "
+                      f"{row['owner_over_layerwise_muon_step']:.2f}; state bytes owner "
+                      f"{row['owner']['optimizer_state_bytes'] / 1e6:.2f} MB, DDP "
+                      f"{row['ddp']['optimizer_state_bytes'] / 1e6:.2f}, layer-wise "
+                      f"{row['layerwise']['optimizer_state_bytes'] / 1e6:.2f}")
             if row["world_size"] > 1:
                 print(f"{'':9} byte slack -> (bytes/bound, NS max/mean): " + ", ".join(
                     f"{t['byte_slack']:g} -> ({_fixed(t['comm_ratio_to_bound'])}, "
@@ -406,7 +444,7 @@ def plot(results, path):
     fig, axes = plt.subplots(len(results), 2, figsize=(10, 4 * len(results)), squeeze=False)
     for (name, rows), (comm, times) in zip(results.items(), axes):
         worlds = [r["world_size"] for r in rows]
-        for mode in ("owner", "allgather"):
+        for mode in _muon_modes(rows[0]):
             comm.plot(worlds, [r[mode]["comm_bytes_per_rank"] / 1e6 for r in rows], "o-", label=mode)
             times.plot(worlds, [r[mode]["muon_step_s"] * 1e3 for r in rows], "o-", label=f"muon {mode}")
         comm.plot(worlds, [r["comm_bytes_layout_min"] / 1e6 for r in rows], "k--", label="layout minimum")
