@@ -23,9 +23,14 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def muon_on_megatron_fsdp(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for what megatron_muon provides: --optimizer muon on Megatron-FSDP."""
+    return args.optimizer == 'muon' and args.use_megatron_fsdp
+
+
 def validate_muon_args(args: argparse.Namespace) -> None:
     """Refuse, with a clear message, what Muon on Megatron-FSDP does not support."""
-    if args.optimizer != 'muon' or not args.use_megatron_fsdp:
+    if not muon_on_megatron_fsdp(args):
         return
     if not hasattr(args, 'muon_dist_mode'):
         raise ValueError('--optimizer muon with --use-megatron-fsdp needs Muon\'s flags: parse the '

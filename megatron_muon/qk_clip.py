@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer.emerging_optimizers import _get_qkv_split_shapes
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -165,9 +166,8 @@ def build_max_attention_logits(model_chunks, group, held_rows) -> MaxAttentionLo
 
 def _clipped_layer(name: str, attention: SelfAttention, main_weight, held_rows) -> _ClippedLayer:
     groups = attention.num_query_groups_per_partition
-    heads_per_group = attention.num_attention_heads_per_partition // groups
-    head_size = attention.hidden_size_per_attention_head
-    qkv = QKVRows(groups, heads_per_group * head_size, head_size)
+    q_rows, kv_rows, _ = _get_qkv_split_shapes(attention.config)  # per group; no output gate
+    qkv = QKVRows(groups, q_rows, kv_rows)
     try:
         start, stop, rows = held_rows(main_weight)
     except KeyError:

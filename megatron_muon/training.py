@@ -42,7 +42,7 @@ from megatron.training.utils import print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_muon import checksums, factory, qk_clip
-from megatron_muon.arguments import validate_muon_args
+from megatron_muon.arguments import muon_on_megatron_fsdp, validate_muon_args
 from megatron_muon.cpu import apply_megatron_training_compat
 
 _megatron_validate_args = megatron.training.arguments.validate_args
@@ -51,12 +51,13 @@ _megatron_save_checkpoint = megatron.training.training.save_checkpoint
 _megatron_load_checkpoint = megatron.training.training.load_checkpoint
 _megatron_clip_qk = megatron.training.training.clip_qk
 _megatron_training_log = megatron.training.training.training_log
+_TRAINING_LOG_PARAMETERS = inspect.signature(_megatron_training_log)
 MISSING_OPTIMIZER_STATE = re.compile(
     r'Missing key in checkpoint state_dict: (optimizer\.[^\s]*?)\.?$', re.MULTILINE)
 
 
 def _validate_args(args, defaults={}):
-    if not (args.optimizer == 'muon' and args.use_megatron_fsdp):
+    if not muon_on_megatron_fsdp(args):
         return _megatron_validate_args(args, defaults)
     validate_muon_args(args)
     print_args = megatron.training.arguments._print_args
@@ -108,8 +109,7 @@ def _clip_qk(model, log_max_only=False):
     """megatron.training's QK-clip after the optimizer's step: for Muon on Megatron-FSDP the step
     has reduced the max logits and clipped (megatron_muon.qk_clip); what is left is the value
     to log."""
-    flags = megatron.training.get_args()
-    if not (flags.optimizer == 'muon' and flags.use_megatron_fsdp):
+    if not muon_on_megatron_fsdp(megatron.training.get_args()):
         return _megatron_clip_qk(model, log_max_only)
     return qk_clip.take_max_attention_logit(model)
 
@@ -118,7 +118,7 @@ def _training_log(*args, **kwargs):
     """Megatron's log line, then the iteration's max attention logit (measured in its forward,
     before any clip) on a line of its own: Megatron sends it only to TensorBoard and W&B."""
     report_memory_flag = _megatron_training_log(*args, **kwargs)
-    logged = inspect.signature(_megatron_training_log).bind(*args, **kwargs).arguments
+    logged = _TRAINING_LOG_PARAMETERS.bind(*args, **kwargs).arguments
     flags, iteration = megatron.training.get_args(), logged['iteration']
     if flags.log_max_attention_logit and (iteration % flags.log_interval == 0
                                           or logged.get('is_first_iteration')):
@@ -128,8 +128,7 @@ def _training_log(*args, **kwargs):
 
 
 def _checksummed(flags) -> bool:
-    return (flags.optimizer == 'muon' and flags.use_megatron_fsdp
-            and flags.ckpt_format == 'fsdp_dtensor')
+    return muon_on_megatron_fsdp(flags) and flags.ckpt_format == 'fsdp_dtensor'
 
 
 def _save_checkpoint(iteration, *args, **kwargs):
