@@ -44,8 +44,13 @@ def no_idle_workers():
     close_pools()
 
 
+def _logged(pattern: re.Pattern, log: str, value=float) -> dict:
+    """What the log printed for `pattern` (iteration, value), by iteration."""
+    return {int(i): value(printed) for i, printed in pattern.findall(log)}
+
+
 def _logged_losses(log: str, first: int, last: int) -> list[float]:
-    losses = {int(i): float(loss) for i, loss in ITERATION_LOSS.findall(log)}
+    losses = _logged(ITERATION_LOSS, log)
     assert sorted(losses) == list(range(first, last + 1)), log[-3000:]
     return [losses[i] for i in sorted(losses)]
 
@@ -103,11 +108,6 @@ def training_log(*flags: str, iterations: int, processes: int = 2, script: str =
     with tempfile.TemporaryDirectory(prefix='e2e-') as log_dir:
         run_distributed(_run_as_torchrun_would, processes, argv, log_dir, timeout=600, fresh=True)
         return (Path(log_dir) / f'{processes - 1}.log').read_text()
-
-
-def _logged_grad_norms(log: str) -> dict[int, str]:
-    """Megatron's printed gradient norm (3 decimals) by iteration."""
-    return {int(i): norm for i, norm in ITERATION_GRAD_NORM.findall(log)}
 
 
 def failure_of(*flags: str, iterations: int, processes: int = 2,
@@ -263,14 +263,15 @@ def assert_logged_as_uninterrupted(resumed: str, uninterrupted: str, resumed_at:
     iteration after the start, whose logged loss is the mean of the uninterrupted run's two
     corresponding losses: megatron.training's training_log keeps its loss sums over a run's first
     iteration (should_reset = not is_first_iteration), in any run, with any optimizer."""
-    expected = {int(i): float(loss) for i, loss in ITERATION_LOSS.findall(uninterrupted)}
+    expected = _logged(ITERATION_LOSS, uninterrupted)
     expected[resumed_at + 1] = (expected[resumed_at] + expected[resumed_at + 1]) / 2
     got = dict(enumerate(_logged_losses(resumed, resumed_at, last), resumed_at))
     for i in got:
         # The mean of two printed losses against the printed mean: one unit in the 7th digit.
         tolerance = max(rel, 2e-7 if i == resumed_at + 1 else 0.0)
         assert got[i] == pytest.approx(expected[i], rel=tolerance, abs=0), (i, got, expected)
-    norms, expected_norms = _logged_grad_norms(resumed), _logged_grad_norms(uninterrupted)
+    norms = _logged(ITERATION_GRAD_NORM, resumed, str)  # as printed, to compare them exactly
+    expected_norms = _logged(ITERATION_GRAD_NORM, uninterrupted, str)
     for i in got:
         if rel:  # printed with 3 decimals
             assert float(norms[i]) == pytest.approx(float(expected_norms[i]), abs=1e-3), i
@@ -309,10 +310,6 @@ def test_a_load_from_a_directory_without_a_checkpoint_trains_from_scratch(strate
 QK_CLIP_THRESHOLD = 0.15  # the SMALL GPT's max attention logit passes it at iteration 6
 
 
-def _logged_max_logits(log: str) -> dict[int, float]:
-    return {int(i): float(logit) for i, logit in ITERATION_MAX_LOGIT.findall(log)}
-
-
 def test_muon_clip_caps_the_logits_and_resumes(strategy_runs, tmp_path):
     """--qk-clip on ZeRO-3: every iteration logs its max attention logit; the training is the
     unclipped run's until a logit first passes the threshold (the clip changes nothing before),
@@ -324,7 +321,8 @@ def test_muon_clip_caps_the_logits_and_resumes(strategy_runs, tmp_path):
     checkpoints = tmp_path / 'clipped'
     clipped = training_log(*flags, '--save', str(checkpoints), '--save-interval', '3',
                            iterations=STRATEGY_ITERATIONS)
-    logits, unclipped_logits = _logged_max_logits(clipped), _logged_max_logits(unclipped)
+    logits = _logged(ITERATION_MAX_LOGIT, clipped)
+    unclipped_logits = _logged(ITERATION_MAX_LOGIT, unclipped)
     iterations = list(range(1, STRATEGY_ITERATIONS + 1))
     assert sorted(logits) == iterations == sorted(unclipped_logits), clipped[-3000:]
     first_clip = min(i for i in iterations if logits[i] > QK_CLIP_THRESHOLD)
@@ -338,7 +336,7 @@ def test_muon_clip_caps_the_logits_and_resumes(strategy_runs, tmp_path):
     resumed = training_log(*flags, '--load', str(checkpoints), '--ckpt-step', '6',
                            iterations=STRATEGY_ITERATIONS)
     assert_logged_as_uninterrupted(resumed, clipped, resumed_at=7, last=STRATEGY_ITERATIONS)
-    assert _logged_max_logits(resumed) == {i: logits[i] for i in iterations[6:]}
+    assert _logged(ITERATION_MAX_LOGIT, resumed) == {i: logits[i] for i in iterations[6:]}
 
 
 def test_a_diverged_run_stops_with_a_clear_error():
