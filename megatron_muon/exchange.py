@@ -5,7 +5,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from .plan import Matrix, RowLayout, gather_segments, scatter_segments
+from .plan import Matrix, RowLayout, gather_moves, gather_segments, scatter_moves, scatter_segments
 
 
 def all_gather_ints(values: list[int], group, device: torch.device) -> list[list[int]]:
@@ -59,18 +59,19 @@ class OwnerExchange:
                  rank: int, group):
         self.rank, self.group, self.batch, self.matrices = rank, group, list(batch), matrices
         self.cols = matrices[batch[0]].cols
-        self.gather = self._route(gather_segments, matrices, owners, batch)
-        self.scatter = self._route(scatter_segments, matrices, owners, batch)
+        self.gather = self._route(gather_segments, gather_moves, matrices, owners, batch)
+        self.scatter = self._route(scatter_segments, scatter_moves, matrices, owners, batch)
         self.owned = [i for i in batch if owners[i] == rank]
         self._work = None
 
-    def _route(self, segments_of, matrices, owners, batch) -> Route:
+    def _route(self, segments_of, moves, matrices, owners, batch) -> Route:
+        # This rank's row and column of the (src, dst) table only: O(world) per batch, not
+        # O(world^2), so a plan at a thousand ranks is built in seconds.
         world = range(matrices[batch[0]].layout.ranks)
-        table = [[segments_of(matrices, owners, batch, src, dst) for dst in world] for src in world]
-        sends = table[self.rank]
-        recvs = [table[src][self.rank] for src in world]
+        sends = [segments_of(matrices, owners, batch, self.rank, dst) for dst in world]
+        recvs = [segments_of(matrices, owners, batch, src, self.rank) for src in world]
         return Route(sends, recvs, [self._elements(s) for s in sends],
-                     [self._elements(s) for s in recvs], any(any(row) for row in table))
+                     [self._elements(s) for s in recvs], moves(matrices, owners, batch))
 
     def _elements(self, segments) -> int:
         return sum(stop - start for _, start, stop in segments) * self.cols

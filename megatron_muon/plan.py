@@ -2,6 +2,8 @@
 travels. No communication here."""
 
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 from typing import Sequence
 
 
@@ -28,7 +30,7 @@ class RowLayout:
 
     @property
     def num_rows(self) -> int:
-        return sum(self.rows)
+        return self._starts[-1]
 
     @property
     def max_rows(self) -> int:
@@ -41,15 +43,30 @@ class RowLayout:
     def held(self, rank: int) -> int:
         return self.rows[self.shard_of[rank]]
 
+    @cached_property
+    def held_by_all(self) -> int:
+        """Rows held summed over the ranks (replicas count each time)."""
+        return sum(self.rows[shard] for shard in self.shard_of)
+
+    @cached_property
+    def _starts(self) -> tuple[int, ...]:
+        return (0, *accumulate(self.rows))
+
+    @cached_property
+    def _holders(self) -> tuple[tuple[int, ...], ...]:
+        holders = [[] for _ in self.rows]
+        for rank, shard in enumerate(self.shard_of):
+            holders[shard].append(rank)
+        return tuple(map(tuple, holders))
+
     def shard_range(self, shard: int) -> tuple[int, int]:
-        start = sum(self.rows[:shard])
-        return start, start + self.rows[shard]
+        return self._starts[shard], self._starts[shard + 1]
 
     def row_range(self, rank: int) -> tuple[int, int]:
         return self.shard_range(self.shard_of[rank])
 
-    def holders(self, shard: int) -> list[int]:
-        return [rank for rank, s in enumerate(self.shard_of) if s == shard]
+    def holders(self, shard: int) -> tuple[int, ...]:
+        return self._holders[shard]
 
     def source(self, shard: int, for_rank: int) -> int:
         """The rank `for_rank` takes `shard`'s rows from: the holder in its own replica (the
@@ -143,7 +160,7 @@ class Matrix:
         """Bytes this matrix moves per step with `owner`: the rows of its other shards in, and the
         result out to every other rank holding rows (replicas included)."""
         layout = self.layout
-        held_elsewhere = sum(layout.held(r) for r in range(layout.ranks)) - layout.held(owner)
+        held_elsewhere = layout.held_by_all - layout.held(owner)
         rows_in = layout.num_rows - layout.held(owner)
         return (rows_in + held_elsewhere) * self.cols * element_bytes
 
@@ -153,6 +170,26 @@ def layout_min_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
     owned by a rank holding most of its rows."""
     return sum(min(m.bytes_to_owner(r, element_bytes) for r in range(m.layout.ranks))
                for m in matrices)
+
+
+def owner_traffic(matrices: Sequence[Matrix], owners: Sequence[int],
+                  element_bytes: int) -> tuple[list[int], list[int]]:
+    """(bytes received, bytes sent) by each rank in an owner step: each owner gets the rows it
+    lacks, every shard from one holder (the one in its replica), and sends the result rows to
+    every other rank holding some."""
+    world = matrices[0].layout.ranks if matrices else 0
+    received, sent = [0] * world, [0] * world
+    for matrix, owner in zip(matrices, owners):
+        layout, row_bytes = matrix.layout, matrix.cols * element_bytes
+        for shard, rows in enumerate(layout.rows):
+            if rows and shard != layout.shard_of[owner]:
+                sent[layout.source(shard, owner)] += rows * row_bytes
+                received[owner] += rows * row_bytes
+        for rank in range(world):
+            if rank != owner and layout.held(rank):
+                received[rank] += layout.held(rank) * row_bytes
+                sent[owner] += layout.held(rank) * row_bytes
+    return received, sent
 
 
 def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
@@ -222,6 +259,17 @@ def gather_segments(matrices: Sequence[Matrix], owners: Sequence[int], batch: Se
                 and layout.source(shard, dst) == src):
             segments.append((i, *layout.row_range(src)))
     return segments
+
+
+def gather_moves(matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int]) -> bool:
+    """Whether gathering the batch moves any rows: some owner lacks rows of its matrix."""
+    return any(matrices[i].layout.held(owners[i]) < matrices[i].layout.num_rows for i in batch)
+
+
+def scatter_moves(matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int]) -> bool:
+    """Whether scattering the batch's results moves any rows: a rank besides some matrix's owner
+    holds rows of it."""
+    return any(matrices[i].layout.held_by_all > matrices[i].layout.held(owners[i]) for i in batch)
 
 
 def scatter_segments(matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int],

@@ -1,7 +1,8 @@
 import pytest
 
+from megatron_muon.exchange import OwnerExchange
 from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, choose_owners, gather_segments,
-                                layout_min_bytes, ns_flops, row_layouts, scatter_segments)
+                                layout_min_bytes, ns_flops, owner_traffic, row_layouts, scatter_segments)
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -127,3 +128,28 @@ def test_row_blocks_cost_what_newton_schulz_runs_on():
     qkv = Matrix(RowLayout((10, 6)), 16, row_blocks=(8, 4, 4))
     assert qkv.ns_flops(5) == ns_flops(8, 16, 5) + 2 * ns_flops(4, 16, 5)
     assert Matrix(RowLayout((10, 6)), 16).ns_flops(5) == ns_flops(16, 16, 5)
+
+
+@pytest.mark.parametrize("layouts, owners", [
+    ([RowLayout((2, 3, 0)), RowLayout((1, 0, 4)), RowLayout((0, 2, 2)), RowLayout((5, 0, 0))], [1, 2, 2, 0]),
+    ([RowLayout((3, 2), (0, 1, 0, 1)), RowLayout((0, 4), (0, 1, 0, 1))], [2, 1]),  # HSDP replicas
+    ([RowLayout((6,), (0, 0, 0))] * 2, [1, 2]),  # no_shard
+])
+def test_owner_traffic_is_what_each_rank_routes(layouts, owners):
+    """Per rank, the bytes owner_traffic counts are those the exchange's routes carry, and a
+    direction moves something exactly when some rank's route is not empty."""
+    matrices = [Matrix(layout, 8) for layout in layouts]
+    batch = list(range(len(matrices)))
+    world = layouts[0].ranks
+    routes = [OwnerExchange(matrices, owners, batch, rank, group=None) for rank in range(world)]
+    received, sent = owner_traffic(matrices, owners, element_bytes=4)
+    assert received == [4 * (sum(r.gather.recv_counts) + sum(r.scatter.recv_counts)) for r in routes]
+    assert sent == [4 * (sum(r.gather.send_counts) + sum(r.scatter.send_counts)) for r in routes]
+    assert sum(sent) == sum(m.bytes_to_owner(o, 4) for m, o in zip(matrices, owners))
+    for direction in ("gather", "scatter"):
+        moving = any(any(getattr(r, direction).recv_counts) for r in routes)
+        assert all(getattr(r, direction).moves == moving for r in routes)
+    # Nothing moves when every owner holds its matrix whole and alone.
+    alone = [Matrix(RowLayout((0, 5, 0)), 8)]
+    assert not OwnerExchange(alone, [1], [0], 0, None).gather.moves
+    assert not OwnerExchange(alone, [1], [0], 0, None).scatter.moves
