@@ -88,6 +88,15 @@ def _check_settings(dist_mode, byte_slack, max_batch_bytes, muon_kwargs) -> None
         raise ValueError("ZeROTensorParallelMuon: split_qkv (--muon-split-qkv) needs is_qkv_fn")
 
 
+def orthogonalization_key(attrs, splits_qkv: bool, tp_size: int) -> tuple | None:
+    """Matrices with equal keys (and shapes) are orthogonalized identically and may share one
+    batched Newton-Schulz; None: orthogonalize alone (QKV split, or TP Newton-Schulz).
+    `attrs`: the param's Megatron tags."""
+    if splits_qkv or tp_size > 1:
+        return None
+    return (getattr(attrs, "partition_dim", None), getattr(attrs, "expert_tp", False))
+
+
 class _ParamAttributes:
     """Megatron's tags (is_qkv, partition_dim, expert_tp, ...) of a main-weight param: its own,
     else those of the model param Megatron-FSDP made it from."""
@@ -282,13 +291,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         return tuple(groups * rows for rows in shapes)
 
     def _batch_key(self, p) -> tuple | None:
-        """Matrices with equal keys (and shapes) are orthogonalized identically and may share one
-        batched Newton-Schulz; None: orthogonalize alone (QKV split, or TP Newton-Schulz)."""
         attrs = _ParamAttributes(p)
         tp_group = self._tp_group(attrs)
-        if self._splits_qkv(attrs) or (tp_group is not None and tp_group.size() > 1):
-            return None
-        return (getattr(attrs, "partition_dim", None), getattr(attrs, "expert_tp", False))
+        return orthogonalization_key(attrs, self._splits_qkv(attrs),
+                                     tp_group.size() if tp_group is not None else 1)
 
     @torch.no_grad()
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:

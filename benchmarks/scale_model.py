@@ -1,0 +1,473 @@
+"""What Muon's optimizer step costs at scale, from the real planning code, with no model allocated.
+
+    python benchmarks/scale_model.py [--models llama-8b llama-70b deepseek-v3]
+        [--world-sizes 8 64 256 1024] [--rates FILE.json | --measure-rates FILE.json]
+        [--bandwidth-gbps 50] [--tokens-per-step 4194304]
+
+For each model and data-parallel size W (dp_cp; the MoE's experts over expert parallelism
+EP = min(W, 64) and expert data parallelism W / EP), megatron-core builds the model on the meta
+device (shapes only), Megatron-FSDP's own bucketing (`_get_parameter_groups`,
+`build_data_parallel_buffer_index`) gives the rows each rank's shard holds, and megatron_muon's
+planning code (`row_layouts`' RowLayout, `choose_owners`, `batch_matrices`, the owner exchange's
+routes) plans the step as ZeROTensorParallelMuon does at construction. From the plan: owners,
+Newton-Schulz FLOPs of the busiest rank, bytes per rank, batches; from measured rates: step-time
+estimates for owner (ours), allgather (every rank gathers and orthogonalizes every matrix) and
+whole-matrix-per-rank (megatron-core's layer-wise placement: whole matrices spread over the ranks by
+Newton-Schulz work alone, wherever their rows lie), against Adam's optimizer step and a
+forward-backward estimate. Prints a table, writes benchmarks/results/scale.json and scale.png.
+The assumptions are printed with the numbers.
+"""
+
+import argparse
+import bisect
+import inspect
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ELEMENT_BYTES = 4  # fp32 main weights, momentum and updates
+MODES = ("owner", "allgather", "whole-matrix-per-rank")
+
+# (megatron-core TransformerConfig settings, GPTModel settings, expert parallel size at W)
+MODELS = {
+    "llama-8b": (dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=14336), dict(vocab_size=128256)),
+    "llama-70b": (dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                       ffn_hidden_size=28672), dict(vocab_size=128256)),
+    # DeepSeek-V3: 61 layers (3 dense), MLA, 256 routed experts (top-8) + 1 shared, no MTP.
+    "deepseek-v3": (dict(num_layers=61, hidden_size=7168, num_attention_heads=128,
+                         ffn_hidden_size=18432, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                         qk_pos_emb_head_dim=64, v_head_dim=128, num_moe_experts=256,
+                         moe_router_topk=8, moe_ffn_hidden_size=2048,
+                         moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] * 3 + [1] * 58),
+                    dict(vocab_size=129280)),
+}
+MAX_EXPERT_PARALLEL = 64
+
+
+def expert_parallel(model: str, world: int) -> int:
+    return min(world, MAX_EXPERT_PARALLEL) if "num_moe_experts" in MODELS[model][0] else 1
+
+
+def meta_model(name: str, expert_parallel_size: int):
+    """megatron-core's GPTModel (local spec, Llama-style: RMSNorm, SwiGLU, no biases, untied
+    output) on the meta device, with the experts one expert-parallel rank holds."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    settings, model_settings = MODELS[name]
+    is_mla = "q_lora_rank" in settings
+    config_class = MLATransformerConfig if is_mla else TransformerConfig
+    with torch.device("meta"):
+        config = config_class(**settings, add_bias_linear=False, gated_linear_unit=True,
+                              normalization="RMSNorm", use_cpu_initialization=True,
+                              perform_initialization=False)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if is_mla:
+            # The attention kernel has no weights; megatron-core's local one cannot take MLA's
+            # head sizes (TransformerEngine's can), so it is left out.
+            for layer in spec.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = IdentityOp
+        model = GPTModel(config, spec, max_sequence_length=4096, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=False, **model_settings)
+    for module in model.modules():
+        if hasattr(module, "local_experts"):  # this expert-parallel rank's experts only
+            module.local_experts = module.local_experts[: len(module.local_experts) // expert_parallel_size]
+    return model
+
+
+def fsdp_rows(model, world: int, expert_world: int) -> dict:
+    """{param: rows of each rank's shard}, from Megatron-FSDP's bucketing (FSDP units: the
+    transformer layers, as megatron-core's adapter sets them) and buffer index (ZeRO-3): each
+    bucket padded to the group size, cut into equal shards. Experts are sharded over the expert
+    data-parallel group."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        BucketingPolicy, _get_parameter_groups, build_data_parallel_buffer_index)
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
+
+    strategy = "optim_grads_params"
+    policy = BucketingPolicy(suggested_bucket_size=None, data_parallel_sharding_strategy=strategy,
+                             fsdp_unit_modules=[TransformerLayer, MoETransformerLayer])
+    groups, _, _ = _get_parameter_groups(model, policy, {})
+    rows = {}
+    for bucket_id, group in enumerate(groups):
+        size = expert_world if group.is_expert_param else world
+        items, bucket, _ = build_data_parallel_buffer_index(
+            [p.shape for p in group.params], 0, size, True,
+            SimpleNamespace(data_parallel_sharding_strategy=strategy), bucket_id=bucket_id,
+            chunk_size_factor=group.chunk_size_factor)
+        shard = bucket.size // size
+        for item_id, p in enumerate(group.params):
+            start, stop = items[item_id].global_data_index, items[item_id].global_data_index + p.numel()
+            row = p.shape[1:].numel()
+            held = [0] * size
+            for rank in range(start // shard, min(size, (stop - 1) // shard + 1)):
+                elements = min(stop, (rank + 1) * shard) - max(start, rank * shard)
+                assert elements % row == 0, "Megatron-FSDP cut a row"
+                held[rank] = elements // row
+            rows[p] = held
+    return rows
+
+
+def muon_matrices(model, rows: dict):
+    """(dense, expert) Muon matrices, each [Matrix], as megatron_muon's factory and
+    ZeROTensorParallelMuon make them at TP=1 (QKV split into q, k, v blocks)."""
+    from megatron_muon.factory import _is_scalar_param, _tag_params, is_expert_param
+    from megatron_muon.plan import Matrix, RowLayout
+    from megatron_muon.zero_muon import orthogonalization_key
+
+    _tag_params([model])
+    dense, expert = [], []
+    for name, p in model.named_parameters():
+        if _is_scalar_param(p):
+            continue
+        split_shapes = p.qkv_split_shapes if getattr(p, "is_qkv", False) else None
+        blocks = (tuple(p.shape[0] // sum(split_shapes) * r for r in split_shapes)
+                  if split_shapes else None)
+        matrix = Matrix(RowLayout(tuple(rows[p])), p.shape[1],
+                        orthogonalization_key(p, splits_qkv=bool(split_shapes), tp_size=1), blocks)
+        (expert if is_expert_param(name, p) else dense).append(matrix)
+    return dense, expert
+
+
+def lpt_by_elements(matrices, world: int) -> list[int]:
+    """megatron-core's LayerWiseDistributedOptimizer placement: whole matrices, largest first,
+    each to the rank holding the fewest elements so far; where the rows lie plays no part."""
+    load, owners = [0] * world, [0] * len(matrices)
+    for i in sorted(range(len(matrices)), key=lambda i: -math.prod(matrices[i].shape)):
+        owners[i] = min(range(world), key=lambda r: (load[r], r))
+        load[owners[i]] += math.prod(matrices[i].shape)
+    return owners
+
+
+class Rates:
+    """Measured rates: Newton-Schulz TFLOP/s as a function of the FLOPs of one call (batched
+    calls are one call), interpolated log-log between measured points and flat beyond them; a
+    bf16 matmul's TFLOP/s; seconds per element of Adam's step and of Muon's elementwise part."""
+
+    def __init__(self, table: dict):
+        self.table = table
+        points = sorted(table["newton_schulz"])
+        self._log_flops = [math.log(gflop * 1e9) for gflop, _ in points]
+        self._log_rate = [math.log(tflops * 1e12) for _, tflops in points]
+
+    def newton_schulz_seconds(self, flops: float) -> float:
+        if flops <= 0:
+            return 0.0
+        x, xs, ys = math.log(flops), self._log_flops, self._log_rate
+        i = min(max(bisect.bisect(xs, x), 1), len(xs) - 1)
+        t = min(max((x - xs[i - 1]) / (xs[i] - xs[i - 1]), 0.0), 1.0)
+        return flops / math.exp(ys[i - 1] + t * (ys[i] - ys[i - 1]))
+
+    def __getattr__(self, name):
+        return self.table[name]
+
+
+def measure_rates(ns_steps: int) -> dict:
+    """The rates on this machine, with the calls the optimizers make: TensorParallelMuon's
+    orthogonalize (Megatron's default `medium` precision), torch's AdamW (foreach), Muon's
+    elementwise step (muon_math.momentum_update_ and the update)."""
+    from emerging_optimizers import utils as eo_utils
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from megatron_muon.muon_math import momentum_update_
+    from megatron_muon.plan import ns_flops
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+    def seconds(fn, repeats=3):
+        """Median wall time of `fn` after one warm-up call, its device work included."""
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[repeats // 2]
+
+    big = device.type == "cuda"
+    param = torch.nn.Parameter(torch.zeros(1 << 22 if not big else 1 << 26, device=device))
+    muon = TensorParallelMuon([param], lr=0.01, num_ns_steps=ns_steps)
+    shapes = [(1, 256, 256), (1, 512, 512), (8, 512, 512), (1, 1024, 1024), (4, 1024, 1024),
+              (1, 1024, 4096), (1, 2048, 2048)]
+    if big:
+        shapes += [(8, 2048, 2048), (1, 4096, 14336), (1, 8192, 8192), (1, 8192, 28672)]
+    newton_schulz = []
+    with eo_utils.fp32_matmul_precision("medium"):
+        for batch, rows, cols in shapes:
+            x = torch.randn(batch, rows, cols, device=device).squeeze(0)
+            flops = batch * ns_flops(rows, cols, ns_steps)
+            s = seconds(lambda: muon.orthogonalize(param, x))
+            newton_schulz.append([flops / 1e9, flops / s / 1e12])
+            print(f"  Newton-Schulz {batch}x{rows}x{cols}: {flops / s / 1e12:.3f} TFLOP/s", flush=True)
+    n = 4096 if big else 2048
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    matmul_tflops = 2 * n ** 3 / seconds(lambda: a @ a) / 1e12
+
+    param.grad = torch.randn_like(param)
+    adam = torch.optim.AdamW([param], lr=1e-3, foreach=True)
+    adam_seconds = seconds(adam.step)
+    buffer, group = torch.zeros_like(param), muon.param_groups[0]
+
+    def muon_elementwise():
+        update = momentum_update_(muon, param.data, param.grad, buffer, group)
+        param.data.add_(update, alpha=-group["lr"])
+
+    muon_seconds = seconds(muon_elementwise)
+    return dict(device=torch.cuda.get_device_name() if big else f"CPU ({os.cpu_count()} cores, "
+                f"{torch.get_num_threads()} threads)", measured=time.strftime("%Y-%m-%d"),
+                newton_schulz=newton_schulz, matmul_tflops=matmul_tflops,
+                adam_ns_per_element=adam_seconds / param.numel() * 1e9,
+                muon_elementwise_ns_per_element=muon_seconds / param.numel() * 1e9)
+
+
+class Part:
+    """One exchange group's Muon matrices (dense over dp_cp, or experts over expert data
+    parallelism) planned at one size, with what each of its ranks does per mode."""
+
+    def __init__(self, matrices, world):
+        from megatron_muon.exchange import OwnerExchange
+        from megatron_muon.plan import batch_matrices, choose_owners
+        from megatron_muon.zero_muon import ZeROTensorParallelMuon
+
+        defaults = inspect.signature(ZeROTensorParallelMuon.__init__).parameters
+        self.matrices, self.world = matrices, world
+        start = time.perf_counter()
+        self.owners = choose_owners(matrices, ELEMENT_BYTES, defaults["byte_slack"].default)
+        self.batches = batch_matrices(matrices, defaults["max_batch_bytes"].default // ELEMENT_BYTES)
+        # What one rank builds at construction besides: its routes through every batch.
+        for batch in self.batches:
+            OwnerExchange(matrices, self.owners, batch, 0, None)
+        self.plan_seconds = time.perf_counter() - start
+
+
+def rank_figures(part: Part, mode: str, rates: Rates, ns_steps: int) -> list[dict]:
+    """Per rank of `part`: Newton-Schulz FLOPs and seconds, bytes received and sent."""
+    from megatron_muon.plan import owner_traffic
+
+    world, matrices = part.world, part.matrices
+    flops = [m.ns_flops(ns_steps) for m in matrices]
+    ns_flops, ns_seconds = [0] * world, [0.0] * world
+    if mode == "allgather":  # every rank gathers every matrix (padded shards) and runs it alone
+        per_matrix = sum(rates.newton_schulz_seconds(f) for f in flops)
+        ns_flops, ns_seconds = [sum(flops)] * world, [per_matrix] * world
+        moved = sum((m.layout.ranks - 1) * m.layout.max_rows * m.cols * ELEMENT_BYTES
+                    for m in matrices if len(m.layout.rows) > 1)
+        received = sent = [moved] * world
+    else:
+        owners = part.owners if mode == "owner" else lpt_by_elements(matrices, world)
+        for batch in part.batches:  # an owner's matrices of one batch: one batched call
+            per_owner = {}
+            for i in batch:
+                per_owner.setdefault(owners[i], []).append(i)
+            for owner, owned in per_owner.items():
+                batched = len(owned) > 1 and matrices[owned[0]].batch_key is not None
+                calls = [[f for f in (flops[i] for i in owned)]] if batched else [[flops[i]] for i in owned]
+                ns_flops[owner] += sum(flops[i] for i in owned)
+                ns_seconds[owner] += sum(rates.newton_schulz_seconds(sum(call)) for call in calls)
+        received, sent = owner_traffic(matrices, owners, ELEMENT_BYTES)
+    return [dict(ns_flops=ns_flops[r], ns_seconds=ns_seconds[r], received=received[r], sent=sent[r])
+            for r in range(world)]
+
+
+def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
+    """One model at one data-parallel size: the plan's figures and the step-time estimates."""
+    from megatron_muon.factory import _is_scalar_param, is_expert_param
+
+    ep = expert_parallel(name, world)
+    start = time.perf_counter()
+    rows = fsdp_rows(model, world, world // ep)
+    layout_seconds = time.perf_counter() - start
+    dense, expert = muon_matrices(model, rows)
+    # Rank r of dp_cp is rank r // EP of its expert data-parallel group (megatron-core's order:
+    # expert parallelism varies fastest).
+    parts = [(Part(dense, world), lambda r: r)]
+    if expert:
+        parts.append((Part(expert, world // ep), lambda r: r // ep))
+
+    muon_elements, adam_elements, all_elements = [0] * world, [0] * world, [0] * world
+    active = 0
+    settings = MODELS[name][0]
+    for param_name, p in model.named_parameters():
+        experts = is_expert_param(param_name, p)
+        held, width = rows[p], p.shape[1:].numel()
+        for r in range(world):
+            elements = held[r // ep if experts else r] * width
+            all_elements[r] += elements
+            (adam_elements if _is_scalar_param(p) else muon_elements)[r] += elements
+        if param_name != "embedding.word_embeddings.weight":  # a lookup, not a matmul
+            active += p.numel() * (ep * settings["moe_router_topk"] / settings["num_moe_experts"]
+                                   if experts else 1)
+
+    adam_step = max(all_elements) * rates.adam_ns_per_element * 1e-9
+    fwd_bwd = 6 * active * args.tokens_per_step / world / (
+        rates.matmul_tflops * 1e12 * args.fwd_bwd_efficiency)
+    result = dict(model=name, world=world, expert_parallel=ep, active_params=active,
+                  muon_matrices=sum(len(part.matrices) for part, _ in parts),
+                  layout_seconds=layout_seconds,
+                  plan_seconds=sum(part.plan_seconds for part, _ in parts),
+                  owners=sum(len(set(part.owners)) for part, _ in parts),
+                  batches=sum(len(part.batches) for part, _ in parts),
+                  adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3, modes={})
+    for mode in MODES:
+        ranks = [dict(ns_flops=0, ns_seconds=0.0, received=0, sent=0) for _ in range(world)]
+        for part, rank_in_part in parts:
+            figures = rank_figures(part, mode, rates, args.ns_steps)
+            for r in range(world):
+                for key, value in figures[rank_in_part(r)].items():
+                    ranks[r][key] += value
+        elementwise = [(muon_elements[r] * rates.muon_elementwise_ns_per_element
+                        + adam_elements[r] * rates.adam_ns_per_element) * 1e-9 for r in range(world)]
+        network = [max(f["received"], f["sent"]) / (args.bandwidth_gbps * 1e9) for f in ranks]
+        step = max(elementwise[r] + ranks[r]["ns_seconds"] + network[r] for r in range(world))
+        result["modes"][mode] = dict(
+            busiest_ns_gflop=max(f["ns_flops"] for f in ranks) / 1e9,
+            ideal_ns_gflop=sum(f["ns_flops"] for f in ranks) / world / 1e9,
+            max_received_mb=max(f["received"] for f in ranks) / 1e6,
+            ns_ms=max(f["ns_seconds"] for f in ranks) * 1e3, network_ms=max(network) * 1e3,
+            step_ms=step * 1e3,
+            overhead=(step - adam_step) / (fwd_bwd + adam_step))
+    return result
+
+
+def assumptions(rates: Rates, args) -> list[str]:
+    return [
+        f"rates: {rates.device}, measured {rates.measured}"
+        + (f" ({rates.table['source']})" if "source" in rates.table else "")
+        + f"; bf16 matmul {rates.matmul_tflops:.1f} TFLOP/s; Adam {rates.adam_ns_per_element:.4f} "
+        f"ns/element; Muon elementwise {rates.muon_elementwise_ns_per_element:.4f} ns/element",
+        f"network: {args.bandwidth_gbps:g} GB/s per rank, each way; a rank's bytes move at that "
+        "rate, the larger of in and out (full duplex)",
+        "ZeRO-3 (optim_grads_params), TP = PP = CP = 1: W is the data-parallel size; the MoE's "
+        f"experts over EP = min(W, {MAX_EXPERT_PARALLEL}), expert data parallelism W / EP",
+        "fp32 main weights and updates (4 bytes/element); Newton-Schulz: "
+        f"{args.ns_steps} steps, `medium` precision, QKV split (Megatron's defaults)",
+        "Muon step = max over ranks of (elementwise + Newton-Schulz + network), nothing "
+        "overlapped (an upper bound: the exchange overlaps the next batch's gather with compute)",
+        "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "
+        "no communication)",
+        f"forward-backward = 6 x active params (without the embedding lookup) x "
+        f"{args.tokens_per_step} tokens / W / (matmul rate x {args.fwd_bwd_efficiency:g}); "
+        "attention's own FLOPs left out",
+        "overhead = (Muon step - Adam step) / (forward-backward + Adam step)",
+    ]
+
+
+def print_table(results, notes):
+    print("\nAssumptions:")
+    for note in notes:
+        print(f"  - {note}")
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("plan s", 7, ">"),
+               ("owners", 7, ">"), ("batches", 8, ">"), ("mode", 22, "<"),
+               ("busiest NS GF", 14, ">"), ("ideal GF", 10, ">"), ("max in MB", 10, ">"),
+               ("NS ms", 9, ">"), ("net ms", 9, ">"), ("step ms", 9, ">"), ("Adam ms", 9, ">"),
+               ("fwd-bwd ms", 11, ">"), ("overhead", 9, ">")]
+
+    def line(values):
+        return " ".join(f"{v:{align}{width}}" for v, (_, width, align) in zip(values, columns))
+
+    header = line([name for name, _, _ in columns])
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in results:
+        for mode, m in r["modes"].items():
+            print(line([r["model"], r["world"], r["expert_parallel"], f"{r['plan_seconds']:.2f}",
+                        r["owners"], r["batches"], mode, f"{m['busiest_ns_gflop']:.0f}",
+                        f"{m['ideal_ns_gflop']:.0f}", f"{m['max_received_mb']:.0f}",
+                        f"{m['ns_ms']:.4g}", f"{m['network_ms']:.4g}", f"{m['step_ms']:.4g}",
+                        f"{r['adam_step_ms']:.4g}", f"{r['fwd_bwd_ms']:.4g}", f"{m['overhead']:.1%}"]))
+
+
+def plot(results, path, caption):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in results))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in results if r["model"] == model]
+        for mode in MODES:
+            ax.plot([r["world"] for r in rows], [100 * r["modes"][mode]["overhead"] for r in rows],
+                    marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("data-parallel ranks W")
+        ax.set_ylabel("Muon's extra step time, % of Adam's training step")
+        ax.set_title(model)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(caption, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=[8, 64, 256, 1024])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--rates", type=Path, help="a JSON of rates (e.g. measured on a GPU with "
+                        "--measure-rates); default: measure them here first")
+    source.add_argument("--measure-rates", type=Path, help="measure the rates here, write them "
+                        "to this JSON, and go on with them")
+    parser.add_argument("--bandwidth-gbps", type=float, default=50.0)
+    parser.add_argument("--tokens-per-step", type=int, default=4 << 20)
+    parser.add_argument("--fwd-bwd-efficiency", type=float, default=0.5,
+                        help="forward-backward's share of the measured matmul rate")
+    parser.add_argument("--ns-steps", type=int, default=5)
+    args = parser.parse_args()
+
+    if args.rates:
+        table = json.loads(args.rates.read_text())
+    else:
+        print("measuring rates on this machine ...", flush=True)
+        table = measure_rates(args.ns_steps)
+        if args.measure_rates:
+            args.measure_rates.write_text(json.dumps(table, indent=1))
+    rates = Rates(table)
+
+    import torch.distributed as dist
+
+    from megatron_muon.testing import init_parallel_state
+
+    # megatron-core builds models under its parallel state: one process, TP = EP = 1.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_parallel_state()
+    results = []
+    for name in args.models:
+        models = {}
+        for world in args.world_sizes:
+            ep = expert_parallel(name, world)
+            if ep not in models:
+                models[ep] = meta_model(name, ep)
+            results.append(estimate(name, world, models[ep], rates, args))
+            r = results[-1]
+            print(f"planned {name} at W={world}: {r['muon_matrices']} matrices, Megatron-FSDP "
+                  f"layout {r['layout_seconds']:.2f} s, megatron_muon plan {r['plan_seconds']:.2f} s",
+                  flush=True)
+    notes = assumptions(rates, args)
+    print_table(results, notes)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "scale.json").write_text(json.dumps(dict(assumptions=notes, rates=table,
+                                                        results=results), indent=1))
+    plot(results, RESULTS / "scale.png", f"rates: {rates.device} ({rates.measured}); network "
+         f"{args.bandwidth_gbps:g} GB/s per rank; {args.tokens_per_step} tokens per step; "
+         "estimates, not measurements (assumptions: scale.json)")
+    print(f"\nwrote {RESULTS / 'scale.json'} and {RESULTS / 'scale.png'}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

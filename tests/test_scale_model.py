@@ -1,0 +1,54 @@
+"""The scale model (benchmarks/scale_model.py) plans from shapes alone what a real run plans: the
+rows it derives from Megatron-FSDP's bucketing are the rows each rank's main weights hold, and its
+plan has the matrices and owners ZeROTensorParallelMuon chose."""
+
+import os
+import sys
+
+import pytest
+import torch
+from megatron.core import parallel_state
+
+from megatron_muon import get_megatron_optimizer
+from megatron_muon.chained import named_main_weights
+from megatron_muon.testing import GPTShape, fsdp_gpt, gpt, init_parallel_state, optimizer_config
+from megatron_muon.zero_muon import ZeROTensorParallelMuon
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import scale_model  # noqa: E402
+
+# Uneven shards at W=4: widths 48 and 96 (biases too) in one bucket per layer.
+SHAPE = GPTShape(layers=2, hidden=48, ffn=96, heads=4, vocab=72, seq=16)
+
+
+def _plans_what_the_run_planned(rank, world_size, expert_parallel):
+    init_parallel_state(expert_parallel=expert_parallel)
+    num_experts = 4 if expert_parallel > 1 else None
+    model = fsdp_gpt(SHAPE, num_experts=num_experts)
+    optimizer = get_megatron_optimizer(optimizer_config(), [model])
+    reference = gpt(SHAPE, num_experts=num_experts)  # the same shapes, never sharded
+    derived = scale_model.fsdp_rows(reference, world_size, world_size // expert_parallel)
+    by_name = {name: derived[p] for name, p in reference.named_parameters()}
+    dense_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    expert_rank = parallel_state.get_expert_data_parallel_rank()
+    for name, main_weight in named_main_weights(model):
+        name = name.removeprefix("module.module.")
+        local = main_weight.to_local()
+        rows = local.numel() // max(1, local.shape[1:].numel()) if local.dim() > 1 else local.numel()
+        group_rank = expert_rank if ".experts." in name else dense_rank
+        assert by_name[name][group_rank] == rows, (name, by_name[name], rank, rows)
+
+    dense, expert = scale_model.muon_matrices(reference, derived)
+    muons = [part.optimizer for part in optimizer.chained_optimizers
+             if isinstance(part.optimizer, ZeROTensorParallelMuon)]
+    for muon, matrices in zip(muons, [dense, expert] if expert else [dense]):
+        (plan,) = muon._plans
+        part = scale_model.Part(matrices, plan.matrices[0].layout.ranks)
+        assert sorted(zip(plan.matrices, plan.owners), key=repr) == sorted(
+            zip(part.matrices, part.owners), key=repr)
+    assert len(muons) == (2 if expert else 1)
+
+
+@pytest.mark.parametrize("world_size, expert_parallel", [(4, 1), (4, 2)])
+def test_scale_model_plans_what_a_run_plans(distributed, world_size, expert_parallel):
+    distributed(_plans_what_the_run_planned, world_size, expert_parallel)
