@@ -9,7 +9,9 @@ wider one, an MoE GPT (4 experts, expert-parallel 2), the demo GPT under HSDP (2
 outer strategy no_shard or optim) and the demo GPT with MuonClip (--qk-clip, a threshold its
 logits pass every step), and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
 Newton-Schulz FLOPs are counted from the calls a step really makes; times are medians of --steps
-steps after warm-up, every mode measured side by side in the same processes. Bytes and collectives
+steps after warm-up, every mode measured side by side in the same processes, the modes taking
+turns step by step. Beside megatron-core's modes runs ours on Megatron-FSDP's ZeRO-1
+("owner_zero1": weights unsharded in the forward, as Megatron DDP keeps them). Bytes and collectives
 are the optimizer step's (gradient reductions run before it, ZeRO-3's weight gathers in the
 forward). megatron-core's layer-wise optimizer cannot be built in fp32 (README), so it runs with
 bf16 set on a fp32 model: its params stay fp32 and so does its arithmetic.
@@ -33,6 +35,10 @@ import torch.distributed as dist
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("owner", "allgather", "adam")
 MEGATRON_CORE_MODES = ("ddp", "layerwise")  # on dense models without HSDP only
+# Beside them, ours on Megatron-FSDP's ZeRO-1 ("optim"): weights unsharded in the forward, as
+# Megatron DDP and the layer-wise optimizer keep them; "owner" is ZeRO-3.
+ZERO1_MODE = "owner_zero1"
+SIDE_BY_SIDE_MODES = (ZERO1_MODE,) + MEGATRON_CORE_MODES
 WARMUP = 3
 
 
@@ -223,11 +229,13 @@ def build(shape, parallel, mode):
         config = optimizer_config("muon", muon_fp32_matmul_prec="medium", use_distributed_optimizer=False,
                                   use_layer_wise_distributed_optimizer=layer_wise, bf16=layer_wise)
         return model, get_megatron_optimizer(config, [model]), config
-    model = fsdp_gpt(shape, num_experts=parallel.get("num_experts"),
+    model = fsdp_gpt(shape, strategy="optim" if mode == ZERO1_MODE else "optim_grads_params",
+                     num_experts=parallel.get("num_experts"),
                      outer_strategy=parallel.get("outer_strategy", "no_shard"),
                      **parallel.get("model", {}))
     config = optimizer_config("adam" if mode == "adam" else "muon", muon_fp32_matmul_prec="medium")
-    optimizer = get_megatron_optimizer(config, [model], muon_dist_mode="owner" if mode == "adam" else mode)
+    optimizer = get_megatron_optimizer(config, [model],
+                                       muon_dist_mode="allgather" if mode == "allgather" else "owner")
     return model, optimizer, config
 
 
@@ -238,15 +246,15 @@ def measure(shape, parallel, steps):
     init_parallel_state(expert_parallel=parallel.get("expert_parallel", 1),
                         replicas=parallel.get("replicas", 1))
     rank = dist.get_rank()
-    modes = MODES + (MEGATRON_CORE_MODES if not parallel else ())
+    modes = MODES + (SIDE_BY_SIDE_MODES if not parallel else ())
     built = {mode: build(shape, parallel, mode) for mode in modes}
-    figures = {}
-    for mode, (model, optimizer, config) in built.items():
-        counter = StepCounter(config.muon_num_ns_steps)
-        tracker = TransientTracker()
-        train_times, step_times = [], []
-        for step in range(WARMUP + steps):
-            counter.reset()
+    counters = {mode: StepCounter(config.muon_num_ns_steps) for mode, (_, _, config) in built.items()}
+    trackers = {mode: TransientTracker() for mode in modes}
+    train_times, step_times = {mode: [] for mode in modes}, {mode: [] for mode in modes}
+    # The modes take turns step by step, so the machine's slow spells fall on all of them alike.
+    for step in range(WARMUP + steps):
+        for mode, (model, optimizer, _) in built.items():
+            counters[mode].reset()
             start = time.perf_counter()
             optimizer.zero_grad()
             with model.no_sync():  # marks the last micro-batch: HSDP reduces across replicas
@@ -255,18 +263,18 @@ def measure(shape, parallel, steps):
             model.finish_grad_sync()
             dist.barrier()
             step_start = time.perf_counter()
-            with counter.counting(), tracker.tracking():
+            with counters[mode].counting(), trackers[mode].tracking():
                 optimizer.step()
             dist.barrier()
             end = time.perf_counter()
             if step >= WARMUP:
-                train_times.append(end - start)
-                step_times.append(end - step_start)
-        figures[mode] = dict(
-            step_s=statistics.median(step_times), train_step_s=statistics.median(train_times),
-            received_bytes=counter.received_bytes, collectives=counter.collectives,
-            ns_flops=counter.ns_flops, state_bytes=optimizer_state_bytes(optimizer),
-            transient_bytes=tracker.peak)
+                train_times[mode].append(end - start)
+                step_times[mode].append(end - step_start)
+    figures = {mode: dict(
+        step_s=statistics.median(step_times[mode]), train_step_s=statistics.median(train_times[mode]),
+        received_bytes=counters[mode].received_bytes, collectives=counters[mode].collectives,
+        ns_flops=counters[mode].ns_flops, state_bytes=optimizer_state_bytes(optimizer),
+        transient_bytes=trackers[mode].peak) for mode, (_, optimizer, _) in built.items()}
     figures["plan"] = plan_figures(*built["owner"])
     return figures
 
@@ -379,10 +387,11 @@ def summarize(world, per_rank):
                        optimizer_state_bytes=max(f["state_bytes"] for f in adam))
     row["owner_over_allgather"] = row["owner"]["muon_step_s"] / row["allgather"]["muon_step_s"]
     row["muon_over_adam_train_step"] = row["owner"]["train_step_s"] / row["adam"]["train_step_s"]
-    for mode in MEGATRON_CORE_MODES:
-        if mode in row:
-            row[f"owner_over_{mode}_train_step"] = row["owner"]["train_step_s"] / row[mode]["train_step_s"]
-            row[f"owner_over_{mode}_muon_step"] = row["owner"]["muon_step_s"] / row[mode]["muon_step_s"]
+    for ours in ("owner", ZERO1_MODE):
+        for mode in MEGATRON_CORE_MODES:
+            if mode in row:
+                row[f"{ours}_over_{mode}_train_step"] = row[ours]["train_step_s"] / row[mode]["train_step_s"]
+                row[f"{ours}_over_{mode}_muon_step"] = row[ours]["muon_step_s"] / row[mode]["muon_step_s"]
     row["largest_batch_bytes"] = plan["largest_batch_bytes"]
     row["owner_tradeoff"] = plan["owner_tradeoff"]
     return row
@@ -390,7 +399,7 @@ def summarize(world, per_rank):
 
 def _muon_modes(figures) -> list[str]:
     """The Muon modes a run measured: ours, then megatron-core's where the config has them."""
-    return [mode for mode in ("owner", "allgather") + MEGATRON_CORE_MODES if mode in figures]
+    return [mode for mode in ("owner", "allgather") + SIDE_BY_SIDE_MODES if mode in figures]
 
 
 def _fixed(value) -> str:
@@ -399,7 +408,7 @@ def _fixed(value) -> str:
 
 
 def print_table(results):
-    head = (f"{'config':6} {'W':>2} {'mode':9} {'recv MB/rank':>12} {'ratio':>6} {'NS GFLOP max':>12} "
+    head = (f"{'config':6} {'W':>2} {'mode':11} {'recv MB/rank':>12} {'ratio':>6} {'NS GFLOP max':>12} "
             f"{'max/mean':>8} {'redund':>6} {'coll':>5} {'step ms':>8} {'train ms':>9}")
     print(head)
     for name, rows in results.items():
@@ -408,25 +417,25 @@ def print_table(results):
                 m = row[mode]
                 ratio = "-" if m["comm_ratio_to_bound"] is None else f"{m['comm_ratio_to_bound']:.3f}"
                 mean = _fixed(m["ns_max_over_mean"])
-                print(f"{name:6} {row['world_size']:>2} {mode:9} {m['comm_bytes_per_rank'] / 1e6:>12.3f} "
+                print(f"{name:6} {row['world_size']:>2} {mode:11} {m['comm_bytes_per_rank'] / 1e6:>12.3f} "
                       f"{ratio:>6} {m['ns_flops_per_rank_max'] / 1e9:>12.2f} {mean:>8} "
                       f"{m['ns_redundancy']:>6.2f} {m['collectives_per_step']:>5} "
                       f"{m['muon_step_s'] * 1e3:>8.1f} {m['train_step_s'] * 1e3:>9.1f}")
             a = row["adam"]
-            print(f"{name:6} {row['world_size']:>2} {'adam':9} {'':>12} {'':>6} {'':>12} {'':>8} {'':>6} "
+            print(f"{name:6} {row['world_size']:>2} {'adam':11} {'':>12} {'':>6} {'':>12} {'':>8} {'':>6} "
                   f"{'':>5} {a['adam_step_s'] * 1e3:>8.1f} {a['train_step_s'] * 1e3:>9.1f}")
             print(f"{'':9} layout min {row['comm_bytes_layout_min'] / 1e6:.3f} MB/rank, generic bound "
                   f"{row['comm_bytes_generic_bound'] / 1e6:.3f} MB/rank, owner/allgather step "
                   f"{row['owner_over_allgather']:.2f}, muon/adam train step "
                   f"{row['muon_over_adam_train_step']:.2f}, peak transient "
                   f"{row['owner']['peak_transient_bytes'] / row['largest_batch_bytes']:.2f}x largest batch")
-            if "ddp" in row:
-                print(f"{'':9} owner vs megatron-core: train step / Muon DDP "
-                      f"{row['owner_over_ddp_train_step']:.2f}, / layer-wise "
-                      f"{row['owner_over_layerwise_train_step']:.2f}; optimizer step / Muon DDP "
-                      f"{row['owner_over_ddp_muon_step']:.2f}, / layer-wise "
-                      f"{row['owner_over_layerwise_muon_step']:.2f}; state bytes owner "
-                      f"{row['owner']['optimizer_state_bytes'] / 1e6:.2f} MB, DDP "
+            for ours in ("owner", ZERO1_MODE) if "ddp" in row else ():
+                print(f"{'':9} {ours} vs megatron-core: train step / Muon DDP "
+                      f"{row[f'{ours}_over_ddp_train_step']:.2f}, / layer-wise "
+                      f"{row[f'{ours}_over_layerwise_train_step']:.2f}; optimizer step / Muon DDP "
+                      f"{row[f'{ours}_over_ddp_muon_step']:.2f}, / layer-wise "
+                      f"{row[f'{ours}_over_layerwise_muon_step']:.2f}; state bytes {ours} "
+                      f"{row[ours]['optimizer_state_bytes'] / 1e6:.2f} MB, DDP "
                       f"{row['ddp']['optimizer_state_bytes'] / 1e6:.2f}, layer-wise "
                       f"{row['layerwise']['optimizer_state_bytes'] / 1e6:.2f}")
             if row["world_size"] > 1:

@@ -234,7 +234,8 @@ def measure_rates(ns_steps: int) -> dict:
 
 class Part:
     """One exchange group's Muon matrices (dense over dp_cp, or experts over expert data
-    parallelism) planned at one size, with what each of its ranks does per mode."""
+    parallelism) planned as ZeROTensorParallelMuon plans them (its defaults): owners, batches,
+    and how long one rank took to plan them."""
 
     def __init__(self, matrices, world):
         from megatron_muon.exchange import OwnerExchange
@@ -273,7 +274,7 @@ def rank_figures(part: Part, mode: str, rates: Rates, ns_steps: int) -> list[dic
                 per_owner.setdefault(owners[i], []).append(i)
             for owner, owned in per_owner.items():
                 batched = len(owned) > 1 and matrices[owned[0]].batch_key is not None
-                calls = [[f for f in (flops[i] for i in owned)]] if batched else [[flops[i]] for i in owned]
+                calls = [[flops[i] for i in owned]] if batched else [[flops[i]] for i in owned]
                 ns_flops[owner] += sum(flops[i] for i in owned)
                 ns_seconds[owner] += sum(rates.newton_schulz_seconds(sum(call)) for call in calls)
         received, sent = owner_traffic(matrices, owners, ELEMENT_BYTES)
