@@ -329,7 +329,8 @@ def plan_figures(model, optimizer, config):
         min_bytes_by_plan=min_bytes_by_plan,
         muon_elements=sum(m.layout.num_rows * m.cols for plan in plans for m in plan.matrices),
         flops_by_matrix=flops_by_matrix,
-        batches=sum(len(plan.exchanges) for plan in plans),
+        batches=sum(len(exchange.batches) for plan in plans for exchange in plan.exchanges),
+        exchanges=sum(len(plan.exchanges) for plan in plans),
         moving_batches=sum(e.gather.moves or e.scatter.moves for plan in plans for e in plan.exchanges),
         largest_batch_bytes=max((sum(plan.matrices[i].layout.num_rows * plan.matrices[i].cols * 4
                                      for i in exchange.batch)

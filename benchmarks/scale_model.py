@@ -239,17 +239,19 @@ class Part:
 
     def __init__(self, matrices, world):
         from megatron_muon.exchange import OwnerExchange
-        from megatron_muon.plan import batch_matrices, choose_owners
+        from megatron_muon.plan import batch_matrices, choose_owners, exchange_batches
         from megatron_muon.zero_muon import ZeROTensorParallelMuon
 
         defaults = inspect.signature(ZeROTensorParallelMuon.__init__).parameters
         self.matrices, self.world = matrices, world
         start = time.perf_counter()
         self.owners = choose_owners(matrices, ELEMENT_BYTES, defaults["byte_slack"].default)
-        self.batches = batch_matrices(matrices, defaults["max_batch_bytes"].default // ELEMENT_BYTES)
-        # What one rank builds at construction besides: its routes through every batch.
-        for batch in self.batches:
-            OwnerExchange(matrices, self.owners, batch, 0, None)
+        max_elements = defaults["max_batch_bytes"].default // ELEMENT_BYTES
+        self.batches = batch_matrices(matrices, max_elements)
+        self.exchanges = exchange_batches(matrices, self.batches, max_elements)
+        # What one rank builds at construction besides: its routes through every exchange.
+        for batches in self.exchanges:
+            OwnerExchange(matrices, self.owners, batches, 0, None)
         self.plan_seconds = time.perf_counter() - start
 
 

@@ -47,21 +47,24 @@ class Route(NamedTuple):
 
 
 class OwnerExchange:
-    """One batch of an owner plan: each matrix's rows to its owner, the owner's results back to
-    every rank holding rows of it.
+    """One exchange of an owner plan: each matrix's rows to its owner, the owner's results back
+    to every rank holding rows of it, for several batches (each of one shape) at once.
 
     One variable-size all_to_all_single per direction (gloo and NCCL both take split sizes);
     rows already on their owner never travel, and a direction in which nothing moves for the
-    batch issues no collective at all (every rank knows that from the plan).
+    exchange issues no collective at all (every rank knows that from the plan).
     """
 
-    def __init__(self, matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int],
-                 rank: int, group):
-        self.rank, self.group, self.batch, self.matrices = rank, group, list(batch), matrices
-        self.cols = matrices[batch[0]].cols
-        self.gather = self._route(gather_segments, gather_moves, matrices, owners, batch)
-        self.scatter = self._route(scatter_segments, scatter_moves, matrices, owners, batch)
-        self.owned = [i for i in batch if owners[i] == rank]
+    def __init__(self, matrices: Sequence[Matrix], owners: Sequence[int],
+                 batches: Sequence[Sequence[int]], rank: int, group):
+        self.rank, self.group, self.matrices = rank, group, matrices
+        self.batches = [list(batch) for batch in batches]
+        self.batch = [i for batch in self.batches for i in batch]
+        self.gather = self._route(gather_segments, gather_moves, matrices, owners, self.batch)
+        self.scatter = self._route(scatter_segments, scatter_moves, matrices, owners, self.batch)
+        # This rank's matrices of each batch, in batch order.
+        self.owned_batches = [[i for i in batch if owners[i] == rank] for batch in self.batches]
+        self.owned = [i for owned in self.owned_batches for i in owned]
         self._work = None
 
     def _route(self, segments_of, moves, matrices, owners, batch) -> Route:
@@ -74,7 +77,7 @@ class OwnerExchange:
                      [self._elements(s) for s in recvs], moves(matrices, owners, batch))
 
     def _elements(self, segments) -> int:
-        return sum(stop - start for _, start, stop in segments) * self.cols
+        return sum((stop - start) * self.matrices[i].cols for i, start, stop in segments)
 
     def _all_to_all(self, route: Route, send: list[torch.Tensor], like: torch.Tensor):
         received = like.new_empty(sum(route.recv_counts))
@@ -138,5 +141,6 @@ class OwnerExchange:
     def _pieces(self, buffer: torch.Tensor, per_rank):
         """(segment, its rows) of a received buffer laid out as `per_rank`'s segments."""
         segments = [segment for segments in per_rank for segment in segments]
-        sizes = [(stop - start) * self.cols for _, start, stop in segments]
-        return zip(segments, [piece.view(-1, self.cols) for piece in buffer.split(sizes)])
+        pieces = buffer.split([self._elements([segment]) for segment in segments])
+        return zip(segments, [piece.view(-1, self.matrices[i].cols)
+                              for (i, _, _), piece in zip(segments, pieces)])

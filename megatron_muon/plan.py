@@ -246,6 +246,23 @@ def batch_matrices(matrices: Sequence[Matrix], max_batch_elements: int) -> list[
     return [batch for batches in by_key.values() for batch in batches]
 
 
+def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]],
+                     max_elements: int) -> list[list[list[int]]]:
+    """Consecutive batches packed into exchanges of at most `max_elements` elements (at least
+    one batch each): an exchange carries all its batches' rows in one collective per direction,
+    whatever their shapes."""
+    exchanges, size = [], 0
+    for batch in batches:
+        elements = sum(matrices[i].shape[0] * matrices[i].cols for i in batch)
+        if exchanges and size + elements <= max_elements:
+            exchanges[-1].append(list(batch))
+            size += elements
+        else:
+            exchanges.append([list(batch)])
+            size = elements
+    return exchanges
+
+
 def gather_segments(matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int],
                     src: int, dst: int) -> list[tuple[int, int, int]]:
     """(matrix, first row, end row) of the rows `src` sends `dst` to assemble the batch matrices

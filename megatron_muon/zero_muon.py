@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .exchange import OwnerExchange, all_gather_ints, all_gather_rows
 from .muon_math import momentum_update_
-from .plan import Matrix, batch_matrices, choose_owners, row_layouts
+from .plan import Matrix, batch_matrices, choose_owners, exchange_batches, row_layouts
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -114,13 +114,14 @@ class _ParamAttributes:
 class _GroupPlan:
     """The matrices of one exchange group, fixed at construction: one per param, or one per
     expert of a stacked expert weight; where this rank's rows of each sit in its param's local
-    shard; their owners and batches."""
+    shard; their owners, and the exchanges that carry their batches."""
 
-    def __init__(self, params, matrices, pieces, owners, batches, group):
+    def __init__(self, params, matrices, pieces, owners, exchanges, group):
         self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
         self.group = group
         self.rank = dist.get_rank(group)
-        self.exchanges = [OwnerExchange(matrices, owners, batch, self.rank, group) for batch in batches]
+        self.exchanges = [OwnerExchange(matrices, owners, batches, self.rank, group)
+                          for batches in exchanges]
 
     def param_of(self, i: int):
         return self.params[self.pieces[i][0]]
@@ -152,7 +153,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         byte_slack: owner mode may move up to this fraction more than the layout's minimum bytes
             to balance Newton-Schulz work across ranks.
         max_batch_bytes: same-shape matrices are orthogonalized together in batches of at most
-            this size; one batch is gathered while the previous one computes.
+            this size, and consecutive batches are exchanged together up to this size (one
+            collective per direction); one exchange is gathered while the previous one computes.
         param_names: {param: name}, for error messages.
         **kwargs: TensorParallelMuon's arguments.
 
@@ -268,8 +270,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             # TP ranks hold equally shaped TP-local matrices laid out alike, so they pick the same
             # owners: TP Newton-Schulz then meets its TP peers on the same matrix.
             owners = choose_owners(matrices, element_bytes, byte_slack)
-            batches = batch_matrices(matrices, max_batch_bytes // element_bytes)
-            plans.append(_GroupPlan(params, matrices, pieces, owners, batches, exchange_group))
+            max_elements = max_batch_bytes // element_bytes
+            exchanges = exchange_batches(matrices, batch_matrices(matrices, max_elements), max_elements)
+            plans.append(_GroupPlan(params, matrices, pieces, owners, exchanges, exchange_group))
         return plans
 
     def _tp_group(self, attrs):
@@ -342,11 +345,11 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             apply(plan, i, self.orthogonalize(_ParamAttributes(plan.param_of(i)), full)[start:stop])
 
     def _owner_orthogonalize(self, plan: _GroupPlan, local: dict, apply) -> None:
-        """Gather each batch to its owners, orthogonalize there, send the rows back, and
-        `apply(plan, matrix, this rank's rows)` as soon as a batch is back. Double buffered:
-        batch i+1's gather runs while batch i computes, and batch i-1's rows are applied first,
-        so about two batches' buffers are alive at once. The order of collectives depends only
-        on the plan, so every rank issues the same ones."""
+        """Gather each exchange's matrices to their owners, orthogonalize there batch by batch,
+        send the rows back, and `apply(plan, matrix, this rank's rows)` as soon as an exchange is
+        back. Double buffered: exchange i+1's gather runs while exchange i computes, and exchange
+        i-1's rows are applied first, so about two exchanges' buffers are alive at once. The
+        order of collectives depends only on the plan, so every rank issues the same ones."""
         exchanges = plan.exchanges
 
         def start_gather(index):
@@ -362,10 +365,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for current, exchange in enumerate(exchanges):
             start_gather(current + 1)
             finish_scatter(current - 1)
-            owned_params = [plan.param_of(i) for i in exchange.owned]
-            batch_key = plan.matrices[exchange.batch[0]].batch_key
-            exchange.start_scatter(
-                self._orthogonalize_owned(owned_params, exchange.finish_gather(), batch_key))
+            fulls, results = iter(exchange.finish_gather()), []
+            for owned in exchange.owned_batches:
+                if owned:
+                    results += self._orthogonalize_owned(
+                        [plan.param_of(i) for i in owned], [next(fulls) for _ in owned],
+                        plan.matrices[owned[0]].batch_key)
+            exchange.start_scatter(results)
         finish_scatter(len(exchanges) - 1)
 
     def _orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:

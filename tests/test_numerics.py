@@ -204,7 +204,8 @@ def _batching_under_bf16_matmuls(rank, world_size):
     fsdp(torch.randn(6, 16)).square().mean().backward()
     fsdp.finish_grad_sync()
     opt.step()
-    owned_batches = sum(1 for plan in opt._plans for exchange in plan.exchanges if exchange.owned)
+    owned_batches = sum(1 for plan in opt._plans for exchange in plan.exchanges
+                        for owned in exchange.owned_batches if owned)
     assert len(matrices_per_call) == owned_batches, (matrices_per_call, owned_batches)
     assert not opt._batched_ns_exact
     total = torch.tensor([sum(matrices_per_call), max(matrices_per_call, default=0)])

@@ -1,8 +1,9 @@
 import pytest
 
 from megatron_muon.exchange import OwnerExchange
-from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, choose_owners, gather_segments,
-                                layout_min_bytes, ns_flops, owner_traffic, row_layouts, scatter_segments)
+from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, choose_owners, exchange_batches,
+                                gather_segments, layout_min_bytes, ns_flops, owner_traffic,
+                                row_layouts, scatter_segments)
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -141,7 +142,7 @@ def test_owner_traffic_is_what_each_rank_routes(layouts, owners):
     matrices = [Matrix(layout, 8) for layout in layouts]
     batch = list(range(len(matrices)))
     world = layouts[0].ranks
-    routes = [OwnerExchange(matrices, owners, batch, rank, group=None) for rank in range(world)]
+    routes = [OwnerExchange(matrices, owners, [batch], rank, group=None) for rank in range(world)]
     received, sent = owner_traffic(matrices, owners, element_bytes=4)
     assert received == [4 * (sum(r.gather.recv_counts) + sum(r.scatter.recv_counts)) for r in routes]
     assert sent == [4 * (sum(r.gather.send_counts) + sum(r.scatter.send_counts)) for r in routes]
@@ -151,5 +152,14 @@ def test_owner_traffic_is_what_each_rank_routes(layouts, owners):
         assert all(getattr(r, direction).moves == moving for r in routes)
     # Nothing moves when every owner holds its matrix whole and alone.
     alone = [Matrix(RowLayout((0, 5, 0)), 8)]
-    assert not OwnerExchange(alone, [1], [0], 0, None).gather.moves
-    assert not OwnerExchange(alone, [1], [0], 0, None).scatter.moves
+    assert not OwnerExchange(alone, [1], [[0]], 0, None).gather.moves
+    assert not OwnerExchange(alone, [1], [[0]], 0, None).scatter.moves
+
+
+def test_exchanges_pack_consecutive_batches_of_any_shape_up_to_the_bound():
+    matrices = [_matrix((2, 2)), _matrix((1, 1), cols=4), _matrix((2, 2), key="x")]  # 32, 8, 32
+    batches = [[0], [1], [2]]
+    assert exchange_batches(matrices, batches, max_elements=40) == [[[0], [1]], [[2]]]
+    assert exchange_batches(matrices, batches, max_elements=72) == [[[0], [1], [2]]]
+    # A batch larger than the bound still gets an exchange of its own.
+    assert exchange_batches(matrices, batches, max_elements=8) == [[[0]], [[1]], [[2]]]
