@@ -68,7 +68,7 @@ class OwnerExchange:
         self._work = None
 
     def _route(self, segments_of, moves, matrices, owners, batch) -> Route:
-        # This rank's row and column of the (src, dst) table only: O(world) per batch, not
+        # This rank's row and column of the (src, dst) table only: O(world) per exchange, not
         # O(world^2), so a plan at a thousand ranks is built in seconds.
         world = range(matrices[batch[0]].layout.ranks)
         sends = [segments_of(matrices, owners, batch, self.rank, dst) for dst in world]
