@@ -451,18 +451,21 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 2, figsize=(10, 4 * len(results)), squeeze=False)
-    for (name, rows), (comm, times) in zip(results.items(), axes):
+    fig, axes = plt.subplots(len(results), 3, figsize=(15, 4 * len(results)), squeeze=False)
+    for (name, rows), (comm, times, train) in zip(results.items(), axes):
         worlds = [r["world_size"] for r in rows]
         for mode in _muon_modes(rows[0]):
             comm.plot(worlds, [r[mode]["comm_bytes_per_rank"] / 1e6 for r in rows], "o-", label=mode)
             times.plot(worlds, [r[mode]["muon_step_s"] * 1e3 for r in rows], "o-", label=f"muon {mode}")
+            train.plot(worlds, [r[mode]["train_step_s"] * 1e3 for r in rows], "o-", label=f"muon {mode}")
         comm.plot(worlds, [r["comm_bytes_layout_min"] / 1e6 for r in rows], "k--", label="layout minimum")
         times.plot(worlds, [r["adam"]["adam_step_s"] * 1e3 for r in rows], "o-", label="adam")
+        train.plot(worlds, [r["adam"]["train_step_s"] * 1e3 for r in rows], "o-", label="adam")
         comm.set(title=f"{name}: bytes received per rank per step", xlabel="W", ylabel="MB")
         times.set(title=f"{name}: optimizer step", xlabel="W", ylabel="ms")
-        comm.legend()
-        times.legend()
+        train.set(title=f"{name}: training step", xlabel="W", ylabel="ms")
+        for ax in (comm, times, train):
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path)
 
