@@ -5,7 +5,7 @@
         [--bandwidth-gbps 50] [--tokens-per-step 4194304]
 
 For each model and data-parallel size W (dp_cp; the MoE's experts over expert parallelism
-EP = min(W, 64) and expert data parallelism W / EP), megatron-core builds the model on the meta
+EP = gcd(W, 64) and expert data parallelism W / EP), megatron-core builds the model on the meta
 device (shapes only), Megatron-FSDP's own bucketing (`_get_parameter_groups`,
 `build_data_parallel_buffer_index`) gives the rows each rank's shard holds, and megatron_muon's
 planning code (`row_layouts`' RowLayout, `choose_owners`, `batch_matrices`, the owner exchange's
@@ -51,7 +51,7 @@ MAX_EXPERT_PARALLEL = 64
 
 
 def expert_parallel(model: str, world: int) -> int:
-    return min(world, MAX_EXPERT_PARALLEL) if "num_moe_experts" in MODELS[model][0] else 1
+    return math.gcd(world, MAX_EXPERT_PARALLEL) if "num_moe_experts" in MODELS[model][0] else 1
 
 
 def meta_model(name: str, expert_parallel_size: int):
@@ -353,7 +353,7 @@ def assumptions(rates: Rates, args) -> list[str]:
         f"network: {args.bandwidth_gbps:g} GB/s per rank, each way; a rank's bytes move at that "
         "rate, the larger of in and out (full duplex)",
         "ZeRO-3 (optim_grads_params), TP = PP = CP = 1: W is the data-parallel size; the MoE's "
-        f"experts over EP = min(W, {MAX_EXPERT_PARALLEL}), expert data parallelism W / EP",
+        f"experts over EP = gcd(W, {MAX_EXPERT_PARALLEL}), expert data parallelism W / EP",
         "fp32 main weights and updates (4 bytes/element); Newton-Schulz: "
         f"{args.ns_steps} steps, `medium` precision, QKV split (Megatron's defaults)",
         "Muon step = max over ranks of (elementwise + Newton-Schulz + network), nothing "
