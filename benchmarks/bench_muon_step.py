@@ -330,7 +330,6 @@ def plan_figures(model, optimizer, config):
         muon_elements=sum(m.layout.num_rows * m.cols for plan in plans for m in plan.matrices),
         flops_by_matrix=flops_by_matrix,
         batches=sum(len(exchange.batches) for plan in plans for exchange in plan.exchanges),
-        exchanges=sum(len(plan.exchanges) for plan in plans),
         moving_batches=sum(e.gather.moves or e.scatter.moves for plan in plans for e in plan.exchanges),
         largest_batch_bytes=max((sum(plan.matrices[i].layout.num_rows * plan.matrices[i].cols * 4
                                      for i in exchange.batch)

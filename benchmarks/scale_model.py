@@ -33,7 +33,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ELEMENT_BYTES = 4  # fp32 main weights, momentum and updates
 MODES = ("owner", "allgather", "whole-matrix-per-rank")
 
-# (megatron-core TransformerConfig settings, GPTModel settings, expert parallel size at W)
+# name -> (megatron-core TransformerConfig settings, GPTModel settings)
 MODELS = {
     "llama-8b": (dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                       ffn_hidden_size=14336), dict(vocab_size=128256)),
@@ -123,7 +123,7 @@ def muon_matrices(model, rows: dict):
     """(dense, expert) Muon matrices, each [Matrix], as megatron_muon's factory and
     ZeROTensorParallelMuon make them at TP=1 (QKV split into q, k, v blocks)."""
     from megatron_muon.factory import _is_scalar_param, _tag_params, is_expert_param
-    from megatron_muon.plan import Matrix, RowLayout
+    from megatron_muon.plan import Matrix, RowLayout, qkv_row_blocks
     from megatron_muon.zero_muon import orthogonalization_key
 
     _tag_params([model])
@@ -132,8 +132,7 @@ def muon_matrices(model, rows: dict):
         if _is_scalar_param(p):
             continue
         split_shapes = p.qkv_split_shapes if getattr(p, "is_qkv", False) else None
-        blocks = (tuple(p.shape[0] // sum(split_shapes) * r for r in split_shapes)
-                  if split_shapes else None)
+        blocks = qkv_row_blocks(p.shape[0], split_shapes) if split_shapes else None
         matrix = Matrix(RowLayout(tuple(rows[p])), p.shape[1],
                         orthogonalization_key(p, splits_qkv=bool(split_shapes), tp_size=1), blocks)
         (expert if is_expert_param(name, p) else dense).append(matrix)
@@ -305,10 +304,11 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     for param_name, p in model.named_parameters():
         experts = is_expert_param(param_name, p)
         held, width = rows[p], p.shape[1:].numel()
+        stepped_by = adam_elements if _is_scalar_param(p) else muon_elements
         for r in range(world):
             elements = held[r // ep if experts else r] * width
             all_elements[r] += elements
-            (adam_elements if _is_scalar_param(p) else muon_elements)[r] += elements
+            stepped_by[r] += elements
         if param_name != "embedding.word_embeddings.weight":  # a lookup, not a matmul
             active += p.numel() * (ep * settings["moe_router_topk"] / settings["num_moe_experts"]
                                    if experts else 1)

@@ -132,6 +132,13 @@ class QKVRows:
         return self.groups * (self.q_rows + 2 * self.kv_rows)
 
 
+def qkv_row_blocks(rows: int, split_shapes: Sequence[int]) -> tuple[int, ...]:
+    """Rows of the q, k and v blocks Newton-Schulz sees in a fused QKV matrix of `rows` rows,
+    `split_shapes` being the q, k and v rows of one query group."""
+    groups = rows // sum(split_shapes)
+    return tuple(groups * block for block in split_shapes)
+
+
 def ns_flops(rows: int, cols: int, steps: int) -> int:
     """Newton-Schulz FLOPs of one m x n matrix: k(4m^2 n + 2m^3) with m the smaller side."""
     m, n = min(rows, cols), max(rows, cols)

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .exchange import OwnerExchange, all_gather_ints, all_gather_rows
 from .muon_math import momentum_update_
-from .plan import Matrix, batch_matrices, choose_owners, exchange_batches, row_layouts
+from .plan import Matrix, batch_matrices, choose_owners, exchange_batches, qkv_row_blocks, row_layouts
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -290,8 +290,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         if not self._splits_qkv(attrs):
             return None
         shapes = getattr(attrs, "qkv_split_shapes", None) or self.qkv_split_shapes
-        groups = _tp_local_rows(p) // sum(shapes)
-        return tuple(groups * rows for rows in shapes)
+        return qkv_row_blocks(_tp_local_rows(p), shapes)
 
     def _batch_key(self, p) -> tuple | None:
         attrs = _ParamAttributes(p)

@@ -3,7 +3,7 @@ import pytest
 from megatron_muon.exchange import OwnerExchange
 from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, choose_owners, exchange_batches,
                                 gather_segments, layout_min_bytes, ns_flops, owner_traffic,
-                                row_layouts, scatter_segments)
+                                qkv_row_blocks, row_layouts, scatter_segments)
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -126,6 +126,7 @@ def test_pieces_cut_a_stacked_expert_weight_into_its_experts():
 
 def test_row_blocks_cost_what_newton_schulz_runs_on():
     # A QKV matrix of 2 groups x (q 4, k 2, v 2) rows is orthogonalized as 8x16, 4x16, 4x16 blocks.
+    assert qkv_row_blocks(16, (4, 2, 2)) == (8, 4, 4)
     qkv = Matrix(RowLayout((10, 6)), 16, row_blocks=(8, 4, 4))
     assert qkv.ns_flops(5) == ns_flops(8, 16, 5) + 2 * ns_flops(4, 16, 5)
     assert Matrix(RowLayout((10, 6)), 16).ns_flops(5) == ns_flops(16, 16, 5)
