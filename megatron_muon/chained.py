@@ -144,8 +144,10 @@ class FSDPMuonChainedOptimizer:
     def _any_rank_has_nonfinite_grads(self) -> bool:
         """Whether a NaN or Inf is in any rank's gradient shard. Reduced over every rank, so all
         skip the step together (a rank skipping alone would leave the others waiting in its
-        collectives) and parameters, momentum and Adam's moments stay as they were."""
-        nonfinite = []  # one flag tensor per grad: a single host sync below, not one per param
+        collectives) and parameters, momentum and Adam's moments stay as they were. One pass per
+        grad: its min and max are finite exactly when all of it is (both propagate NaN), and one
+        host sync for all of them."""
+        extremes = []
         device = torch.device("cpu")  # without params (stand-ins in tests)
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -153,10 +155,11 @@ class FSDPMuonChainedOptimizer:
                 grad = p.grad if p.grad is not None else getattr(p, "main_grad", None)
                 if grad is not None:
                     grad = grad.to_local() if isinstance(grad, DTensor) else grad
-                    nonfinite.append(torch.isfinite(grad).all().logical_not())
+                    if grad.numel():  # an empty shard has no min or max
+                        extremes.append(torch.stack(torch.aminmax(grad)))
         flag = torch.zeros(1, device=device)  # on the params' device, as their process group's
-        if nonfinite:
-            flag[0] = torch.stack(nonfinite).any()
+        if extremes:
+            flag[0] = torch.cat(extremes).isfinite().all().logical_not()
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

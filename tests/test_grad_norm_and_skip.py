@@ -1,5 +1,5 @@
 """The chain's gradient norm is the unsharded model's, clipping acts as on the unsharded model,
-and a step with a NaN on one rank's shard is skipped on every rank with nothing changed."""
+and a step with a NaN or an Inf on one rank's shard is skipped on every rank with nothing changed."""
 
 import pytest
 import torch
@@ -90,7 +90,7 @@ def _snapshot(optimizer):
     return [t.clone() for t in tensors]
 
 
-def _nan_on_one_rank(rank, world_size, dist_mode):
+def _nonfinite_on_one_rank(rank, world_size, dist_mode, value):
     init_parallel_state()
     model = fsdp_gpt()
     optimizer = get_megatron_optimizer(optimizer_config(clip_grad=1.0), [model], muon_dist_mode=dist_mode)
@@ -99,7 +99,7 @@ def _nan_on_one_rank(rank, world_size, dist_mode):
     assert optimizer.step()[0]
     before = _snapshot(optimizer)
 
-    _backward_with_a_nan_on_the_last_rank(model, optimizer, 1, rank, world_size)
+    _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, 1, rank, world_size, value)
     assert optimizer.step() == (False, None, None)
     after = _snapshot(optimizer)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
@@ -110,18 +110,19 @@ def _nan_on_one_rank(rank, world_size, dist_mode):
     assert update_successful and grad_norm > 0
 
 
-def _backward_with_a_nan_on_the_last_rank(model, optimizer, step, rank, world_size):
+def _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, step, rank, world_size,
+                                                value=float("nan")):
     optimizer.zero_grad()
     _backward(model, step, rank)
     if rank == world_size - 1:  # one element of one rank's shard of a Muon matrix
         grad = next(p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
                     if p.dim() == 2 and p.grad is not None and p.grad.to_local().numel())
-        grad.view(-1)[0] = float("nan")
+        grad.view(-1)[0] = value
 
 
-@pytest.mark.parametrize("dist_mode", ["owner", "allgather"])
-def test_a_nan_on_one_ranks_shard_skips_the_step_everywhere(distributed, dist_mode):
-    distributed(_nan_on_one_rank, 2, dist_mode)
+@pytest.mark.parametrize("dist_mode, value", [("owner", float("nan")), ("allgather", -float("inf"))])
+def test_a_nan_or_inf_on_one_ranks_shard_skips_the_step_everywhere(distributed, dist_mode, value):
+    distributed(_nonfinite_on_one_rank, 2, dist_mode, value)
 
 
 def _diverged_run_stops(rank, world_size):
@@ -129,16 +130,17 @@ def _diverged_run_stops(rank, world_size):
     model = fsdp_gpt()
     optimizer = get_megatron_optimizer(optimizer_config(), [model], muon_max_consecutive_skipped_steps=3)
     for step in range(2):  # two skipped, then a good step starts the count again
-        _backward_with_a_nan_on_the_last_rank(model, optimizer, step, rank, world_size)
+        _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, step, rank, world_size)
         assert optimizer.step() == (False, None, None)
     optimizer.zero_grad()
     _backward(model, 2, rank)
     assert optimizer.step()[0]
     before = _snapshot(optimizer)
     for step in range(3, 5):
-        _backward_with_a_nan_on_the_last_rank(model, optimizer, step, rank, world_size)
+        _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, step, rank, world_size,
+                                                    float("inf"))
         assert optimizer.step() == (False, None, None)
-    _backward_with_a_nan_on_the_last_rank(model, optimizer, 5, rank, world_size)
+    _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, 5, rank, world_size)
     with pytest.raises(RuntimeError, match="3 optimizer steps in a row were skipped: the gradients "
                        "hold NaN or Inf.*--muon-max-consecutive-skipped-steps=3"):
         optimizer.step()  # on every rank: none is left waiting in a collective
