@@ -2,15 +2,14 @@
 instead: each run is `examples/pretrain_gpt.py` under torchrun, and its figure is the median of
 megatron.training's "elapsed time per iteration" over the iterations after the first --skip.
 
-    python benchmarks/bench_demo.py [--world-sizes 2 4] [--iters 40] [--rounds 2]
+    python benchmarks/bench_demo.py [--world-sizes 2 4] [--iters 40] [--rounds 3]
 
 Runs: Muon on Megatron-FSDP (ours) under ZeRO-3 (the demo's default) and ZeRO-1, megatron-core's
-Muon on Megatron DDP (every rank orthogonalizes every matrix), and Adam on Megatron-FSDP's ZeRO-3.
-(megatron-core's layer-wise Muon cannot be built in fp32, see the README; bench_muon_step.py
-measures it.) The configurations take turns round by
-round, so a slow spell of the machine falls on all of them alike; the median over rounds is
-reported, with each run's ratio to megatron-core's Muon on DDP. Writes
-benchmarks/results/demo.json.
+Muon on Megatron DDP (every rank orthogonalizes every matrix), and Adam on Megatron-FSDP's ZeRO-3;
+megatron-core's layer-wise Muon cannot be built in fp32 (README), bench_muon_step.py measures it.
+The configurations take turns round by round, so a slow spell of the machine falls on all of them
+alike; each is reported as the median over rounds of its runs' medians, with its ratio to
+megatron-core's Muon on DDP. Writes benchmarks/results/demo.json.
 """
 
 import argparse
@@ -51,7 +50,7 @@ def main():
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--skip", type=int, default=10, help="first iterations left out")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     results = {}
     for world in args.world_sizes:
