@@ -108,9 +108,17 @@ def split_params(module):
     return [p for _, p in named if p.dim() == 2], [p for _, p in named if p.dim() != 2]
 
 
+def muon_param_groups(matrices):
+    """The matrices in two param groups whose lr, weight decay and momentum differ, as Megatron's
+    per-param overrides make them: each matrix must be stepped with its own group's."""
+    return [{"params": matrices[::2]},
+            {"params": matrices[1::2], "lr": 0.05, "weight_decay": 0.1, "momentum": 0.8}]
+
+
 def reference_optimizers(ref):
     matrices, vectors = split_params(ref)
-    return [TensorParallelMuon(matrices, **MUON_KWARGS), torch.optim.Adam(vectors, lr=0.01, foreach=False)]
+    return [TensorParallelMuon(muon_param_groups(matrices), **MUON_KWARGS),
+            torch.optim.Adam(vectors, lr=0.01, foreach=False)]
 
 
 class ForwardReads:

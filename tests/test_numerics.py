@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_models import (MUON_KWARGS, QKV_SPLIT, STRATEGIES, batch, full_tensor, fully_shard,
-                         make_models, reference_optimizers, split_params)
+                         make_models, muon_param_groups, reference_optimizers, split_params)
 from megatron_muon import ZeROTensorParallelMuon
 
 STEPS = 6
@@ -36,7 +36,7 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None):
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
     case = f"{strategy} outer={outer} {dist_mode} units={unit_modules} W={world_size}"
-    opts = [ZeROTensorParallelMuon(matrices, dist_mode=dist_mode, **MUON_KWARGS),
+    opts = [ZeROTensorParallelMuon(muon_param_groups(matrices), dist_mode=dist_mode, **MUON_KWARGS),
             torch.optim.Adam(vectors, lr=0.01, foreach=False)]
     names = {id(p): n for n, p in fsdp.named_parameters()}
 
