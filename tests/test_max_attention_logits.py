@@ -1,6 +1,7 @@
 """MuonClip's measurement on local attention: each layer's per-head max attention logit, reduced
 over the data-parallel ranks in one all-reduce, equals the unsharded model's on the same batch."""
 
+import math
 from unittest import mock
 
 import pytest
@@ -19,11 +20,13 @@ def _per_layer(model):
     return [a.current_max_attn_logits for a in _core_attentions([model])]
 
 
-def _measured_as_unsharded(rank, world_size, tensor_parallel):
+def _measured_as_unsharded(rank, world_size, tensor_parallel, layer_scaling):
     init_parallel_state(tensor_parallel=tensor_parallel)
-    model = fsdp_gpt(log_max_attention_logit=True)
+    # Query-key layer scaling divides QK^T by the layer number and has the softmax multiply it back.
+    settings = dict(log_max_attention_logit=True, apply_query_key_layer_scaling=layer_scaling)
+    model = fsdp_gpt(**settings)
     get_megatron_optimizer(optimizer_config(), [model])  # registers the measurement
-    unsharded = gpt(log_max_attention_logit=True)  # whole on every data-parallel rank
+    unsharded = gpt(**settings)  # whole on every data-parallel rank
     observe_max_attention_logits([unsharded])
     by_definition = _max_logits_by_definition(unsharded)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -46,8 +49,9 @@ def _measured_as_unsharded(rank, world_size, tensor_parallel):
 
 
 def _max_logits_by_definition(model):
-    """Per layer, max over the unmasked positions of softmax_scale * q.k per head, from the
-    query and key each local attention receives (independent of the measurement's hook)."""
+    """Per layer, max over the unmasked positions of q.k / sqrt(head dim) per head (the
+    logit: TINY sets no other softmax scale), from the query and key each local attention
+    receives (independent of the measurement's hook)."""
     maxima = []
     for core_attention in _core_attentions([model]):
         maxima.append(torch.full((TINY.heads // core_attention.config.tensor_model_parallel_size,),
@@ -55,7 +59,7 @@ def _max_logits_by_definition(model):
 
         def record(module, args, kwargs, layer=len(maxima) - 1):
             query, key, _, mask = args[:4]  # [s, b, heads, d]; mask [1, 1, sq, sk], True: masked
-            logits = torch.einsum("qbhd,kbhd->bhqk", query, key) * module.softmax_scale
+            logits = torch.einsum("qbhd,kbhd->bhqk", query, key) / math.sqrt(query.shape[-1])
             batch_max = logits.masked_fill(mask, float("-inf")).amax(dim=(0, 2, 3))
             maxima[layer] = torch.maximum(maxima[layer], batch_max.detach())
 
@@ -67,6 +71,8 @@ def _data_parallel_group():
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
-@pytest.mark.parametrize("world_size, tensor_parallel", [(2, 1), (4, 1), (4, 2)])
-def test_max_attention_logits_are_the_unsharded_models(distributed, world_size, tensor_parallel):
-    distributed(_measured_as_unsharded, world_size, tensor_parallel)
+@pytest.mark.parametrize("world_size, tensor_parallel, layer_scaling",
+                         [(2, 1, False), (4, 1, False), (4, 2, False), (2, 1, True)])
+def test_max_attention_logits_are_the_unsharded_models(distributed, world_size, tensor_parallel,
+                                                      layer_scaling):
+    distributed(_measured_as_unsharded, world_size, tensor_parallel, layer_scaling)
