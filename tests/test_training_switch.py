@@ -5,6 +5,7 @@ modules for the life of the process."""
 
 import importlib.machinery
 import sys
+from unittest import mock
 
 import pytest
 
@@ -38,6 +39,7 @@ def _refused(match, *flags):
 def _switch(rank, world_size, checkout):
     _refused("Megatron-FSDP does not support the muon optimizer", "--optimizer", "muon")
     import megatron.core.datasets.utils as datasets
+    import megatron.training.global_vars
     import megatron.training.training
 
     import megatron_muon.training
@@ -57,6 +59,14 @@ def _switch(rank, world_size, checkout):
     assert megatron.training.training.get_megatron_optimizer is megatron_muon.training._get_megatron_optimizer
     args = _validate("--optimizer", "muon")
     assert args.optimizer == "muon" and args.use_megatron_fsdp and args.muon_dist_mode == "owner"
+    # Our flags reach the factory megatron.training calls.
+    megatron.training.global_vars.set_args(_validate(
+        "--optimizer", "muon", "--muon-dist-mode", "allgather",
+        "--muon-max-consecutive-skipped-steps", "3"))
+    with mock.patch.object(megatron_muon.factory, "get_megatron_optimizer") as factory:
+        megatron.training.training.get_megatron_optimizer("config", ["chunk"])
+    factory.assert_called_once_with("config", ["chunk"], muon_dist_mode="allgather",
+                                    muon_max_consecutive_skipped_steps=3)
     assert _validate("--optimizer", "adam").optimizer == "adam"
     _refused("does not support: --fp16", "--optimizer", "muon", "--fp16")
     _refused("without --overlap-grad-reduce", "--optimizer", "muon",
