@@ -71,6 +71,9 @@ def _switch(rank, world_size, checkout):
     _refused("does not support: --fp16", "--optimizer", "muon", "--fp16")
     _refused("without --overlap-grad-reduce", "--optimizer", "muon",
              "--num-distributed-optimizer-instances", "2")
+    # Megatron would accept these for Adam on Megatron-FSDP; Muon's chain would ignore them.
+    for flag in ("--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--use-torch-fsdp2"):
+        _refused(f"does not support: {flag}", "--optimizer", "muon", flag)
     # Megatron alone asks TransformerEngine for these; megatron_muon measures local attention too.
     assert _validate("--optimizer", "muon", "--log-max-attention-logit").log_max_attention_logit
     clip = _validate("--optimizer", "muon", "--qk-clip", "--qk-clip-threshold", "5")
