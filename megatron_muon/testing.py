@@ -33,18 +33,22 @@ TINY = GPTShape()
 _parallel_layout = None  # the layout megatron-core's process groups were last built for
 
 
-def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1, replicas: int = 1):
-    """megatron-core's process groups; `replicas` > 1 is HSDP's number of optimizer instances.
+def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1, replicas: int = 1,
+                        expert_tensor_parallel: int | None = None):
+    """megatron-core's process groups; `replicas` > 1 is HSDP's number of optimizer instances;
+    `expert_tensor_parallel` defaults, as in Megatron, to `tensor_parallel`.
     The groups of the last layout are kept (a process running many cases builds them once per
     layout); the RNG states are reset every time."""
     global _parallel_layout
     apply_megatron_training_compat()
-    layout = (torch.distributed.get_world_size(), expert_parallel, tensor_parallel, replicas)
+    layout = (torch.distributed.get_world_size(), expert_parallel, tensor_parallel, replicas,
+              expert_tensor_parallel)
     if layout != _parallel_layout or not parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
         # A fake process group (no data moves) cannot back megatron-core's extra gloo groups.
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel,
+            expert_tensor_parallel_size=expert_tensor_parallel,
             num_distributed_optimizer_instances=replicas,
             create_gloo_process_groups=torch.distributed.get_backend() != "fake")
         _parallel_layout = layout
@@ -59,6 +63,7 @@ def gpt(shape: GPTShape = TINY, num_experts=None, **settings):
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         ffn_hidden_size=shape.ffn,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         num_moe_experts=num_experts, moe_router_topk=2,
         # megatron-core's local experts add their bias in place on a custom-Function view
         # (mlp.py:354), which autograd refuses: MoE models here have no linear biases.
