@@ -9,7 +9,9 @@ Muon on Megatron DDP (every rank orthogonalizes every matrix), and Adam on Megat
 megatron-core's layer-wise Muon cannot be built in fp32 (README), bench_muon_step.py measures it.
 The configurations take turns round by round, so a slow spell of the machine falls on all of them
 alike; each is reported as the median over rounds of its runs' medians, with its ratio to
-megatron-core's Muon on DDP. Writes benchmarks/results/demo.json.
+megatron-core's Muon on DDP. Newton-Schulz runs at the demo's precision (Megatron's bf16, or fp32
+on a CPU that emulates bf16 matmuls), which the results record. Writes
+benchmarks/results/demo.json.
 """
 
 import argparse
@@ -19,6 +21,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from megatron_muon.cpu import fast_newton_schulz_precision
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -52,7 +56,9 @@ def main():
     parser.add_argument("--skip", type=int, default=10, help="first iterations left out")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    results = {}
+    precision = fast_newton_schulz_precision()  # what the demo runs at here
+    print(f"Newton-Schulz at --muon-fp32-matmul-prec {precision}, the demo's choice here")
+    results = {"newton_schulz_precision": precision}
     for world in args.world_sizes:
         medians = {name: [] for name in RUNS}
         for _ in range(args.rounds):

@@ -32,7 +32,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_muon.cpu import fast_newton_schulz_precision
+
 RESULTS = Path(__file__).resolve().parent / "results"
+# Megatron's bf16 (medium), but fp32 where bf16 matmuls are emulated: ~130x slower there.
+NEWTON_SCHULZ_PRECISION = fast_newton_schulz_precision()
 MODES = ("owner", "allgather", "adam")
 MEGATRON_CORE_MODES = ("ddp", "layerwise")  # on dense models without HSDP only
 # Beside them, ours on Megatron-FSDP's ZeRO-1 ("optim"): weights unsharded in the forward, as
@@ -226,14 +230,16 @@ def build(shape, parallel, mode):
     if mode in MEGATRON_CORE_MODES:
         layer_wise = mode == "layerwise"
         model = ddp_gpt(shape, layer_wise=layer_wise)
-        config = optimizer_config("muon", muon_fp32_matmul_prec="medium", use_distributed_optimizer=False,
+        config = optimizer_config("muon", muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION,
+                                  use_distributed_optimizer=False,
                                   use_layer_wise_distributed_optimizer=layer_wise, bf16=layer_wise)
         return model, get_megatron_optimizer(config, [model]), config
     model = fsdp_gpt(shape, strategy="optim" if mode == ZERO1_MODE else "optim_grads_params",
                      num_experts=parallel.get("num_experts"),
                      outer_strategy=parallel.get("outer_strategy", "no_shard"),
                      **parallel.get("model", {}))
-    config = optimizer_config("adam" if mode == "adam" else "muon", muon_fp32_matmul_prec="medium")
+    config = optimizer_config("adam" if mode == "adam" else "muon",
+                              muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION)
     optimizer = get_megatron_optimizer(config, [model],
                                        muon_dist_mode="allgather" if mode == "allgather" else "owner")
     return model, optimizer, config
@@ -394,6 +400,7 @@ def summarize(world, per_rank):
                 row[f"{ours}_over_{mode}_muon_step"] = row[ours]["muon_step_s"] / row[mode]["muon_step_s"]
     row["largest_batch_bytes"] = plan["largest_batch_bytes"]
     row["owner_tradeoff"] = plan["owner_tradeoff"]
+    row["newton_schulz_precision"] = NEWTON_SCHULZ_PRECISION
     return row
 
 
@@ -408,6 +415,8 @@ def _fixed(value) -> str:
 
 
 def print_table(results):
+    print(f"Newton-Schulz at --muon-fp32-matmul-prec {NEWTON_SCHULZ_PRECISION} "
+          f"({'fp32: this CPU emulates bf16 matmuls' if NEWTON_SCHULZ_PRECISION == 'highest' else 'bf16'})")
     head = (f"{'config':6} {'W':>2} {'mode':11} {'recv MB/rank':>12} {'ratio':>6} {'NS GFLOP max':>12} "
             f"{'max/mean':>8} {'redund':>6} {'coll':>5} {'step ms':>8} {'train ms':>9}")
     print(head)

@@ -174,11 +174,13 @@ class Rates:
 
 def measure_rates(ns_steps: int) -> dict:
     """The rates on this machine, with the calls the optimizers make: TensorParallelMuon's
-    orthogonalize (Megatron's default `medium` precision), torch's AdamW (foreach), Muon's
-    elementwise step (muon_math.momentum_update_ and the update)."""
+    orthogonalize (at Megatron's default precision, medium: bf16 matmuls; fp32 where bf16
+    matmuls are emulated), torch's AdamW (foreach), Muon's elementwise step
+    (muon_math.momentum_update_ and the update)."""
     from emerging_optimizers import utils as eo_utils
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
+    from megatron_muon.cpu import fast_newton_schulz_precision
     from megatron_muon.muon_math import momentum_update_
     from megatron_muon.plan import ns_flops
 
@@ -202,8 +204,8 @@ def measure_rates(ns_steps: int) -> dict:
               (1, 1024, 4096), (1, 2048, 2048)]
     if big:
         shapes += [(8, 2048, 2048), (1, 4096, 14336), (1, 8192, 8192), (1, 8192, 28672)]
-    newton_schulz = []
-    with eo_utils.fp32_matmul_precision("medium"):
+    newton_schulz, precision = [], fast_newton_schulz_precision()
+    with eo_utils.fp32_matmul_precision(precision):
         for batch, rows, cols in shapes:
             x = torch.randn(batch, rows, cols, device=device).squeeze(0)
             flops = batch * ns_flops(rows, cols, ns_steps)
@@ -211,7 +213,7 @@ def measure_rates(ns_steps: int) -> dict:
             newton_schulz.append([flops / 1e9, flops / s / 1e12])
             print(f"  Newton-Schulz {batch}x{rows}x{cols}: {flops / s / 1e12:.3f} TFLOP/s", flush=True)
     n = 4096 if big else 2048
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if precision == "medium" else None)
     matmul_tflops = 2 * n ** 3 / seconds(lambda: a @ a) / 1e12
 
     param.grad = torch.randn_like(param)
@@ -226,7 +228,8 @@ def measure_rates(ns_steps: int) -> dict:
     muon_seconds = seconds(muon_elementwise)
     return dict(device=torch.cuda.get_device_name() if big else f"CPU ({os.cpu_count()} cores, "
                 f"{torch.get_num_threads()} threads)", measured=time.strftime("%Y-%m-%d"),
-                newton_schulz=newton_schulz, matmul_tflops=matmul_tflops,
+                newton_schulz_precision=precision, newton_schulz=newton_schulz,
+                matmul_tflops=matmul_tflops,
                 adam_ns_per_element=adam_seconds / param.numel() * 1e9,
                 muon_elementwise_ns_per_element=muon_seconds / param.numel() * 1e9)
 
@@ -344,18 +347,24 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     return result
 
 
+def _matmul_dtype(rates: Rates) -> str:
+    return "bf16" if rates.newton_schulz_precision == "medium" else "fp32"
+
+
 def assumptions(rates: Rates, args) -> list[str]:
     return [
         f"rates: {rates.device}, measured {rates.measured}"
         + (f" ({rates.table['source']})" if "source" in rates.table else "")
-        + f"; bf16 matmul {rates.matmul_tflops:.1f} TFLOP/s; Adam {rates.adam_ns_per_element:.4f} "
+        + f"; {_matmul_dtype(rates)} matmul {rates.matmul_tflops:.1f} TFLOP/s; Adam "
+        f"{rates.adam_ns_per_element:.4f} "
         f"ns/element; Muon elementwise {rates.muon_elementwise_ns_per_element:.4f} ns/element",
         f"network: {args.bandwidth_gbps:g} GB/s per rank, each way; a rank's bytes move at that "
         "rate, the larger of in and out (full duplex)",
         "ZeRO-3 (optim_grads_params), TP = PP = CP = 1: W is the data-parallel size; the MoE's "
         f"experts over EP = gcd(W, {MAX_EXPERT_PARALLEL}), expert data parallelism W / EP",
         "fp32 main weights and updates (4 bytes/element); Newton-Schulz: "
-        f"{args.ns_steps} steps, `medium` precision, QKV split (Megatron's defaults)",
+        f"{args.ns_steps} steps, QKV split (Megatron's defaults), at --muon-fp32-matmul-prec "
+        f"{rates.newton_schulz_precision} ({_matmul_dtype(rates)} matmuls)",
         "Muon step = max over ranks of (elementwise + Newton-Schulz + network), nothing "
         "overlapped (an upper bound: the exchange overlaps the next batch's gather with compute)",
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "

@@ -4,10 +4,12 @@
 
 Trains on a synthetic Markov-chain corpus (examples/synthetic_data.py), with the defaults below;
 any Megatron flag given on the command line overrides them (e.g. `--optimizer adam`). Runs on GPUs
-(NCCL) as is, and on CPU (gloo) when CUDA is absent.
+(NCCL) as is, and on CPU (gloo) when CUDA is absent; on a CPU without native bf16 matmuls
+Newton-Schulz runs in fp32 unless --muon-fp32-matmul-prec says otherwise (it says so at start).
 """
 
 import functools
+import sys
 
 import torch
 from megatron.core.enums import ModelType
@@ -19,6 +21,7 @@ from megatron.training.argument_utils import (core_transformer_config_from_args,
 from megatron.training.arguments import parse_and_validate_args
 
 import megatron_muon.training
+from megatron_muon import cpu
 from megatron_muon.arguments import add_muon_args
 from synthetic_data import markov_chain_datasets
 
@@ -42,13 +45,18 @@ DEMO_DEFAULTS = dict(
 )
 
 
+PRECISION_FLAG = '--muon-fp32-matmul-prec'
+
+
 def add_demo_args(parser):
     """Muon's flags, and the demo's defaults in place of Megatron's (the command line wins)."""
     add_muon_args(parser)
     parser.add_argument('--no-use-megatron-fsdp', dest='use_megatron_fsdp', action='store_false',
                         help='Train with Megatron DDP instead, e.g. to compare with the unsharded '
                         'model (also pass --ckpt-format torch_dist).')
-    parser.set_defaults(**DEMO_DEFAULTS)
+    # Megatron's medium (bf16), or fp32 where bf16 matmuls are emulated: 8x faster per iteration
+    # there (docs/newton-schulz-precision.md).
+    parser.set_defaults(**DEMO_DEFAULTS, muon_fp32_matmul_prec=cpu.fast_newton_schulz_precision())
     # Local-spec experts with linear biases fail in backward without expert parallelism (mlp.py:354
     # adds the bias in place to the view _ReduceFromModelParallelRegion returns): MoE, no biases.
     if parser.parse_known_args()[0].num_experts:
@@ -122,9 +130,21 @@ def refuse_layer_wise_muon_in_fp32(args):
             '--bf16, drop --use-distributed-optimizer, or use Megatron-FSDP (the default).')
 
 
+def say_newton_schulz_runs_in_fp32(args, argv):
+    """One line at start when the demo, not the command line, chose fp32 Newton-Schulz."""
+    chosen = not any(arg.split('=')[0] == PRECISION_FLAG for arg in argv)
+    if (args.rank == 0 and chosen and args.optimizer in megatron_muon.training.MUON_OPTIMIZERS
+            and cpu.bf16_matmul_is_emulated()):
+        print(f'pretrain_gpt.py: Newton-Schulz in fp32 ({PRECISION_FLAG} '
+              f'{args.muon_fp32_matmul_prec}): this CPU has no native bf16 matmul, so Megatron\'s '
+              f'default (medium: bf16) would be emulated, about 130x slower; {PRECISION_FLAG} '
+              f'medium asks for it anyway.', flush=True)
+
+
 def main():
     megatron_muon.training.install()  # Before Megatron parses its arguments.
     args = parse_and_validate_args(extra_args_provider=add_demo_args)
+    say_newton_schulz_runs_in_fp32(args, sys.argv[1:])
     refuse_a_save_that_would_hang(args)
     refuse_layer_wise_muon_in_fp32(args)
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,

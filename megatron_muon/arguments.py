@@ -10,7 +10,32 @@ import argparse
 from .zero_muon import DIST_MODES, TP_MODES
 
 
+# What each --muon-fp32-matmul-prec does to Newton-Schulz (emerging_optimizers' newton_schulz
+# under torch.set_float32_matmul_precision; docs/newton-schulz-precision.md).
+FP32_MATMUL_PRECISIONS = {
+    'highest': 'fp32 matmuls (what the bit-exactness contract is stated at)',
+    'high': 'TF32 on CUDA; fp32 on CPUs without AMX-FP16',
+    'medium': 'bf16 matmuls (Megatron\'s default; emulated, about 130x slower, on a CPU '
+              'without native bf16)',
+    'low': 'not a torch precision: torch ignores it with a warning, so the process\'s global '
+           'precision applies',
+}
+
+
+def offer_fp32_newton_schulz(parser: argparse.ArgumentParser) -> None:
+    """Add emerging_optimizers' 'highest' to the choices of Megatron's --muon-fp32-matmul-prec,
+    whose low/medium/high include no fp32 on CUDA. install() has every parser megatron.training
+    builds do it: pretrain() parses the command line again with Megatron's own (fault tolerance's
+    setup), which would refuse the value."""
+    for action in parser._actions:
+        if '--muon-fp32-matmul-prec' in action.option_strings:
+            action.choices = list(FP32_MATMUL_PRECISIONS)
+            action.help = 'Precision of Newton-Schulz\'s matmuls: ' + '; '.join(
+                f'{name}: {meaning}' for name, meaning in FP32_MATMUL_PRECISIONS.items())
+
+
 def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    offer_fp32_newton_schulz(parser)
     group = parser.add_argument_group(title='muon on megatron-fsdp')
     group.add_argument('--muon-dist-mode', choices=DIST_MODES, default='owner',
                        help='How Muon orthogonalizes FSDP-sharded matrices: "owner" gathers each '

@@ -3,7 +3,8 @@
 Megatron-FSDP schedules its collectives on CUDA streams and events; on CPU every collective is
 synchronous, so that bookkeeping can be a no-op (apply_cpu_compat). megatron.training's pretrain()
 further asks for CUDA tensors, RNG states and devices (apply_megatron_training_compat). Nothing
-here runs when CUDA is available.
+here runs when CUDA is available; nor does the probe for emulated bf16 matmuls
+(bf16_matmul_is_emulated), which chooses the Newton-Schulz precision of the demo and benchmarks.
 """
 
 import atexit
@@ -11,6 +12,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import time
 
 import torch
 
@@ -260,3 +262,36 @@ def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
     # checkpointing.py), and this tracker has no CUDA generator to save. Give it one entry, which
     # its set_states ignores; the CPU generator dropout draws from is saved and restored beside it.
     tensor_parallel_random.get_cuda_rng_tracker().states_ = {"cpu": torch.get_rng_state()}
+
+
+def bf16_matmul_is_emulated() -> bool:
+    """Whether bf16 matrix products run emulated here: no CUDA, and a CPU for which torch has no
+    oneDNN bf16 kernels (those need AVX-512 on x86 or BF16 on Arm). Emulated, a 1024x1024 bf16
+    matmul took 3.26 s against 25 ms in fp32 on an AMD EPYC (Zen 3, AVX2), so Newton-Schulz at
+    Megatron's default --muon-fp32-matmul-prec medium, which emerging_optimizers runs in bf16,
+    is about 130x slower than in fp32 there."""
+    if torch.cuda.is_available():
+        return False
+    try:
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported
+    except (AttributeError, RuntimeError) as missing:
+        raise RuntimeError(
+            f'megatron_muon.cpu: torch {torch.__version__} has no '
+            f'torch.ops.mkldnn._is_mkldnn_bf16_supported, the probe for native bf16 matmuls on '
+            f'CPU; pass --muon-fp32-matmul-prec explicitly and report this') from missing
+    return not native()
+
+
+def fast_newton_schulz_precision() -> str:
+    """The --muon-fp32-matmul-prec that the demo and the benchmarks run at: Megatron's default,
+    medium (bf16 matmuls), but highest (fp32) where bf16 matmuls are emulated."""
+    return 'highest' if bf16_matmul_is_emulated() else 'medium'
+
+
+def matmul_seconds(dtype: torch.dtype, n: int = 512) -> float:
+    """Wall time of one n x n matrix product in `dtype` on the CPU, after one warm-up."""
+    a = torch.randn(n, n, device="cpu").to(dtype)
+    a @ a
+    start = time.perf_counter()
+    a @ a
+    return time.perf_counter() - start

@@ -23,7 +23,10 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
 * makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
   (megatron_muon.checksums) and verify them before a load, on every rank together: a damaged
-  file stops the run, named, before any state changes.
+  file stops the run, named, before any state changes;
+* accepts `--muon-fp32-matmul-prec highest` (fp32 Newton-Schulz, which Megatron's choices lack
+  on CUDA) in every parse megatron.training makes, and warns once, on rank 0, when a Muon run
+  asks for bf16 Newton-Schulz on a CPU that emulates bf16 matmuls (docs/newton-schulz-precision.md).
 """
 
 import importlib.machinery
@@ -36,15 +39,18 @@ import megatron.core.datasets.utils
 import megatron.training.arguments
 import megatron.training.checkpointing
 import megatron.training.training
+import torch
 import torch.distributed as dist
 from megatron.training.checkpointing import get_checkpoint_name, get_load_checkpoint_path_by_args
 from megatron.training.utils import print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_muon import checksums, factory, qk_clip
-from megatron_muon.arguments import muon_on_megatron_fsdp, validate_muon_args
+from megatron_muon import checksums, cpu, factory, qk_clip
+from megatron_muon.arguments import (muon_on_megatron_fsdp, offer_fp32_newton_schulz,
+                                     validate_muon_args)
 from megatron_muon.cpu import apply_megatron_training_compat
 
+_megatron_add_arguments = megatron.training.arguments.add_megatron_arguments
 _megatron_validate_args = megatron.training.arguments.validate_args
 _megatron_load_base_checkpoint = megatron.training.checkpointing._load_base_checkpoint
 _megatron_save_checkpoint = megatron.training.training.save_checkpoint
@@ -52,11 +58,39 @@ _megatron_load_checkpoint = megatron.training.training.load_checkpoint
 _megatron_clip_qk = megatron.training.training.clip_qk
 _megatron_training_log = megatron.training.training.training_log
 _TRAINING_LOG_PARAMETERS = inspect.signature(_megatron_training_log)
+# Megatron's optimizers that run Newton-Schulz at --muon-fp32-matmul-prec.
+MUON_OPTIMIZERS = ('muon', 'dist_muon', 'adaptive_muon')
 MISSING_OPTIMIZER_STATE = re.compile(
     r'Missing key in checkpoint state_dict: (optimizer\.[^\s]*?)\.?$', re.MULTILINE)
 
 
+def _add_megatron_arguments(parser):
+    parser = _megatron_add_arguments(parser)
+    offer_fp32_newton_schulz(parser)
+    return parser
+
+
+_warned_of_emulated_bf16 = False
+
+
+def _warn_if_newton_schulz_is_emulated(args) -> None:
+    """Once, on rank 0: Muon asked for bf16 Newton-Schulz (--muon-fp32-matmul-prec medium,
+    Megatron's default) on a CPU that emulates bf16 matmuls. The run keeps what it asked for."""
+    global _warned_of_emulated_bf16
+    if (_warned_of_emulated_bf16 or args.rank != 0 or args.optimizer not in MUON_OPTIMIZERS
+            or args.muon_fp32_matmul_prec != 'medium' or not cpu.bf16_matmul_is_emulated()):
+        return
+    _warned_of_emulated_bf16 = True
+    bf16, fp32 = cpu.matmul_seconds(torch.bfloat16), cpu.matmul_seconds(torch.float32)
+    warnings.warn(
+        f'--muon-fp32-matmul-prec medium runs Newton-Schulz in bf16, which this CPU has no native '
+        f'matmul for: a 512x512 matmul took {bf16 * 1e3:.0f} ms here in bf16 against '
+        f'{fp32 * 1e3:.1f} ms in fp32 ({bf16 / fp32:.0f}x). --muon-fp32-matmul-prec highest runs '
+        f'it in fp32.', stacklevel=2)
+
+
 def _validate_args(args, defaults={}):
+    _warn_if_newton_schulz_is_emulated(args)
     if not muon_on_megatron_fsdp(args):
         return _megatron_validate_args(args, defaults)
     validate_muon_args(args)
@@ -194,6 +228,7 @@ def install() -> None:
     if dataset_helper_is_prebuilt(Path(datasets.__file__).parent):
         # initialize.py imports compile_helpers from the module when it runs: patch the module.
         datasets.compile_helpers = _skip_dataset_helper_build
+    megatron.training.arguments.add_megatron_arguments = _add_megatron_arguments
     megatron.training.arguments.validate_args = _validate_args
     megatron.training.checkpointing._load_base_checkpoint = _load_base_checkpoint
     megatron.training.training.save_checkpoint = _save_checkpoint

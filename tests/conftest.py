@@ -27,9 +27,17 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def pytest_sessionstart(session):
+    from megatron_muon.cpu import bf16_matmul_is_emulated, fast_newton_schulz_precision
+
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("gloo on CPU: CUDA_VISIBLE_DEVICES='' hides any GPU from these tests")
+        emulated = "emulates bf16 matmuls" if bf16_matmul_is_emulated() else "has native bf16 matmuls"
+        reporter.write_line(
+            f"Newton-Schulz: this CPU {emulated}, so `make demo` and the benchmarks run "
+            f"--muon-fp32-matmul-prec {fast_newton_schulz_precision()}, as does the e2e test of "
+            f"the demo's default; the other tests name theirs: highest (fp32), medium where "
+            f"bf16 is the subject")
 
 # Megatron-FSDP's gloo collectives in backward sometimes lose a rank before any optimizer code
 # runs, and the others then lose their peer (once in 3 clean-clone CI runs of 99 tests, at W=4;
