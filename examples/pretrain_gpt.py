@@ -130,6 +130,11 @@ def refuse_layer_wise_muon_in_fp32(args):
             '--bf16, drop --use-distributed-optimizer, or use Megatron-FSDP (the default).')
 
 
+def refuse_what_megatron_core_cannot_do(args):
+    refuse_a_save_that_would_hang(args)
+    refuse_layer_wise_muon_in_fp32(args)
+
+
 def say_newton_schulz_runs_in_fp32(args, argv):
     """One line at start when the demo, not the command line, chose fp32 Newton-Schulz."""
     chosen = not any(arg.split('=')[0] == PRECISION_FLAG for arg in argv)
@@ -145,8 +150,7 @@ def main():
     megatron_muon.training.install()  # Before Megatron parses its arguments.
     args = parse_and_validate_args(extra_args_provider=add_demo_args)
     say_newton_schulz_runs_in_fp32(args, sys.argv[1:])
-    refuse_a_save_that_would_hang(args)
-    refuse_layer_wise_muon_in_fp32(args)
+    refuse_what_megatron_core_cannot_do(args)
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 

@@ -85,7 +85,8 @@ def _check_settings(dist_mode, byte_slack, max_batch_bytes, muon_kwargs) -> None
             raise ValueError(f"ZeROTensorParallelMuon: {name}{via} must be {expected}, "
                              f"got {given[name]!r}")
     if given["split_qkv"] and given["is_qkv_fn"] is None:
-        raise ValueError("ZeROTensorParallelMuon: split_qkv (--muon-split-qkv) needs is_qkv_fn")
+        raise ValueError("ZeROTensorParallelMuon: split_qkv (Megatron's default; "
+                         "--muon-no-split-qkv turns it off) needs is_qkv_fn")
 
 
 def orthogonalization_key(attrs, splits_qkv: bool, tp_size: int) -> tuple | None:
@@ -219,9 +220,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             shapes = getattr(attrs, "qkv_split_shapes", None) or self.qkv_split_shapes
             if not shapes or _tp_local_rows(p) % sum(shapes):
                 raise ValueError(
-                    f"{name}: --muon-split-qkv (split_qkv) needs q/k/v row counts that tile its "
+                    f"{name}: split_qkv (Megatron's default) needs q/k/v row counts that tile its "
                     f"{_tp_local_rows(p)} rows, got qkv_split_shapes={shapes}; pass "
-                    f"--no-muon-split-qkv if the model has no fused QKV weight")
+                    f"--muon-no-split-qkv if the model has no fused QKV weight")
 
     @staticmethod
     def _data_parallel_layout(p: DTensor) -> tuple:

@@ -95,7 +95,8 @@ def test_qkv_split_without_a_qkv_predicate():
 
 def test_qkv_split_on_a_matrix_the_split_does_not_tile():
     # 6 rows cannot be whole groups of q 4 + k 2 + v 2 rows.
-    refused(ValueError, "--muon-split-qkv .* tile its 6 rows", [matrix(is_qkv=True)], split_qkv=True,
+    refused(ValueError, "split_qkv .* tile its 6 rows.*pass --muon-no-split-qkv", [matrix(is_qkv=True)],
+            split_qkv=True,
             is_qkv_fn=lambda p: getattr(p, "is_qkv", False), qkv_split_shapes=[4, 2, 2])
 
 

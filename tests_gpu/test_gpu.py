@@ -6,8 +6,11 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
 - batched bf16 Newton-Schulz (`medium`) differs from per-matrix calls by less than bf16's own
   error (the README's contract);
 - W=1 on NCCL: the demo trains, in fp32 and bf16, and Muon on Megatron-FSDP ZeRO-3 matches
-  megatron-core's own Muon on Megatron DDP over the first iterations;
-- with two GPUs or more, the same comparison at W=2."""
+  megatron-core's own Muon on Megatron DDP over the first iterations (fp32 Newton-Schulz);
+- with two GPUs or more, the same comparison at W=2.
+
+The demo's command lines are data (DEMO_RUNS): tests/test_command_lines.py parses each of them
+with megatron.training's parser on CPU, so that a flag or value it refuses fails there first."""
 
 import re
 import subprocess
@@ -30,6 +33,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 ITERATION_LOSS = re.compile(r' iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([-+.\dEe]+) \|')
 COMPARED_ITERATIONS = 5
 RELATIVE = 1e-5  # two implementations of the same fp32 math: summation order only
+FP32_NEWTON_SCHULZ = ("--muon-fp32-matmul-prec", "highest")
+# The demo's flags in each run below (the training length and world size aside).
+DEMO_RUNS = {
+    "fp32": (),
+    "bf16": ("--bf16",),
+    "zero3": FP32_NEWTON_SCHULZ,
+    "megatron_core_muon_on_ddp": (*FP32_NEWTON_SCHULZ, "--no-use-megatron-fsdp", "--ckpt-format",
+                                  "torch_dist"),
+}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -55,11 +67,12 @@ def test_batched_bf16_newton_schulz_is_within_bf16s_own_error(shape):
     assert batching_gap <= bf16_error, (batching_gap, bf16_error)
 
 
-def demo_losses(*flags: str, iterations: int, processes: int = 1) -> list[float]:
+def demo_losses(name: str, iterations: int, processes: int = 1) -> list[float]:
+    """The losses Megatron logged in the demo's DEMO_RUNS[name]."""
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(processes), "examples/pretrain_gpt.py", "--train-iters", str(iterations),
-         "--eval-iters", "0", *flags],
+         "--eval-iters", "0", *DEMO_RUNS[name]],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
     losses = {int(i): float(loss) for i, loss in ITERATION_LOSS.findall(run.stdout)}
@@ -67,17 +80,15 @@ def demo_losses(*flags: str, iterations: int, processes: int = 1) -> list[float]
     return [losses[i] for i in sorted(losses)]
 
 
-@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
-def test_the_demo_trains_on_one_gpu(precision):
-    losses = demo_losses(*precision, iterations=30)
+@pytest.mark.parametrize("run", ["fp32", "bf16"])
+def test_the_demo_trains_on_one_gpu(run):
+    losses = demo_losses(run, iterations=30)
     assert losses[-1] < losses[0] - 1.0, losses
 
 
 def _matches_megatron_core_muon_on_ddp(processes):
-    highest = ["--muon-fp32-matmul-prec", "highest"]
-    ours = demo_losses(*highest, iterations=COMPARED_ITERATIONS, processes=processes)
-    ddp = demo_losses(*highest, "--no-use-megatron-fsdp", "--ckpt-format", "torch_dist",
-                      iterations=COMPARED_ITERATIONS, processes=processes)
+    ours = demo_losses("zero3", COMPARED_ITERATIONS, processes)
+    ddp = demo_losses("megatron_core_muon_on_ddp", COMPARED_ITERATIONS, processes)
     for iteration, (a, b) in enumerate(zip(ours, ddp), 1):
         assert abs(a - b) <= RELATIVE * abs(b), (iteration, ours, ddp)
 
