@@ -6,11 +6,14 @@ Trains on a synthetic Markov-chain corpus (examples/synthetic_data.py), with the
 any Megatron flag given on the command line overrides them (e.g. `--optimizer adam`). Runs on GPUs
 (NCCL) as is, and on CPU (gloo) when CUDA is absent; on a CPU without native bf16 matmuls
 Newton-Schulz runs in fp32 unless --muon-fp32-matmul-prec says otherwise (it says so at start).
+After Megatron's log line, each iteration's loss and grad norm are printed to every digit.
 """
 
 import functools
+import inspect
 import sys
 
+import megatron.training.training
 import torch
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
@@ -19,6 +22,7 @@ from megatron.training import get_args, pretrain
 from megatron.training.argument_utils import (core_transformer_config_from_args,
                                               pretrain_cfg_container_from_args)
 from megatron.training.arguments import parse_and_validate_args
+from megatron.training.utils import print_rank_last
 
 import megatron_muon.training
 from megatron_muon import cpu
@@ -146,11 +150,36 @@ def say_newton_schulz_runs_in_fp32(args, argv):
               f'medium asks for it anyway.', flush=True)
 
 
+def log_exact_values(training_log):
+    """megatron.training's training_log, then the iteration's values as computed, on a line of
+    their own: Megatron prints the loss with 7 digits and the grad norm with 3, and two values
+    2e-7 apart can print as 0.695 and 0.696. Printed to every digit (Python's repr), runs can be
+    compared by value. The loss is the iteration's own (Megatron's line shows the mean since the
+    last log line; and its second line of a run, the mean of the first two iterations)."""
+    parameters = inspect.signature(training_log)
+
+    @functools.wraps(training_log)
+    def logged(*args, **kwargs):
+        result = training_log(*args, **kwargs)
+        given = parameters.bind(*args, **kwargs).arguments
+        values = {**given['loss_dict'], 'grad norm': given['grad_norm']}
+        if get_args().log_max_attention_logit:
+            values['max attention logit'] = given['max_attention_logit']
+        values = {key: None if value is None else float(value) for key, value in values.items()}
+        print_rank_last(f' iteration {given["iteration"]:8d} | exact values | '
+                        + ' | '.join(f'{key}: {value!r}' for key, value in values.items()) + ' |')
+        return result
+
+    return logged
+
+
 def main():
     megatron_muon.training.install()  # Before Megatron parses its arguments.
     args = parse_and_validate_args(extra_args_provider=add_demo_args)
     say_newton_schulz_runs_in_fp32(args, sys.argv[1:])
     refuse_what_megatron_core_cannot_do(args)
+    megatron.training.training.training_log = log_exact_values(
+        megatron.training.training.training_log)
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 

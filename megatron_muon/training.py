@@ -29,6 +29,7 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   asks for bf16 Newton-Schulz on a CPU that emulates bf16 matmuls (docs/newton-schulz-precision.md).
 """
 
+import functools
 import importlib.machinery
 import inspect
 import re
@@ -148,6 +149,7 @@ def _clip_qk(model, log_max_only=False):
     return qk_clip.take_max_attention_logit(model)
 
 
+@functools.wraps(_megatron_training_log)  # its signature, for wrappers that bind arguments
 def _training_log(*args, **kwargs):
     """Megatron's log line, then the iteration's max attention logit (measured in its forward,
     before any clip) on a line of its own: Megatron sends it only to TensorBoard and W&B."""

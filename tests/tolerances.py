@@ -19,6 +19,7 @@ On top, ATOL and RTOL: the round-off of well-conditioned values, as the tests al
 """
 
 import math
+import sys
 
 import torch
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
@@ -80,3 +81,20 @@ def assert_within(got: torch.Tensor, expected: torch.Tensor, allowed, what: str)
     assert beyond == 0, (f"{what}: {beyond} of {got.numel()} elements beyond the bound; greatest "
                          f"|difference| {difference.max().item():.3g}, greatest allowed "
                          f"{(torch.as_tensor(allowed) + ATOL).max().item():.3g}")
+
+
+def printed_unit(printed: str) -> float:
+    """One unit in the last digit of a number as printed: '6.931472E+00' -> 1e-06, '0.695' -> 1e-3."""
+    mantissa, _, exponent = printed.lower().partition('e')
+    return 10.0 ** (int(exponent or 0) - len(mantissa.partition('.')[2]))
+
+
+def printed_within(got: str, expected: str, rel: float = 0.0, abs: float = 0.0) -> bool:
+    """Whether two printed numbers can be the prints of values within abs + rel·|value| of each
+    other. A print lies within half a unit in its last digit of its value, so two values 2e-7
+    apart can print as 0.695 and 0.696: the prints may differ by one unit more than the values
+    (half of each print's), plus the few ulps of reading them back into floats."""
+    a, b = float(got), float(expected)
+    units = (printed_unit(got) + printed_unit(expected)) / 2
+    allowed = abs + rel * (math.fabs(b) + printed_unit(expected) / 2) + units
+    return math.fabs(a - b) <= allowed + 4 * sys.float_info.epsilon * max(math.fabs(a), math.fabs(b))

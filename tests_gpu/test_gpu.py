@@ -12,7 +12,6 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
 The demo's command lines are data (DEMO_RUNS): tests/test_command_lines.py parses each of them
 with megatron.training's parser on CPU, so that a flag or value it refuses fails there first."""
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +22,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+import demo_log  # noqa: E402
 import fake_paths  # noqa: E402
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz  # noqa: E402
 from emerging_optimizers.utils import fp32_matmul_precision  # noqa: E402
 from fake_ranks import run_fake_ranks  # noqa: E402
+from tolerances import RTOL  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (this machine has none)")
-ITERATION_LOSS = re.compile(r' iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([-+.\dEe]+) \|')
 COMPARED_ITERATIONS = 5
-RELATIVE = 1e-5  # two implementations of the same fp32 math: summation order only
 FP32_NEWTON_SCHULZ = ("--muon-fp32-matmul-prec", "highest")
 # The demo's flags in each run below (the training length and world size aside).
 DEMO_RUNS = {
@@ -68,16 +67,14 @@ def test_batched_bf16_newton_schulz_is_within_bf16s_own_error(shape):
 
 
 def demo_losses(name: str, iterations: int, processes: int = 1) -> list[float]:
-    """The losses Megatron logged in the demo's DEMO_RUNS[name]."""
+    """The losses the demo computed in DEMO_RUNS[name] (its exact values, not Megatron's print)."""
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(processes), "examples/pretrain_gpt.py", "--train-iters", str(iterations),
          "--eval-iters", "0", *DEMO_RUNS[name]],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
-    losses = {int(i): float(loss) for i, loss in ITERATION_LOSS.findall(run.stdout)}
-    assert sorted(losses) == list(range(1, iterations + 1)), run.stdout[-3000:]
-    return [losses[i] for i in sorted(losses)]
+    return demo_log.losses(run.stdout, 1, iterations)
 
 
 @pytest.mark.parametrize("run", ["fp32", "bf16"])
@@ -87,10 +84,10 @@ def test_the_demo_trains_on_one_gpu(run):
 
 
 def _matches_megatron_core_muon_on_ddp(processes):
+    """Two implementations of the same fp32 math: they differ in summation order only."""
     ours = demo_losses("zero3", COMPARED_ITERATIONS, processes)
     ddp = demo_losses("megatron_core_muon_on_ddp", COMPARED_ITERATIONS, processes)
-    for iteration, (a, b) in enumerate(zip(ours, ddp), 1):
-        assert abs(a - b) <= RELATIVE * abs(b), (iteration, ours, ddp)
+    assert ours == pytest.approx(ddp, rel=RTOL, abs=0), (ours, ddp)
 
 
 def test_zero3_matches_megatron_core_muon_on_ddp_on_one_gpu():
