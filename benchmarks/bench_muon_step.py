@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_muon.cpu import fast_newton_schulz_precision
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# Megatron's bf16 (medium), but fp32 where bf16 matmuls are emulated: ~130x slower there.
+# Megatron's bf16 (medium), but fp32 where bf16 matmuls are emulated: ~100x slower there.
 NEWTON_SCHULZ_PRECISION = fast_newton_schulz_precision()
 MODES = ("owner", "allgather", "adam")
 MEGATRON_CORE_MODES = ("ddp", "layerwise")  # on dense models without HSDP only

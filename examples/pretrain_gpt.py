@@ -58,7 +58,7 @@ def add_demo_args(parser):
     parser.add_argument('--no-use-megatron-fsdp', dest='use_megatron_fsdp', action='store_false',
                         help='Train with Megatron DDP instead, e.g. to compare with the unsharded '
                         'model (also pass --ckpt-format torch_dist).')
-    # Megatron's medium (bf16), or fp32 where bf16 matmuls are emulated: 8x faster per iteration
+    # Megatron's medium (bf16), or fp32 where bf16 matmuls are emulated: 7x faster per iteration
     # there (docs/newton-schulz-precision.md).
     parser.set_defaults(**DEMO_DEFAULTS, muon_fp32_matmul_prec=cpu.fast_newton_schulz_precision())
     # Local-spec experts with linear biases fail in backward without expert parallelism (mlp.py:354
@@ -146,7 +146,7 @@ def say_newton_schulz_runs_in_fp32(args, argv):
             and cpu.bf16_matmul_is_emulated()):
         print(f'pretrain_gpt.py: Newton-Schulz in fp32 ({PRECISION_FLAG} '
               f'{args.muon_fp32_matmul_prec}): this CPU has no native bf16 matmul, so Megatron\'s '
-              f'default (medium: bf16) would be emulated, about 130x slower; {PRECISION_FLAG} '
+              f'default (medium: bf16) would be emulated, about 100x slower; {PRECISION_FLAG} '
               f'medium asks for it anyway.', flush=True)
 
 

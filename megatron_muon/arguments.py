@@ -15,7 +15,7 @@ from .zero_muon import DIST_MODES, TP_MODES
 FP32_MATMUL_PRECISIONS = {
     'highest': 'fp32 matmuls (what the bit-exactness contract is stated at)',
     'high': 'TF32 on CUDA; fp32 on CPUs without AMX-FP16',
-    'medium': 'bf16 matmuls (Megatron\'s default; emulated, about 130x slower, on a CPU '
+    'medium': 'bf16 matmuls (Megatron\'s default; emulated, about 100x slower, on a CPU '
               'without native bf16)',
     'low': 'not a torch precision: torch ignores it with a warning, so the process\'s global '
            'precision applies',

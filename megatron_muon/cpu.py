@@ -267,9 +267,9 @@ def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
 def bf16_matmul_is_emulated() -> bool:
     """Whether bf16 matrix products run emulated here: no CUDA, and a CPU for which torch has no
     oneDNN bf16 kernels (those need AVX-512 on x86 or BF16 on Arm). Emulated, a 1024x1024 bf16
-    matmul took 3.26 s against 25 ms in fp32 on an AMD EPYC (Zen 3, AVX2), so Newton-Schulz at
-    Megatron's default --muon-fp32-matmul-prec medium, which emerging_optimizers runs in bf16,
-    is about 130x slower than in fp32 there."""
+    matmul took 3.5 s against 35 ms in fp32 on an AMD EPYC (Zen 3, AVX2; one thread), so
+    Newton-Schulz at Megatron's default --muon-fp32-matmul-prec medium, which emerging_optimizers
+    runs in bf16, is about 100x slower than in fp32 there."""
     if torch.cuda.is_available():
         return False
     try:
