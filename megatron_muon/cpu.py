@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import time
 
 import torch
@@ -117,11 +118,15 @@ def apply_cpu_compat() -> bool:
     torch.cuda.current_device = lambda: 0
     # megatron_fsdp.uneven_dtensor.validate_uneven_dtensor moves a small check tensor to CUDA.
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    # Both copies of Megatron-FSDP: the package and the one inside megatron-core.
+    # Megatron-FSDP inside megatron-core, which megatron-core uses, and the standalone package
+    # (the same code) where it is installed, for models wrapped with it directly.
     import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as core_buffers
-    import megatron_fsdp.param_and_grad_buffer as buffers
 
-    for module in (buffers, core_buffers):
+    copies = [core_buffers]
+    if importlib.util.find_spec('megatron_fsdp') is not None:
+        import megatron_fsdp.param_and_grad_buffer as buffers
+        copies.append(buffers)
+    for module in copies:
         module._coalescing_manager = _one_by_one
         module.gradient_reduce_preprocessing = functools.partial(
             _reduce_without_premul_sum, module.gradient_reduce_preprocessing)

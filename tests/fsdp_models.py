@@ -4,15 +4,17 @@ import copy
 import functools
 from types import SimpleNamespace
 
-import megatron_fsdp
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+# Megatron-FSDP as megatron-core ships and uses it (the standalone package is the same code).
+from megatron.core.distributed.fsdp.src import megatron_fsdp
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
+    gather_and_compute_chunk_metadata
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from megatron.core.utils import unwrap_model
 from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
 from megatron_muon.chained import find_megatron_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
