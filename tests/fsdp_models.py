@@ -65,7 +65,7 @@ def fully_shard(module, strategy: str, world_size: int, unit_modules, outer: str
     2 replicas (outer strategy `outer`) of world_size / 2 shards."""
     hsdp = {}
     if outer is None:
-        mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_cp", "tp"))
+        mesh = _fsdp_mesh(world_size)
     else:
         mesh, hybrid_group = _hsdp_mesh(world_size)
         hsdp = dict(dp_outer_dim="dp_outer", outer_dp_sharding_strategy=outer,
@@ -75,10 +75,18 @@ def fully_shard(module, strategy: str, world_size: int, unit_modules, outer: str
         device=torch.device("cpu"), fsdp_unit_modules=unit_modules, **hsdp)
 
 
+# One mesh per process and layout, as in training. With a second, equal mesh the ranks hung:
+# torch 2.8 gives each new 2-D mesh new process groups, also for a dim over all ranks (2.14 reuses
+# the default group there, but not for HSDP's dims), and DTensor's sharding-propagation cache,
+# which compares meshes by ranks and dim names only, hands DTensors made by ops (zeros_like of a
+# rank's missing grad) an earlier, equal mesh: ranks then called a collective on different groups.
+@functools.cache
+def _fsdp_mesh(world_size: int):
+    return init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp_cp", "tp"))
+
+
 @functools.cache
 def _hsdp_mesh(world_size: int):
-    """One HSDP mesh per process, as in training: with a second one built in the same process,
-    a gloo all_gather_object over its groups hung (not root-caused)."""
     mesh = init_device_mesh("cpu", (2, world_size // 2, 1), mesh_dim_names=("dp_outer", "dp_cp", "tp"))
     return mesh, mesh["dp_outer", "dp_cp"]._flatten("hsdp").get_group()
 
