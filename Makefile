@@ -6,10 +6,17 @@
 # Muon on DDP and Adam (benchmarks/results/demo.json); `make scale`
 # estimates it for 8B/70B/DeepSeek-V3 shapes at W=8..1024 from the real planning code and rates
 # measured here (SCALE_ARGS="--rates benchmarks/rates/h100.json" for the H100's).
-# Both create or refresh .venv (Python >= 3.12) whenever setup.py changes.
+# Both create or refresh .venv (Python >= 3.12) whenever setup.py or constraints/newest.txt
+# changes, at the newest release of each dependency range that CI tests (constraints/newest.txt).
+# `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint and fake-process-group
+# tests and one demo run at the lowest ones (constraints/lowest.txt), in .venv-lowest.
 SHELL := /bin/bash
 VENV := .venv
+LOWEST_VENV := .venv-lowest
 PY := $(VENV)/bin/python
+LOWEST_TESTS := tests/test_plan.py tests/test_exchange.py tests/test_numerics.py \
+	tests/test_factory.py tests/test_checkpoint.py tests/test_fake_pg.py tests/test_versions.py \
+	tests/test_e2e_demo.py::test_muon_on_megatron_fsdp_loss_falls
 NPROC ?= 2
 DEMO_ARGS ?=
 SCALE_ARGS ?=
@@ -18,17 +25,25 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv demo test test-gpu bench bench-demo scale clean
+.PHONY: venv demo test test-lowest test-gpu bench bench-demo scale clean
 
-$(VENV)/.installed: setup.py
+# $(1): the venv's folder; $(2): the constraints file that pins its dependencies.
+define make_venv
 	@if [ -z "$(PYTHON)" ]; then \
 		echo "error: megatron-muon needs Python >= 3.12 (megatron-core and emerging-optimizers require it)."; \
 		echo "Install one (e.g. 'pyenv install 3.12' or your distribution's python3.12) and run make again."; \
 		exit 1; fi
-	@[ -x $(PY) ] && $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	touch $@
+	@[ -x $(1)/bin/python ] && $(1)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { rm -rf $(1); $(PYTHON) -m venv $(1); }
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q -c $(2) -e '.[test]'
+	touch $(1)/.installed
+endef
+
+$(VENV)/.installed: setup.py constraints/newest.txt
+	$(call make_venv,$(VENV),constraints/newest.txt)
+
+$(LOWEST_VENV)/.installed: setup.py constraints/lowest.txt
+	$(call make_venv,$(LOWEST_VENV),constraints/lowest.txt)
 
 venv: $(VENV)/.installed
 
@@ -38,6 +53,9 @@ demo: venv
 test: venv
 	$(PY) -m pytest -q -rs tests_gpu
 	$(PY) -m pytest -q tests
+
+test-lowest: $(LOWEST_VENV)/.installed
+	$(LOWEST_VENV)/bin/python -m pytest -q $(LOWEST_TESTS)
 
 test-gpu: venv
 	$(PY) -m pytest -q -rs tests_gpu
@@ -52,4 +70,4 @@ scale: venv
 	$(PY) benchmarks/scale_model.py $(SCALE_ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) *.egg-info

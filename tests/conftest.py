@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 import warnings
+from importlib.metadata import version
 
 import pytest
 import torch.multiprocessing as mp
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # build its models on CUDA and start several ranks on one GPU): CUDA stays hidden from it and
 # from every process it starts. It says so first, also under -q.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+UPSTREAM_PACKAGES = ("torch", "megatron-core", "emerging-optimizers")
 
 
 def pytest_sessionstart(session):
@@ -32,6 +34,8 @@ def pytest_sessionstart(session):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("gloo on CPU: CUDA_VISIBLE_DEVICES='' hides any GPU from these tests")
+        reporter.write_line("versions: " + ", ".join(
+            f"{package} {version(package)}" for package in UPSTREAM_PACKAGES))
         emulated = "emulates bf16 matmuls" if bf16_matmul_is_emulated() else "has native bf16 matmuls"
         reporter.write_line(
             f"Newton-Schulz: this CPU {emulated}, so `make demo` and the benchmarks run "
