@@ -6,16 +6,18 @@
 # Muon on DDP and Adam (benchmarks/results/demo.json); `make scale`
 # estimates it for 8B/70B/DeepSeek-V3 shapes at W=8..1024 from the real planning code and rates
 # measured here (SCALE_ARGS="--rates benchmarks/rates/h100.json" for the H100's).
-# Both create or refresh .venv (Python >= 3.12) whenever setup.py or constraints/newest.txt
-# changes, at the newest release of each dependency range that CI tests (constraints/newest.txt).
-# `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint and fake-process-group
-# tests and one demo run at the lowest ones (constraints/lowest.txt), in .venv-lowest.
+# Both create or refresh .venv (Python >= 3.12) whenever setup.py, the ranges
+# (megatron_muon/supported_versions.py) or constraints/newest.txt change, at the newest release
+# of each dependency range that CI tests (constraints/newest.txt).
+# `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint, fake-process-group and
+# upstream-name tests and one demo run at the lowest ones (constraints/lowest.txt), in .venv-lowest.
 SHELL := /bin/bash
 VENV := .venv
 LOWEST_VENV := .venv-lowest
 PY := $(VENV)/bin/python
 LOWEST_TESTS := tests/test_plan.py tests/test_exchange.py tests/test_numerics.py \
 	tests/test_factory.py tests/test_checkpoint.py tests/test_fake_pg.py tests/test_versions.py \
+	tests/test_upstream.py \
 	tests/test_e2e_demo.py::test_muon_on_megatron_fsdp_loss_falls
 NPROC ?= 2
 DEMO_ARGS ?=
@@ -39,10 +41,10 @@ define make_venv
 	touch $(1)/.installed
 endef
 
-$(VENV)/.installed: setup.py constraints/newest.txt
+$(VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt
 	$(call make_venv,$(VENV),constraints/newest.txt)
 
-$(LOWEST_VENV)/.installed: setup.py constraints/lowest.txt
+$(LOWEST_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/lowest.txt
 	$(call make_venv,$(LOWEST_VENV),constraints/lowest.txt)
 
 venv: $(VENV)/.installed

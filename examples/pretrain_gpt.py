@@ -25,7 +25,7 @@ from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import print_rank_last
 
 import megatron_muon.training
-from megatron_muon import cpu
+from megatron_muon import cpu, upstream
 from megatron_muon.arguments import add_muon_args
 from synthetic_data import markov_chain_datasets
 
@@ -178,8 +178,8 @@ def main():
     args = parse_and_validate_args(extra_args_provider=add_demo_args)
     say_newton_schulz_runs_in_fp32(args, sys.argv[1:])
     refuse_what_megatron_core_cannot_do(args)
-    megatron.training.training.training_log = log_exact_values(
-        megatron.training.training.training_log)
+    upstream.patch('megatron.training.training.training_log',
+                   log_exact_values(megatron.training.training.training_log))
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 

@@ -7,6 +7,7 @@ what Megatron lacks.
 
 import argparse
 
+from . import upstream
 from .zero_muon import DIST_MODES, TP_MODES
 
 
@@ -27,7 +28,7 @@ def offer_fp32_newton_schulz(parser: argparse.ArgumentParser) -> None:
     whose low/medium/high include no fp32 on CUDA. install() has every parser megatron.training
     builds do it: pretrain() parses the command line again with Megatron's own (fault tolerance's
     setup), which would refuse the value."""
-    for action in parser._actions:
+    for action in upstream.parser_actions(parser):
         if '--muon-fp32-matmul-prec' in action.option_strings:
             action.choices = list(FP32_MATMUL_PRECISIONS)
             action.help = 'Precision of Newton-Schulz\'s matmuls: ' + '; '.join(

@@ -5,6 +5,7 @@ synchronous, so that bookkeeping can be a no-op (apply_cpu_compat). megatron.tra
 further asks for CUDA tensors, RNG states and devices (apply_megatron_training_compat). Nothing
 here runs when CUDA is available; nor does the probe for emulated bf16 matmuls
 (bf16_matmul_is_emulated), which chooses the Newton-Schulz precision of the demo and benchmarks.
+Every patch goes through megatron_muon.upstream, which lists it and can undo it.
 """
 
 import atexit
@@ -16,6 +17,8 @@ import importlib.util
 import time
 
 import torch
+
+from . import upstream
 
 
 class _Event:
@@ -81,11 +84,8 @@ def _one_by_one(group=None, device=None, async_ops=False):
     def all_gather_now(*args, **kwargs):
         return all_gather(*args, **{**kwargs, "async_op": False})
 
-    torch.distributed.all_gather_into_tensor = all_gather_now
-    try:
+    with upstream.temporarily('torch.distributed.all_gather_into_tensor', all_gather_now):
         yield _Done()
-    finally:
-        torch.distributed.all_gather_into_tensor = all_gather
 
 
 def _reduce_without_premul_sum(gradient_reduce_preprocessing, grad_data, scaling_factor,
@@ -96,41 +96,35 @@ def _reduce_without_premul_sum(gradient_reduce_preprocessing, grad_data, scaling
     return gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config)
 
 
-_applied = False
-
-
 def apply_cpu_compat() -> bool:
-    """Patch torch.cuda's stream/event API into no-ops when CUDA is absent; idempotent.
+    """Patch torch.cuda's stream/event API into no-ops when CUDA is absent; idempotent. Each
+    patch is listed, and undone, in megatron_muon.upstream.
 
     Returns True when the patches are (or already were) in place, False on a CUDA machine.
     """
-    global _applied
     if torch.cuda.is_available():
         return False
-    if _applied:
+    if upstream.is_patched('torch.cuda.Stream'):
         return True
-    torch.cuda.Stream = _Stream
-    torch.cuda.Event = _Event
-    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
-    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.empty_cache = lambda: None
-    torch.cuda.current_device = lambda: 0
-    # megatron_fsdp.uneven_dtensor.validate_uneven_dtensor moves a small check tensor to CUDA.
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    upstream.patch('torch.cuda.Stream', _Stream)
+    upstream.patch('torch.cuda.Event', _Event)
+    upstream.patch('torch.cuda.current_stream', lambda *args, **kwargs: _Stream())
+    upstream.patch('torch.cuda.stream', lambda *args, **kwargs: contextlib.nullcontext())
+    upstream.patch('torch.cuda.synchronize', lambda *args, **kwargs: None)
+    upstream.patch('torch.cuda.empty_cache', lambda: None)
+    upstream.patch('torch.cuda.current_device', lambda: 0)
+    upstream.patch('torch.Tensor.cuda', lambda self, *args, **kwargs: self)
     # Megatron-FSDP inside megatron-core, which megatron-core uses, and the standalone package
     # (the same code) where it is installed, for models wrapped with it directly.
-    import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as core_buffers
-
-    copies = [core_buffers]
+    copies = ['megatron.core.distributed.fsdp.src.megatron_fsdp']
     if importlib.util.find_spec('megatron_fsdp') is not None:
-        import megatron_fsdp.param_and_grad_buffer as buffers
-        copies.append(buffers)
-    for module in copies:
-        module._coalescing_manager = _one_by_one
-        module.gradient_reduce_preprocessing = functools.partial(
-            _reduce_without_premul_sum, module.gradient_reduce_preprocessing)
-    _applied = True
+        copies.append('megatron_fsdp')
+    for copy in copies:
+        buffers = importlib.import_module(f'{copy}.param_and_grad_buffer')
+        upstream.patch(f'{copy}.param_and_grad_buffer._coalescing_manager', _one_by_one)
+        upstream.patch(f'{copy}.param_and_grad_buffer.gradient_reduce_preprocessing',
+                       functools.partial(_reduce_without_premul_sum,
+                                         buffers.gradient_reduce_preprocessing))
     return True
 
 
@@ -165,40 +159,34 @@ class _CudaTensorsOnCpu(torch.overrides.TorchFunctionMode):
         return result
 
 
-_training_compat_applied = False
-
-
 def apply_megatron_training_compat() -> bool:
     """Also make megatron.training's pretrain() run on CPU/gloo; implies apply_cpu_compat().
 
     Call before pretrain(). Returns True when the patches are (or already were) in place, False
     on a CUDA machine, where nothing is touched.
     """
-    global _training_compat_applied
     if not apply_cpu_compat():
         return False
-    if _training_compat_applied:
+    if upstream.is_patched('megatron.training.training.initialize_megatron'):
         return True
-    import megatron.training.arguments
-    import megatron.training.initialize
     import megatron.training.training
 
     # rerun_state_machine.py:979 saves the CUDA RNG state every step (and :992 restores it on a
     # rerun, next to the CPU state it also restores); CPU has no other generator.
-    torch.cuda.get_rng_state = lambda device='cuda': torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda new_state, device='cuda': None
+    upstream.patch('torch.cuda.get_rng_state', lambda device='cuda': torch.get_rng_state())
+    upstream.patch('torch.cuda.set_rng_state', lambda new_state, device='cuda': None)
     mode = _CudaTensorsOnCpu()
-    mode.__enter__()
+    upstream.enter_torch_function_mode(mode)
     # Tensor.backward runs inside the mode's own handler, where the mode is off: re-enter it for
     # autograd's engine, so backward functions create their tensors on CPU too (megatron-core's
     # MoE token dispatcher all-gathers into device=current_device() in backward, mappings.py:145).
-    engine_run_backward = torch.autograd._engine_run_backward
+    engine_run_backward = upstream.current('torch.autograd._engine_run_backward')
 
     def engine_run_backward_in_mode(*args, **kwargs):
         with mode:
             return engine_run_backward(*args, **kwargs)
 
-    torch.autograd._engine_run_backward = engine_run_backward_in_mode
+    upstream.patch('torch.autograd._engine_run_backward', engine_run_backward_in_mode)
     # On CPU dropout draws from the default generator, which building the data iterators draws
     # from too (each DataLoader iterator takes a seed from it): keep that generator as it was, so
     # that a run resumed from a checkpoint, which restored it before the iterators were built,
@@ -212,17 +200,18 @@ def apply_megatron_training_compat() -> bool:
         finally:
             torch.set_rng_state(state)
 
-    megatron.training.training.build_train_valid_test_data_iterators = (
-        build_data_iterators_keeping_the_generator)
+    upstream.patch('megatron.training.training.build_train_valid_test_data_iterators',
+                   build_data_iterators_keeping_the_generator)
     # arguments.py:1444 reads the device's compute capability when Megatron-FSDP is on.
-    megatron.training.arguments.get_device_arch_version = lambda: 0
+    upstream.patch('megatron.training.arguments.get_device_arch_version', lambda: 0)
     # pretrain() calls initialize_megatron without allow_no_cuda (initialize.py:66 asserts CUDA).
     initialize_megatron = megatron.training.training.initialize_megatron
-    megatron.training.training.initialize_megatron = (
+    upstream.patch(
+        'megatron.training.training.initialize_megatron',
         lambda *args, **kwargs: initialize_megatron(*args, **{**kwargs, 'allow_no_cuda': True}))
-    megatron.training.initialize._initialize_distributed = functools.partial(
-        _initialize_distributed_on_cpu, megatron.training.initialize._initialize_distributed)
-    _training_compat_applied = True
+    target = 'megatron.training.initialize._initialize_distributed'
+    upstream.patch(target, functools.partial(_initialize_distributed_on_cpu,
+                                             upstream.current(target)))
     return True
 
 
@@ -253,12 +242,8 @@ def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
             rank=megatron_args.rank,
             timeout=datetime.timedelta(minutes=megatron_args.distributed_timeout_minutes))
         atexit.register(_destroy_process_groups)
-    device_count = torch.cuda.device_count
-    torch.cuda.device_count = lambda: 1
-    try:
+    with upstream.temporarily('torch.cuda.device_count', lambda: 1):
         initialize_distributed(*args, **kwargs)
-    finally:
-        torch.cuda.device_count = device_count
     # _set_random_seed (initialize.py:447) builds the CUDA RNG tracker only when it sees a GPU, and
     # get_cuda_rng_tracker() would otherwise build one that forks CUDA generators. The inference
     # tracker's fork() is a no-op: on CPU, dropout draws from the default generator.
@@ -277,14 +262,7 @@ def bf16_matmul_is_emulated() -> bool:
     runs in bf16, is about 100x slower than in fp32 there."""
     if torch.cuda.is_available():
         return False
-    try:
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported
-    except (AttributeError, RuntimeError) as missing:
-        raise RuntimeError(
-            f'megatron_muon.cpu: torch {torch.__version__} has no '
-            f'torch.ops.mkldnn._is_mkldnn_bf16_supported, the probe for native bf16 matmuls on '
-            f'CPU; pass --muon-fp32-matmul-prec explicitly and report this') from missing
-    return not native()
+    return not upstream.is_mkldnn_bf16_supported()
 
 
 def fast_newton_schulz_precision() -> str:

@@ -5,19 +5,12 @@ import copy
 
 import torch
 from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer
-from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups, _get_param_groups
 from megatron.core.optimizer import get_megatron_optimizer as _core_get_megatron_optimizer
 from megatron.core.optimizer import get_standard_config_overrides
-from megatron.core.optimizer.emerging_optimizers import (
-    _EMERGING_OPTIMIZERS,
-    _eopt_init_state_fn,
-    _get_qkv_split_shapes,
-    _is_nonlinear_or_embedding,
-    _muon_config_to_kwargs,
-)
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from . import upstream
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
 from .qk_clip import build_max_attention_logits
 from .zero_muon import ZeROTensorParallelMuon
@@ -95,9 +88,9 @@ def _tag_params(model_chunks):
         for module in chunk.modules():
             if getattr(module, "single_grouped_weight", False):
                 module.weight.num_stacked_experts = module.num_gemms
-        qkv_split_shapes = _get_qkv_split_shapes(chunk.config)
+        qkv_split_shapes = upstream.get_qkv_split_shapes(chunk.config)
         for name, param in chunk.named_parameters():
-            param.allreduce = not is_expert_param(name, param)  # read by _get_param_groups
+            param.allreduce = not is_expert_param(name, param)  # read by upstream.get_param_groups
             if not param.allreduce:
                 param.expert_tp = True
             if ("linear_qkv.weight" in name and param.dim() == 2
@@ -109,7 +102,8 @@ def _tag_params(model_chunks):
 def _is_scalar_param(param) -> bool:
     """megatron-core's rule for what Muon leaves to the scalar optimizer (not 2-D, or embedding
     or output), except that a stack of expert matrices is Muon's."""
-    return _is_nonlinear_or_embedding(param) and not getattr(param, "num_stacked_experts", None)
+    return (upstream.is_nonlinear_or_embedding(param)
+            and not getattr(param, "num_stacked_experts", None))
 
 
 def _muon_overrides(config, config_overrides):
@@ -117,7 +111,7 @@ def _muon_overrides(config, config_overrides):
     optimizer (`muon_scalar_optimizer`)."""
     overrides = dict(get_standard_config_overrides(config) if config_overrides is None
                      else config_overrides)
-    for key in _EMERGING_OPTIMIZERS["muon"].default_param_overrides:
+    for key in upstream.EMERGING_OPTIMIZERS["muon"].default_param_overrides:
         overrides.pop(key, None)
     scalar = ParamKey(predicate=ParamPredicate(name="muon_scalar_param", fn=_is_scalar_param))
     overrides[scalar] = {"optimizer": config.muon_scalar_optimizer}
@@ -127,7 +121,8 @@ def _muon_overrides(config, config_overrides):
 def _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
                  muon_dist_mode):
     _tag_params(model_chunks)
-    groups = _get_param_groups(model_chunks, config, _muon_overrides(config, config_overrides))
+    groups = upstream.get_param_groups(model_chunks, config,
+                                       _muon_overrides(config, config_overrides))
     ddp_config = model_chunks[0].ddp_config
     # Replicated grads (no_shard) are norm-reduced over model parallelism only, sharded ones over
     # one optimizer instance, as megatron-core's Megatron-FSDP path does; HFSDP shards across the
@@ -161,12 +156,12 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
                                      "data-parallel group, but pg_collection.expt_dp is None")
                 muon = ZeROTensorParallelMuon(
                     selected, dp_group=dp_group, dist_mode=muon_dist_mode, param_names=names,
-                    **_muon_config_to_kwargs(config, model_chunks, pg_collection))
-                part = FP32Optimizer(muon, part_config, _eopt_init_state_fn)
+                    **upstream.muon_config_to_kwargs(config, model_chunks, pg_collection))
+                part = FP32Optimizer(muon, part_config, upstream.eopt_init_state_fn)
             else:
                 scalar_config = copy.copy(part_config)
                 scalar_config.optimizer = optimizer_name
-                part = _get_megatron_optimizer_based_on_param_groups(
+                part = upstream.get_megatron_optimizer_based_on_param_groups(
                     config=scalar_config, model_chunks=model_chunks, param_groups=selected,
                     pg_collection=pg_collection)
             part.config = config  # ChainedOptimizer expects one config across its parts

@@ -8,6 +8,7 @@ optimizer's rows.
 
 import torch
 
+from . import upstream
 from .plan import QKVRows
 
 
@@ -15,7 +16,7 @@ def momentum_update_(optimizer, param: torch.Tensor, grad: torch.Tensor, momentu
                      group: dict) -> torch.Tensor:
     """Apply weight decay (emerging_optimizers' helper, any of its methods) and the momentum EMA
     in place; return the tensor to orthogonalize."""
-    optimizer._apply_weight_decay_inplace(param, grad, group["lr"], group["weight_decay"])
+    upstream.apply_weight_decay_inplace(optimizer, param, grad, group["lr"], group["weight_decay"])
     momentum_buffer.lerp_(grad, 1 - group["momentum"])
     if optimizer.nesterov:
         return grad.lerp(momentum_buffer, group["momentum"])

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer.emerging_optimizers import _get_qkv_split_shapes
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from . import upstream
 from .chained import named_main_weights
 from .muon_math import qk_clip_row_factors
 from .plan import QKVRows
@@ -166,7 +166,7 @@ def build_max_attention_logits(model_chunks, group, held_rows) -> MaxAttentionLo
 
 def _clipped_layer(name: str, attention: SelfAttention, main_weight, held_rows) -> _ClippedLayer:
     groups = attention.num_query_groups_per_partition
-    q_rows, kv_rows, _ = _get_qkv_split_shapes(attention.config)  # per group; no output gate
+    q_rows, kv_rows, _ = upstream.get_qkv_split_shapes(attention.config)  # per group; no output gate
     qkv = QKVRows(groups, q_rows, kv_rows)
     try:
         start, stop, rows = held_rows(main_weight)

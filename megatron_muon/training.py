@@ -46,14 +46,15 @@ from megatron.training.checkpointing import get_checkpoint_name, get_load_checkp
 from megatron.training.utils import print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_muon import checksums, cpu, factory, qk_clip
+from megatron_muon import checksums, cpu, factory, qk_clip, upstream
 from megatron_muon.arguments import (muon_on_megatron_fsdp, offer_fp32_newton_schulz,
                                      validate_muon_args)
 from megatron_muon.cpu import apply_megatron_training_compat
 
 _megatron_add_arguments = megatron.training.arguments.add_megatron_arguments
 _megatron_validate_args = megatron.training.arguments.validate_args
-_megatron_load_base_checkpoint = megatron.training.checkpointing._load_base_checkpoint
+_megatron_load_base_checkpoint = upstream.current(
+    'megatron.training.checkpointing._load_base_checkpoint')
 _megatron_save_checkpoint = megatron.training.training.save_checkpoint
 _megatron_load_checkpoint = megatron.training.training.load_checkpoint
 _megatron_clip_qk = megatron.training.training.clip_qk
@@ -95,7 +96,7 @@ def _validate_args(args, defaults={}):
     if not muon_on_megatron_fsdp(args):
         return _megatron_validate_args(args, defaults)
     validate_muon_args(args)
-    print_args = megatron.training.arguments._print_args
+    print_args = upstream.current('megatron.training.arguments._print_args')
 
     def print_args_as_given(title, args_to_print):
         # validate_args prints the arguments once every check has run: show the real optimizer.
@@ -109,13 +110,12 @@ def _validate_args(args, defaults={}):
     args.optimizer = 'adam'
     if args.transformer_impl == 'local':
         args.qk_clip = args.log_max_attention_logit = False
-    megatron.training.arguments._print_args = print_args_as_given
     try:
-        return _megatron_validate_args(args, defaults)
+        with upstream.temporarily('megatron.training.arguments._print_args', print_args_as_given):
+            return _megatron_validate_args(args, defaults)
     finally:
         args.optimizer = 'muon'
         vars(args).update(qk_flags)
-        megatron.training.arguments._print_args = print_args
 
 
 def _get_megatron_optimizer(*args, **kwargs):
@@ -224,17 +224,25 @@ def _skip_dataset_helper_build():
 
 def install() -> None:
     """Point megatron.training's argument validation and optimizer factory at Muon-on-FSDP, and
-    let it start on this machine (CPU layer without CUDA, the wheel's prebuilt dataset helper)."""
+    let it start on this machine (CPU layer without CUDA, the wheel's prebuilt dataset helper).
+    Each patch is listed in megatron_muon.upstream; `uninstall()` undoes them all."""
     apply_megatron_training_compat()
-    datasets = megatron.core.datasets.utils
-    if dataset_helper_is_prebuilt(Path(datasets.__file__).parent):
+    if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
         # initialize.py imports compile_helpers from the module when it runs: patch the module.
-        datasets.compile_helpers = _skip_dataset_helper_build
-    megatron.training.arguments.add_megatron_arguments = _add_megatron_arguments
-    megatron.training.arguments.validate_args = _validate_args
-    megatron.training.checkpointing._load_base_checkpoint = _load_base_checkpoint
-    megatron.training.training.save_checkpoint = _save_checkpoint
-    megatron.training.training.load_checkpoint = _load_checkpoint
-    megatron.training.training.clip_qk = _clip_qk
-    megatron.training.training.training_log = _training_log
-    megatron.training.training.get_megatron_optimizer = _get_megatron_optimizer
+        upstream.patch('megatron.core.datasets.utils.compile_helpers', _skip_dataset_helper_build)
+    for target, replacement in (
+            ('megatron.training.arguments.add_megatron_arguments', _add_megatron_arguments),
+            ('megatron.training.arguments.validate_args', _validate_args),
+            ('megatron.training.checkpointing._load_base_checkpoint', _load_base_checkpoint),
+            ('megatron.training.training.save_checkpoint', _save_checkpoint),
+            ('megatron.training.training.load_checkpoint', _load_checkpoint),
+            ('megatron.training.training.clip_qk', _clip_qk),
+            ('megatron.training.training.training_log', _training_log),
+            ('megatron.training.training.get_megatron_optimizer', _get_megatron_optimizer)):
+        upstream.patch(target, replacement)
+
+
+def uninstall() -> None:
+    """Put back what install() (and the CPU layer) replaced in megatron.training, megatron-core,
+    Megatron-FSDP and torch."""
+    upstream.undo_patches()

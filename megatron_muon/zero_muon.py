@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import MuonScaleT
-from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import upstream
 from .exchange import OwnerExchange, all_gather_ints, all_gather_rows
 from .muon_math import momentum_update_
 from .plan import Matrix, batch_matrices, choose_owners, exchange_batches, qkv_row_blocks, row_layouts
@@ -35,7 +35,7 @@ def _shard_index(p: DTensor) -> int:
     megatron_fsdp's chunk order (uneven_dtensor): the shard dim it visits first is the least
     significant. Replicas (no_shard, HSDP's outer dim) hold the same shard."""
     mesh, coordinate = p.device_mesh, p.device_mesh.get_coordinate()
-    shard_order = getattr(mesh, "_shard_order", None) or range(mesh.ndim - 1, -1, -1)
+    shard_order = upstream.mesh_shard_order(mesh) or range(mesh.ndim - 1, -1, -1)
     data_parallel_dims = _data_parallel_dims(p)
     shard, stride = 0, 1
     for dim in reversed(shard_order):
@@ -70,8 +70,8 @@ def _check_settings(dist_mode, byte_slack, max_batch_bytes, muon_kwargs) -> None
     rules = [  # (setting, Megatron flag, valid?, what it must be)
         ("dist_mode", "--muon-dist-mode", lambda v: v in DIST_MODES, f"one of {DIST_MODES}"),
         ("tp_mode", "--muon-tp-mode", lambda v: v in TP_MODES, f"one of {TP_MODES}"),
-        ("coefficient_type", "--muon-coefficient-type", lambda v: v in _COEFFICIENT_SETS,
-         f"one of {tuple(sorted(_COEFFICIENT_SETS))}"),
+        ("coefficient_type", "--muon-coefficient-type", lambda v: v in upstream.COEFFICIENT_SETS,
+         f"one of {tuple(sorted(upstream.COEFFICIENT_SETS))}"),
         ("scale_mode", "--muon-scale-mode", lambda v: v in scale_modes, f"one of {scale_modes}"),
         ("lr", "--lr", lambda v: v >= 0, "at least 0"),
         ("momentum", "--muon-momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -195,7 +195,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         if len(dims) == 1:
             return p.device_mesh.get_group(dims[0])
         names = p.device_mesh.mesh_dim_names
-        return p.device_mesh[tuple(names[dim] for dim in dims)]._flatten().get_group()
+        return upstream.flatten_mesh(p.device_mesh[tuple(names[dim] for dim in dims)]).get_group()
 
     def _validate(self, p) -> None:
         name = self._name(p)

@@ -15,6 +15,7 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from megatron.core.utils import unwrap_model
 from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from megatron_muon import upstream
 from megatron_muon.chained import find_megatron_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
@@ -88,7 +89,7 @@ def _fsdp_mesh(world_size: int):
 @functools.cache
 def _hsdp_mesh(world_size: int):
     mesh = init_device_mesh("cpu", (2, world_size // 2, 1), mesh_dim_names=("dp_outer", "dp_cp", "tp"))
-    return mesh, mesh["dp_outer", "dp_cp"]._flatten("hsdp").get_group()
+    return mesh, upstream.flatten_mesh(mesh["dp_outer", "dp_cp"], "hsdp").get_group()
 
 
 def full_tensor(t: torch.Tensor, param: DTensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_muon import FSDPMuonChainedOptimizer, ZeROTensorParallelMuon, get_megatron_optimizer
+from megatron_muon import FSDPMuonChainedOptimizer, ZeROTensorParallelMuon, get_megatron_optimizer, upstream
 from megatron_muon.testing import fsdp_gpt, gpt, init_parallel_state, lm_loss, optimizer_config
 
 
@@ -89,11 +89,9 @@ def test_expert_matrices_gather_over_expert_data_parallel_group(distributed):
 def _tag_as_megatron_core(ref, name, model_param, config):
     """The tags megatron-core's own Muon path gives a model param, by its name (as
     _get_megatron_emerging_optimizer does; independent of ours), and its TP partition dim."""
-    from megatron.core.optimizer.emerging_optimizers import _get_qkv_split_shapes
-
     if "experts" in name and "shared" not in name:
         ref.expert_tp = True
-    shapes = _get_qkv_split_shapes(config)
+    shapes = upstream.get_qkv_split_shapes(config)
     if "linear_qkv.weight" in name and ref.dim() == 2 and ref.shape[0] % sum(shapes) == 0:
         ref.is_qkv, ref.qkv_split_shapes = True, shapes
     if hasattr(model_param, "partition_dim"):
@@ -106,7 +104,7 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
     matrices with the same gradients: dense matrices sharded over dp_cp, experts over expt_dp
     (expert TP 1, as MoE runs usually have it, also beside TP 2), TP Newton-Schulz over the tp
     group, experts' over expt_tp; with `outer`, HSDP over 2 replicas."""
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon, _muon_config_to_kwargs
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     from fsdp_models import full_tensor
     from megatron_muon.chained import named_main_weights
@@ -137,7 +135,7 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
                 ref_params.append(ref)
             ref_groups.append({"params": ref_params, "lr": group["lr"],
                                "weight_decay": group["weight_decay"]})
-    reference = TensorParallelMuon(ref_groups, **_muon_config_to_kwargs(config, [model], pg_collection))
+    reference = TensorParallelMuon(ref_groups, **upstream.muon_config_to_kwargs(config, [model], pg_collection))
     for step in range(3):
         optimizer.zero_grad()
         with model.no_sync():  # as megatron's schedules mark the last micro-batch, whose

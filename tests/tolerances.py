@@ -23,8 +23,9 @@ import sys
 
 import torch
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
-from emerging_optimizers.orthogonalized_optimizers.muon_utils import (_COEFFICIENT_SETS,
-                                                                      get_coefficient_iterator)
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import get_coefficient_iterator
+
+from megatron_muon import upstream
 
 UNIT_ROUNDOFF = 2.0 ** -24  # fp32
 ATOL, RTOL = 1e-6, 1e-5
@@ -38,7 +39,7 @@ def reordering_error(terms: int) -> float:
 def newton_schulz_gain(coefficient_type: str = "quintic", steps: int = 5) -> float:
     """Newton-Schulz's largest amplification of a change of its normalized input: the slope at 0
     of its composite polynomial (each step's a·x + b·x³ + c·x⁵, b < 0, is steepest there)."""
-    coefficients = get_coefficient_iterator(steps, _COEFFICIENT_SETS[coefficient_type], mode="cycle")
+    coefficients = get_coefficient_iterator(steps, upstream.COEFFICIENT_SETS[coefficient_type], mode="cycle")
     return math.prod(a for a, _, _ in coefficients)
 
 

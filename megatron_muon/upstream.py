@@ -1,0 +1,274 @@
+"""Everything megatron-muon takes from upstream beyond its public API, and every patch it applies.
+
+Private names (torch's, megatron-core's, emerging_optimizers') may be renamed by any release. Each
+one is resolved here, once, when megatron_muon is imported: where the installed versions lack some,
+the import raises one ImportError naming each package, its installed version, the missing names and
+the versions this release supports, rather than an AttributeError deep inside a run. The rest of
+the package uses the names below.
+
+The patches that `megatron_muon.training.install()` and the CPU layer (megatron_muon.cpu) apply to
+torch, megatron.training and Megatron-FSDP are listed in PATCHES, each target checked here too;
+they are applied only through `patch`, `temporarily` and `enter_torch_function_mode`, which refuse
+an unlisted target, and `undo_patches()` restores what they replaced.
+"""
+
+import argparse
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+import platform
+from collections.abc import Callable
+from typing import Any
+
+from .supported_versions import SUPPORTED
+
+# Which distribution provides a top-level module, for the error's version and supported range.
+_DISTRIBUTIONS = {"torch": "torch", "megatron": "megatron-core",
+                  "emerging_optimizers": "emerging-optimizers", "megatron_fsdp": "megatron-fsdp",
+                  "argparse": "python"}
+# A module that the patches touch only where it is installed (megatron-core uses its own copy).
+_OPTIONAL_MODULES = ("megatron_fsdp",)
+
+_missing: dict[str, str] = {}  # dotted name -> why megatron-muon needs it
+
+
+def _resolve(dotted: str) -> Any:
+    """The object a dotted name names: its longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:split])
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name is None or not f"{module}.".startswith(f"{error.name}."):
+                raise  # the module exists, but something it imports does not
+            continue
+        for attribute in parts[split:]:
+            found = getattr(found, attribute)
+        return found
+    raise AttributeError(dotted)
+
+
+def _borrow(dotted: str, why: str, get: Callable[[], Any] | None = None) -> Any:
+    """The named object (`get` finds one that no dotted name reaches), or None, recorded as
+    missing, when the installed version lacks it."""
+    try:
+        return get() if get else _resolve(dotted)
+    except (AttributeError, RuntimeError):  # torch.ops raises RuntimeError for an unknown op
+        _missing[dotted] = why
+        return None
+
+
+# torch
+flatten_mesh = _borrow(
+    "torch.distributed.device_mesh.DeviceMesh._flatten",
+    "one process group over a param's several data-parallel mesh dims (HSDP), from the mesh "
+    "Megatron-FSDP built, as Megatron-FSDP gets its own")
+is_mkldnn_bf16_supported = _borrow(
+    "torch.ops.mkldnn._is_mkldnn_bf16_supported",
+    "whether this CPU has native bf16 matmuls (else Newton-Schulz runs in fp32 on CPU)")
+
+# megatron-core
+get_param_groups = _borrow(
+    "megatron.core.optimizer._get_param_groups",
+    "the param groups (overrides, lr and weight-decay multipliers) megatron-core's factory builds")
+get_megatron_optimizer_based_on_param_groups = _borrow(
+    "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",
+    "builds the scalar optimizer (Adam) over Muon's non-matrix params as megatron-core does")
+get_qkv_split_shapes = _borrow(
+    "megatron.core.optimizer.emerging_optimizers._get_qkv_split_shapes",
+    "the q/k/v row counts of a fused QKV weight, as megatron-core's Muon splits it")
+EMERGING_OPTIMIZERS = _borrow(
+    "megatron.core.optimizer.emerging_optimizers._EMERGING_OPTIMIZERS",
+    "megatron-core's Muon param overrides, replaced by ours for Megatron-FSDP's main weights")
+eopt_init_state_fn = _borrow(
+    "megatron.core.optimizer.emerging_optimizers._eopt_init_state_fn",
+    "initializes Muon's state as megatron-core does (checkpoints before the first step)")
+is_nonlinear_or_embedding = _borrow(
+    "megatron.core.optimizer.emerging_optimizers._is_nonlinear_or_embedding",
+    "megatron-core's rule for which params Muon leaves to the scalar optimizer")
+muon_config_to_kwargs = _borrow(
+    "megatron.core.optimizer.emerging_optimizers._muon_config_to_kwargs",
+    "turns OptimizerConfig's muon_* fields into TensorParallelMuon's arguments")
+
+# emerging_optimizers
+COEFFICIENT_SETS = _borrow(
+    "emerging_optimizers.orthogonalized_optimizers.muon_utils._COEFFICIENT_SETS",
+    "the Newton-Schulz coefficient types, to refuse an unknown one at construction")
+apply_weight_decay_inplace = _borrow(
+    "emerging_optimizers.orthogonalized_optimizers.OrthogonalizedOptimizer."
+    "_apply_weight_decay_inplace",
+    "every weight-decay method of OrthogonalizedOptimizer.step, on each rank's rows")
+
+# Python
+_borrow("argparse.ArgumentParser._actions",
+        "the parser's arguments, to add 'highest' to Megatron's --muon-fp32-matmul-prec choices",
+        get=lambda: argparse.ArgumentParser()._actions)
+
+
+def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The arguments a parser has (argparse has no public way to change one once added)."""
+    return parser._actions
+
+
+def mesh_shard_order(mesh) -> Any:
+    """The order in which Megatron-FSDP shards a mesh's dims: the attribute its
+    param_and_grad_buffer sets on the mesh and its uneven_dtensor reads, None where unset."""
+    return getattr(mesh, "_shard_order", None)
+
+
+# Every attribute the patches may replace, and why.
+PATCHES = {
+    # CPU layer, Megatron-FSDP (megatron_muon.cpu.apply_cpu_compat); inert with CUDA.
+    "torch.cuda.Stream": "Megatron-FSDP schedules on CUDA streams: no-ops on CPU",
+    "torch.cuda.Event": "Megatron-FSDP orders its collectives with CUDA events: no-ops on CPU",
+    "torch.cuda.current_stream": "a no-op stream on CPU",
+    "torch.cuda.stream": "a no-op stream context on CPU",
+    "torch.cuda.synchronize": "nothing to wait for on CPU",
+    "torch.cuda.empty_cache": "no CUDA cache on CPU",
+    "torch.cuda.current_device": "device 0 on CPU",
+    "torch.Tensor.cuda": "Megatron-FSDP's validate_uneven_dtensor moves a check tensor to CUDA",
+    "torch.cuda.device_count": "while Megatron builds its model-parallel groups: it does so only "
+                               "when it sees a GPU (temporarily)",
+    "torch.distributed.all_gather_into_tensor": "synchronous inside Megatron-FSDP's asynchronous "
+                                                "coalesced block on CPU (temporarily)",
+    **{f"{fsdp}.param_and_grad_buffer.{name}": why
+       for fsdp in ("megatron.core.distributed.fsdp.src.megatron_fsdp", "megatron_fsdp")
+       for name, why in (
+           ("_coalescing_manager",
+            "gloo's coalesced reduce-scatter corrupted the heap: one collective at a time"),
+           ("gradient_reduce_preprocessing", "gloo has no PREMUL_SUM: scale, then sum"))},
+    # CPU layer, megatron.training (megatron_muon.cpu.apply_megatron_training_compat).
+    "torch.cuda.get_rng_state": "Megatron saves the CUDA RNG state every step: the CPU one",
+    "torch.cuda.set_rng_state": "no CUDA generator to restore on CPU",
+    "torch.overrides.TorchFunctionMode": "a mode that creates on CPU what Megatron asks on CUDA",
+    "torch.autograd._engine_run_backward": "that mode inside autograd's engine, for backward's "
+                                           "tensors",
+    "megatron.training.training.build_train_valid_test_data_iterators":
+        "keeps the CPU generator dropout draws from as it was, so a resumed run continues it",
+    "megatron.training.arguments.get_device_arch_version": "no GPU architecture on CPU",
+    "megatron.training.training.initialize_megatron": "with allow_no_cuda",
+    "megatron.training.initialize._initialize_distributed": "gloo, and model-parallel groups "
+                                                            "without a GPU",
+    # install() (megatron_muon.training).
+    "megatron.core.datasets.utils.compile_helpers": "the wheel's helper is prebuilt and it ships "
+                                                    "no Makefile",
+    "megatron.training.arguments.add_megatron_arguments": "--muon-fp32-matmul-prec highest in "
+                                                          "every parse",
+    "megatron.training.arguments.validate_args": "accepts Muon on Megatron-FSDP, after "
+                                                 "validate_muon_args",
+    "megatron.training.arguments._print_args": "prints --optimizer muon while validate_args "
+                                               "validates it as Adam (temporarily)",
+    "megatron.training.checkpointing._load_base_checkpoint": "names a checkpoint without "
+                                                             "optimizer state",
+    "megatron.training.training.save_checkpoint": "records each file's checksum after a save",
+    "megatron.training.training.load_checkpoint": "verifies the checksums before a load",
+    "megatron.training.training.clip_qk": "the optimizer's step has clipped: log only",
+    "megatron.training.training.training_log": "logs the max attention logit (and, in the demo, "
+                                               "each iteration's exact values)",
+    "megatron.training.training.get_megatron_optimizer": "megatron_muon's factory",
+}
+_TORCH_FUNCTION_MODE = "torch.overrides.TorchFunctionMode"
+
+for _target, _why in PATCHES.items():
+    if (_target.split(".")[0] not in _OPTIONAL_MODULES
+            or importlib.util.find_spec(_target.split(".")[0]) is not None):
+        _borrow(_target, "patched: " + _why)
+
+
+def _installed_version(distribution: str) -> str:
+    if distribution == "python":
+        return platform.python_version()
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:  # e.g. megatron-core from a source checkout
+        module = importlib.import_module(
+            next(m for m, d in _DISTRIBUTIONS.items() if d == distribution))
+        return str(getattr(module, "__version__", "of unknown version"))
+
+
+def _own_version() -> str:
+    try:
+        return importlib.metadata.version("megatron-muon")
+    except importlib.metadata.PackageNotFoundError:
+        return "(from source)"
+
+
+if _missing:
+    _lacking: dict[str, list[str]] = {}
+    for _name, _why in _missing.items():
+        _lacking.setdefault(_DISTRIBUTIONS[_name.split(".")[0]], []).append(f"  {_name}: {_why}")
+    raise ImportError(
+        f"megatron-muon {_own_version()} does not support the installed "
+        + ", ".join(f"{d} {_installed_version(d)}" for d in _lacking)
+        + ": names it uses are gone.\n"
+        + "".join(f"{d} {_installed_version(d)} ("
+                  + (f"supported: {d}{SUPPORTED[d]}" if d in SUPPORTED else "not required")
+                  + ") has no\n" + "\n".join(names) + "\n" for d, names in _lacking.items())
+        + "Install the versions this release supports ("
+        + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")
+
+
+# What each applied patch replaced, in order: the target and an undo.
+_applied: dict[str, Callable[[], None]] = {}
+_ABSENT = object()
+
+
+def _owner_and_name(target: str) -> tuple[Any, str]:
+    if target not in PATCHES:
+        raise KeyError(f"{target} is not listed in megatron_muon.upstream.PATCHES")
+    owner, _, name = target.rpartition(".")
+    return _resolve(owner), name
+
+
+def _replace(target: str, replacement: Any) -> Callable[[], None]:
+    """Set the attribute; return what puts back the original (removing an attribute the owner
+    only inherited)."""
+    owner, name = _owner_and_name(target)
+    original = vars(owner).get(name, _ABSENT)
+    setattr(owner, name, replacement)
+    return lambda: setattr(owner, name, original) if original is not _ABSENT \
+        else delattr(owner, name)
+
+
+def current(target: str) -> Any:
+    """A listed attribute as it is now (the original, before it is patched)."""
+    owner, name = _owner_and_name(target)
+    return getattr(owner, name)
+
+
+def patch(target: str, replacement: Any) -> None:
+    """Replace a listed attribute until undo_patches(); patching it again keeps the first
+    original."""
+    undo = _replace(target, replacement)
+    _applied.setdefault(target, undo)
+
+
+def is_patched(target: str) -> bool:
+    return target in _applied
+
+
+@contextlib.contextmanager
+def temporarily(target: str, replacement: Any):
+    """Replace a listed attribute for the duration of a block."""
+    undo = _replace(target, replacement)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def enter_torch_function_mode(mode) -> None:
+    """Enter a torch function mode for the rest of the process, until undo_patches()."""
+    if is_patched(_TORCH_FUNCTION_MODE):
+        raise RuntimeError("a torch function mode is already entered by megatron_muon")
+    mode.__enter__()
+    _applied[_TORCH_FUNCTION_MODE] = lambda: mode.__exit__(None, None, None)
+
+
+def undo_patches() -> None:
+    """Put back everything patch() and enter_torch_function_mode() changed, newest first."""
+    for undo in reversed(list(_applied.values())):
+        undo()
+    _applied.clear()
