@@ -7,8 +7,8 @@ what Megatron lacks.
 
 import argparse
 
-from . import upstream
-from .zero_muon import DIST_MODES, TP_MODES
+from . import rules, upstream
+from .zero_muon import DIST_MODES
 
 
 # What each --muon-fp32-matmul-prec does to Newton-Schulz (emerging_optimizers' newton_schulz
@@ -35,6 +35,13 @@ def offer_fp32_newton_schulz(parser: argparse.ArgumentParser) -> None:
                 f'{name}: {meaning}' for name, meaning in FP32_MATMUL_PRECISIONS.items())
 
 
+def _at_least_0(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f'{value} (at least 0)')
+    return value
+
+
 def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     offer_fp32_newton_schulz(parser)
     group = parser.add_argument_group(title='muon on megatron-fsdp')
@@ -42,7 +49,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='How Muon orthogonalizes FSDP-sharded matrices: "owner" gathers each '
                        'matrix on one rank, which runs Newton-Schulz and scatters the result; '
                        '"allgather" gathers every matrix on every rank.')
-    group.add_argument('--muon-max-consecutive-skipped-steps', type=int, default=10,
+    group.add_argument('--muon-max-consecutive-skipped-steps', type=_at_least_0, default=10,
                        help='Stop with an error after this many optimizer steps in a row skipped '
                        'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '
                        'step is reported.')
@@ -55,44 +62,16 @@ def muon_on_megatron_fsdp(args: argparse.Namespace) -> bool:
 
 
 def validate_muon_args(args: argparse.Namespace) -> None:
-    """Refuse, with a clear message, what Muon on Megatron-FSDP does not support."""
+    """Refuse, with a clear message naming the flags, what Muon on Megatron-FSDP does not
+    support (megatron_muon.rules)."""
     if not muon_on_megatron_fsdp(args):
         return
     if not hasattr(args, 'muon_dist_mode'):
         raise ValueError('--optimizer muon with --use-megatron-fsdp needs Muon\'s flags: parse the '
                          'arguments with extra_args_provider=megatron_muon.arguments.add_muon_args')
-    problems = []
-    if args.fp16:
-        problems.append('--fp16 (use --bf16 or fp32)')
-    if args.muon_tp_mode not in TP_MODES:
-        problems.append(f'--muon-tp-mode {args.muon_tp_mode!r} (choose from {TP_MODES})')
-    if args.muon_dist_mode not in DIST_MODES:
-        problems.append(f'--muon-dist-mode {args.muon_dist_mode!r} (choose from {DIST_MODES})')
-    if args.muon_max_consecutive_skipped_steps < 0:
-        problems.append('--muon-max-consecutive-skipped-steps '
-                        f'{args.muon_max_consecutive_skipped_steps} (at least 0)')
-    if args.qk_clip:
-        if not 0 < args.qk_clip_alpha < 1:
-            problems.append(f'--qk-clip-alpha {args.qk_clip_alpha} (must lie in (0, 1))')
-        if not args.qk_clip_threshold > 0:
-            problems.append(f'--qk-clip-threshold {args.qk_clip_threshold} (must be positive)')
-        if args.multi_latent_attention:
-            problems.append('--qk-clip with --multi-latent-attention (MLA has no fused q/k/v '
-                            'weight; only SelfAttention\'s is clipped)')
-        if args.attention_output_gate:
-            problems.append('--qk-clip with --attention-output-gate (megatron-core\'s QK-clip '
-                            'does not define the gate rows)')
-    if args.use_torch_fsdp2:
-        problems.append('--use-torch-fsdp2 (Muon supports Megatron-FSDP only)')
-    if args.optimizer_cpu_offload:
-        problems.append('--optimizer-cpu-offload')
-    if args.use_precision_aware_optimizer:
-        problems.append('--use-precision-aware-optimizer')
-    if args.num_distributed_optimizer_instances > 1 and not args.overlap_grad_reduce:
-        # megatron.training marks the last micro-batch (config.no_sync_func) only with
-        # --overlap-grad-reduce, and Megatron-FSDP reduces across HSDP replicas only then.
-        problems.append('--num-distributed-optimizer-instances > 1 without --overlap-grad-reduce '
-                        '(the HSDP replicas would never reduce their gradients together)')
-    if problems:
-        raise ValueError('--optimizer muon with --use-megatron-fsdp does not support: '
-                         + '; '.join(problems))
+    rules.refuse(lambda section, field: getattr(args, field), _flag, training_loop=True,
+                 what='--optimizer muon with --use-megatron-fsdp')
+
+
+def _flag(section: str, field: str) -> str:
+    return '--' + field.replace('_', '-')

@@ -10,7 +10,7 @@ from megatron.core.optimizer import get_standard_config_overrides
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from . import upstream
+from . import rules, upstream
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
 from .qk_clip import build_max_attention_logits
 from .zero_muon import ZeROTensorParallelMuon
@@ -28,8 +28,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
             config, model_chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
             dump_param_to_param_group_map=dump_param_to_param_group_map)
-    if config.fp16:
-        raise ValueError("Muon on Megatron-FSDP does not support fp16; use --bf16")
+    rules.refuse(_config_field(config, model_chunks), _config_field_name, training_loop=False,
+                 what="Muon on Megatron-FSDP")
     # No part is a DistributedOptimizer, so no gloo groups are needed.
     process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
         pg_collection, model_chunks, use_gloo_process_groups=False)
@@ -42,6 +42,29 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
         model_chunks, pg_collection.dp_cp, _held_rows_in(parts))
     return FSDPMuonChainedOptimizer(ChainedOptimizer(parts), model_chunks,
                                     muon_max_consecutive_skipped_steps, max_attention_logits)
+
+
+# The config class that holds each section of megatron_muon.rules' settings, as users name them.
+_CONFIG_CLASSES = {"optimizer": "OptimizerConfig", "ddp": "DistributedDataParallelConfig",
+                   "model": "TransformerConfig"}
+
+
+def _config_field(config, model_chunks):
+    """megatron_muon.rules' settings of a factory call: the OptimizerConfig, and the first
+    chunk's DDP and transformer configs (AttributeError where there is none)."""
+    sections = {"optimizer": lambda: config, "ddp": lambda: model_chunks[0].ddp_config,
+                "model": lambda: model_chunks[0].config}
+
+    def read(section, field):
+        if section not in sections:
+            raise AttributeError(f"the factory has no {field}")
+        return getattr(sections[section](), field)
+
+    return read
+
+
+def _config_field_name(section, field):
+    return f"{_CONFIG_CLASSES.get(section, section)}.{field}"
 
 
 def _held_rows_in(parts):

@@ -1,0 +1,111 @@
+"""What Muon on Megatron-FSDP refuses, in one table that every way in checks with its own names:
+megatron.training's command line (arguments.validate_muon_args), the factory
+(factory.get_megatron_optimizer) and Megatron-Bridge's ConfigContainer (megatron_muon.bridge).
+
+A rule reads settings by their field names, which Megatron's argparse namespace, OptimizerConfig,
+DistributedDataParallelConfig and TransformerConfig share; each way in says where a field lives
+and how to name it (`--qk-clip-alpha`, `TransformerConfig.qk_clip_alpha`,
+`cfg.model.qk_clip_alpha`). A rule is skipped where a setting it reads does not exist (the factory
+has no `use_torch_fsdp2`), or where it concerns a training loop the way in does not run. The
+optimizers' own arguments (--muon-tp-mode, --muon-dist-mode, --muon-max-consecutive-skipped-steps,
+lr, momentum...) are checked by ZeROTensorParallelMuon and FSDPMuonChainedOptimizer themselves.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+# Where Megatron keeps each setting a rule reads: 'optimizer' (OptimizerConfig), 'ddp'
+# (DistributedDataParallelConfig), 'model' (TransformerConfig) or 'dist' (the process setup:
+# megatron.training's flags, Bridge's DistributedInitConfig).
+SECTIONS = {
+    "fp16": "optimizer",
+    "optimizer_cpu_offload": "optimizer",
+    "use_precision_aware_optimizer": "optimizer",
+    "num_distributed_optimizer_instances": "ddp",
+    "overlap_grad_reduce": "ddp",
+    "qk_clip": "model",
+    "qk_clip_alpha": "model",
+    "qk_clip_threshold": "model",
+    "multi_latent_attention": "model",
+    "attention_output_gate": "model",
+    "use_torch_fsdp2": "dist",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    refuses: Callable[[Any], bool]  # given the settings (attribute access by field name)
+    says: str  # formatted with each field's name (`{qk_clip}`) and `value` (`{value.qk_clip}`)
+    in_training_loops_only: bool = False  # megatron.training's and Bridge's, not the factory's
+
+
+RULES = (
+    Rule(lambda s: s.fp16, "{fp16} (use bf16 or fp32)"),
+    Rule(lambda s: s.qk_clip and not 0 < s.qk_clip_alpha < 1,
+         "{qk_clip_alpha} {value.qk_clip_alpha} (must lie in (0, 1))"),
+    Rule(lambda s: s.qk_clip and not s.qk_clip_threshold > 0,
+         "{qk_clip_threshold} {value.qk_clip_threshold} (must be positive)"),
+    Rule(lambda s: s.qk_clip and s.multi_latent_attention,
+         "{qk_clip} with {multi_latent_attention} (MLA has no fused q/k/v weight; only "
+         "SelfAttention's is clipped)"),
+    Rule(lambda s: s.qk_clip and s.attention_output_gate,
+         "{qk_clip} with {attention_output_gate} (megatron-core's QK-clip does not define the "
+         "gate rows)"),
+    Rule(lambda s: s.use_torch_fsdp2, "{use_torch_fsdp2} (Muon supports Megatron-FSDP only)"),
+    Rule(lambda s: s.optimizer_cpu_offload, "{optimizer_cpu_offload}"),
+    Rule(lambda s: s.use_precision_aware_optimizer, "{use_precision_aware_optimizer}"),
+    # Megatron's training loops (megatron.training's and Bridge's setup) mark the last
+    # micro-batch (config.no_sync_func) only with overlap_grad_reduce, and Megatron-FSDP reduces
+    # across HSDP replicas only then.
+    Rule(lambda s: s.num_distributed_optimizer_instances > 1 and not s.overlap_grad_reduce,
+         "{num_distributed_optimizer_instances} > 1 without {overlap_grad_reduce} (the HSDP "
+         "replicas would never reduce their gradients together)",
+         in_training_loops_only=True),
+)
+
+
+class _Absent(Exception):
+    """A setting this way in does not have."""
+
+
+class _Settings:
+    def __init__(self, read: Callable[[str, str], Any]):
+        self._read = read
+
+    def __getattr__(self, field: str) -> Any:
+        return self._read(SECTIONS[field], field)
+
+
+def problems(read: Callable[[str, str], Any], name: Callable[[str, str], str],
+             training_loop: bool) -> list[str]:
+    """What RULES refuse in one configuration. `read(section, field)` is a setting's value (raise
+    AttributeError where this way in has none); `name(section, field)` is how its user spells
+    it; `training_loop`: whether the way in runs Megatron's training loop."""
+
+    def read_or_skip(section, field):
+        try:
+            return read(section, field)
+        except AttributeError as absent:
+            raise _Absent(field) from absent
+
+    settings = _Settings(read_or_skip)
+    names = {field: name(section, field) for field, section in SECTIONS.items()}
+    found = []
+    for rule in RULES:
+        if rule.in_training_loops_only and not training_loop:
+            continue
+        try:
+            refused = rule.refuses(settings)
+        except _Absent:
+            continue
+        if refused:
+            found.append(rule.says.format(value=settings, **names))
+    return found
+
+
+def refuse(read, name, training_loop: bool, what: str) -> None:
+    """Raise one ValueError listing every problem, before anything is built."""
+    found = problems(read, name, training_loop)
+    if found:
+        raise ValueError(f"{what} does not support: " + "; ".join(found))

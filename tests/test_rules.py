@@ -1,0 +1,112 @@
+"""The one table of what Muon on Megatron-FSDP refuses (megatron_muon.rules): each rule refuses its
+configuration and accepts the supported one next to it, and each way in (the command line, the
+factory) names the settings as its users spell them."""
+
+import argparse
+import types
+
+import pytest
+
+from megatron_muon import rules
+from megatron_muon.arguments import validate_muon_args
+from megatron_muon.factory import get_megatron_optimizer
+
+SUPPORTED = dict(fp16=False, optimizer_cpu_offload=False, use_precision_aware_optimizer=False,
+                 num_distributed_optimizer_instances=1, overlap_grad_reduce=False, qk_clip=False,
+                 qk_clip_alpha=0.5, qk_clip_threshold=100.0, multi_latent_attention=False,
+                 attention_output_gate=False, use_torch_fsdp2=False)
+# A refused configuration, what the command line says of it, and what the factory says (None: the
+# factory does not check it: a training-loop rule, or a setting it has no field for).
+REFUSED = [
+    (dict(fp16=True), "--fp16 (use bf16 or fp32)", "OptimizerConfig.fp16 (use bf16 or fp32)"),
+    (dict(qk_clip=True, qk_clip_alpha=1.0), "--qk-clip-alpha 1.0 (must lie in (0, 1))",
+     "TransformerConfig.qk_clip_alpha 1.0 (must lie in (0, 1))"),
+    (dict(qk_clip=True, qk_clip_alpha=0.0), "--qk-clip-alpha 0.0 (must lie in (0, 1))",
+     "TransformerConfig.qk_clip_alpha 0.0"),
+    (dict(qk_clip=True, qk_clip_threshold=0.0), "--qk-clip-threshold 0.0 (must be positive)",
+     "TransformerConfig.qk_clip_threshold 0.0 (must be positive)"),
+    (dict(qk_clip=True, multi_latent_attention=True), "--qk-clip with --multi-latent-attention",
+     "TransformerConfig.qk_clip with TransformerConfig.multi_latent_attention"),
+    (dict(qk_clip=True, attention_output_gate=True), "--qk-clip with --attention-output-gate",
+     "TransformerConfig.qk_clip with TransformerConfig.attention_output_gate"),
+    (dict(use_torch_fsdp2=True), "--use-torch-fsdp2 (Muon supports Megatron-FSDP only)", None),
+    (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload",
+     "OptimizerConfig.optimizer_cpu_offload"),
+    (dict(use_precision_aware_optimizer=True), "--use-precision-aware-optimizer",
+     "OptimizerConfig.use_precision_aware_optimizer"),
+    (dict(num_distributed_optimizer_instances=2),
+     "--num-distributed-optimizer-instances > 1 without --overlap-grad-reduce", None),
+]
+# Next to each: the same setting, supported.
+ACCEPTED = [dict(qk_clip=False, qk_clip_alpha=1.0), dict(qk_clip=False, multi_latent_attention=True),
+            dict(qk_clip=True, qk_clip_alpha=0.99, qk_clip_threshold=1e-3),
+            dict(num_distributed_optimizer_instances=2, overlap_grad_reduce=True)]
+
+
+def _problems(settings: dict, training_loop: bool = True) -> list[str]:
+    return rules.problems(lambda section, field: settings[field],
+                          lambda section, field: f"{section}.{field}", training_loop)
+
+
+def test_the_supported_configurations_pass():
+    assert _problems(SUPPORTED) == []
+    for changes in ACCEPTED:
+        assert _problems({**SUPPORTED, **changes}) == [], changes
+
+
+@pytest.mark.parametrize("changes, on_the_command_line, in_the_factory", REFUSED)
+def test_each_rule_refuses_on_the_command_line(changes, on_the_command_line, in_the_factory):
+    assert len(_problems({**SUPPORTED, **changes})) == 1
+    args = argparse.Namespace(optimizer="muon", use_megatron_fsdp=True, muon_dist_mode="owner",
+                              **{**SUPPORTED, **changes})
+    with pytest.raises(ValueError) as refused:
+        validate_muon_args(args)
+    assert str(refused.value).startswith(
+        "--optimizer muon with --use-megatron-fsdp does not support: " + on_the_command_line)
+
+
+def _factory_chunk(settings):
+    ddp = {field: settings[field] for field, section in rules.SECTIONS.items() if section == "ddp"}
+    model = {field: settings[field] for field, section in rules.SECTIONS.items()
+             if section == "model"}
+    return types.SimpleNamespace(install_optimized_model_weights=None, finish_grad_sync=None,
+                                 ddp_config=types.SimpleNamespace(**ddp),
+                                 config=types.SimpleNamespace(**model))
+
+
+@pytest.mark.parametrize("changes, on_the_command_line, in_the_factory", REFUSED)
+def test_each_rule_refuses_in_the_factory_with_the_config_fields_names(
+        changes, on_the_command_line, in_the_factory):
+    settings = {**SUPPORTED, **changes}
+    optimizer = {field: settings[field] for field, section in rules.SECTIONS.items()
+                 if section == "optimizer"}
+    config = types.SimpleNamespace(optimizer="muon", **optimizer)
+    with pytest.raises(Exception) as raised:
+        get_megatron_optimizer(config, [_factory_chunk(settings)])
+    if in_the_factory is None:  # checked, and passed: building the optimizer fails on the fakes
+        assert "does not support" not in str(raised.value)
+    else:
+        assert raised.type is ValueError
+        assert str(raised.value).startswith("Muon on Megatron-FSDP does not support: ")
+        assert in_the_factory in str(raised.value)
+
+
+def test_every_problem_is_named_in_one_error():
+    args = argparse.Namespace(optimizer="muon", use_megatron_fsdp=True, muon_dist_mode="owner",
+                              **{**SUPPORTED, "fp16": True, "optimizer_cpu_offload": True})
+    with pytest.raises(ValueError, match="--fp16 .*; --optimizer-cpu-offload"):
+        validate_muon_args(args)
+
+
+def test_a_rule_whose_setting_a_way_in_lacks_is_skipped():
+    settings = {**SUPPORTED, "use_torch_fsdp2": True}
+
+    def read(section, field):
+        if section == "dist":
+            raise AttributeError(field)
+        return settings[field]
+
+    assert rules.problems(read, lambda section, field: field, training_loop=True) == []
+    hsdp = {**SUPPORTED, "num_distributed_optimizer_instances": 2}
+    assert _problems(hsdp, training_loop=False) == []
+    assert len(_problems(hsdp, training_loop=True)) == 1
