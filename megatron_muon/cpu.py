@@ -171,22 +171,7 @@ def apply_megatron_training_compat() -> bool:
         return True
     import megatron.training.training
 
-    # rerun_state_machine.py:979 saves the CUDA RNG state every step (and :992 restores it on a
-    # rerun, next to the CPU state it also restores); CPU has no other generator.
-    upstream.patch('torch.cuda.get_rng_state', lambda device='cuda': torch.get_rng_state())
-    upstream.patch('torch.cuda.set_rng_state', lambda new_state, device='cuda': None)
-    mode = _CudaTensorsOnCpu()
-    upstream.enter_torch_function_mode(mode)
-    # Tensor.backward runs inside the mode's own handler, where the mode is off: re-enter it for
-    # autograd's engine, so backward functions create their tensors on CPU too (megatron-core's
-    # MoE token dispatcher all-gathers into device=current_device() in backward, mappings.py:145).
-    engine_run_backward = upstream.current('torch.autograd._engine_run_backward')
-
-    def engine_run_backward_in_mode(*args, **kwargs):
-        with mode:
-            return engine_run_backward(*args, **kwargs)
-
-    upstream.patch('torch.autograd._engine_run_backward', engine_run_backward_in_mode)
+    _create_cuda_tensors_on_cpu()
     # On CPU dropout draws from the default generator, which building the data iterators draws
     # from too (each DataLoader iterator takes a seed from it): keep that generator as it was, so
     # that a run resumed from a checkpoint, which restored it before the iterators were built,
@@ -205,14 +190,117 @@ def apply_megatron_training_compat() -> bool:
     # arguments.py:1444 reads the device's compute capability when Megatron-FSDP is on.
     upstream.patch('megatron.training.arguments.get_device_arch_version', lambda: 0)
     # pretrain() calls initialize_megatron without allow_no_cuda (initialize.py:66 asserts CUDA).
-    initialize_megatron = megatron.training.training.initialize_megatron
-    upstream.patch(
-        'megatron.training.training.initialize_megatron',
-        lambda *args, **kwargs: initialize_megatron(*args, **{**kwargs, 'allow_no_cuda': True}))
+    upstream.patch('megatron.training.training.initialize_megatron',
+                   _allowing_no_cuda(megatron.training.training.initialize_megatron))
     target = 'megatron.training.initialize._initialize_distributed'
     upstream.patch(target, functools.partial(_initialize_distributed_on_cpu,
                                              upstream.current(target)))
     return True
+
+
+def apply_bridge_compat() -> bool:
+    """Make Megatron-Bridge's pretrain() run on CPU/gloo (with cfg.dist.distributed_backend
+    'gloo'); implies apply_cpu_compat(). Returns False on a CUDA machine, where nothing is
+    touched. megatron_muon.bridge applies it; the stand-ins for the GPU-only packages Bridge
+    imports unconditionally (stand_in_for_gpu_only_imports) must come before Bridge's import."""
+    if not apply_cpu_compat():
+        return False
+    if upstream.is_patched('megatron.bridge.training.setup.initialize_megatron'):
+        return True
+    import megatron.bridge.training.initialize
+    import megatron.bridge.training.setup
+
+    _create_cuda_tensors_on_cpu()
+    # Bridge's setup calls initialize_megatron without allow_no_cuda ("Megatron requires CUDA.").
+    upstream.patch('megatron.bridge.training.setup.initialize_megatron',
+                   _allowing_no_cuda(megatron.bridge.training.setup.initialize_megatron))
+    # Bridge's _set_random_seed builds the CUDA RNG tracker only when it sees a GPU.
+    target = 'megatron.bridge.training.initialize._set_random_seed'
+    set_random_seed = upstream.current(target)
+
+    def set_random_seed_and_cpu_tracker(*args, **kwargs):
+        set_random_seed(*args, **kwargs)
+        _use_cpu_rng_tracker()
+
+    upstream.patch(target, set_random_seed_and_cpu_tracker)
+    return True
+
+
+class _Placeholder(type):
+    """A stand-in for a package, or anything taken from it: a class (so isinstance against it is
+    False) whose every attribute is another placeholder."""
+
+    def __getattr__(cls, name):
+        if name.startswith('__'):
+            raise AttributeError(name)
+        return _Placeholder(f'{cls.__name__}.{name}', (), {})
+
+
+# GPU-only packages that Megatron-Bridge's modules import unconditionally, and which of its modules
+# do: peft.lora_layers (transformer_engine.pytorch, for its LoRA kernels) is imported by Bridge's
+# config, training.pretrain and training.inprocess_restart (nvidia_resiliency_ext.inprocess, for
+# in-process restart) by its pretrain.
+GPU_ONLY_IMPORTS = {
+    'transformer_engine': ('megatron.bridge.peft.lora_layers',),
+    'nvidia_resiliency_ext': ('megatron.bridge.training.pretrain',
+                              'megatron.bridge.training.inprocess_restart'),
+}
+
+
+def stand_in_for_gpu_only_imports() -> bool:
+    """Without CUDA, let those Bridge modules import a placeholder where the package is missing:
+    only them (every other importer, such as megatron-core's checks for TransformerEngine, still
+    finds it missing), and without adding it to sys.modules. Returns False with CUDA."""
+    if torch.cuda.is_available():
+        return False
+    if upstream.is_patched('builtins.__import__'):
+        return True
+    import builtins
+
+    real_import = builtins.__import__
+
+    def import_with_stand_ins(name, globals=None, locals=None, fromlist=(), level=0):
+        try:
+            return real_import(name, globals, locals, fromlist, level)
+        except ModuleNotFoundError:
+            package = name.partition('.')[0]
+            importer = (globals or {}).get('__name__')
+            if level or importer not in GPU_ONLY_IMPORTS.get(package, ()):
+                raise
+            # `import a.b as c` and `from a.b import c` both read attributes from what returns.
+            top = _Placeholder(package, (), {})
+            return top if not fromlist else functools.reduce(
+                getattr, name.split('.')[1:], top)
+
+    upstream.patch('builtins.__import__', import_with_stand_ins)
+    return True
+
+
+def _allowing_no_cuda(initialize_megatron):
+    return lambda *args, **kwargs: initialize_megatron(*args, **{**kwargs, 'allow_no_cuda': True})
+
+
+def _create_cuda_tensors_on_cpu() -> None:
+    """What every training loop needs on CPU: tensors Megatron asks for on CUDA made on CPU,
+    also in backward, and the CPU generator's state where the CUDA one is saved."""
+    if upstream.is_patched('torch.cuda.get_rng_state'):
+        return
+    # rerun_state_machine.py:979 saves the CUDA RNG state every step (and :992 restores it on a
+    # rerun, next to the CPU state it also restores); CPU has no other generator.
+    upstream.patch('torch.cuda.get_rng_state', lambda device='cuda': torch.get_rng_state())
+    upstream.patch('torch.cuda.set_rng_state', lambda new_state, device='cuda': None)
+    mode = _CudaTensorsOnCpu()
+    upstream.enter_torch_function_mode(mode)
+    # Tensor.backward runs inside the mode's own handler, where the mode is off: re-enter it for
+    # autograd's engine, so backward functions create their tensors on CPU too (megatron-core's
+    # MoE token dispatcher all-gathers into device=current_device() in backward, mappings.py:145).
+    engine_run_backward = upstream.current('torch.autograd._engine_run_backward')
+
+    def engine_run_backward_in_mode(*args, **kwargs):
+        with mode:
+            return engine_run_backward(*args, **kwargs)
+
+    upstream.patch('torch.autograd._engine_run_backward', engine_run_backward_in_mode)
 
 
 def _destroy_process_groups():
@@ -231,7 +319,6 @@ def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
     groups with a GPU presented (it only skips process-group setup, already done, and runs mpu
     init).
     """
-    from megatron.core.tensor_parallel import random as tensor_parallel_random
     from megatron.training import get_args
 
     megatron_args = get_args()
@@ -244,9 +331,15 @@ def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
         atexit.register(_destroy_process_groups)
     with upstream.temporarily('torch.cuda.device_count', lambda: 1):
         initialize_distributed(*args, **kwargs)
-    # _set_random_seed (initialize.py:447) builds the CUDA RNG tracker only when it sees a GPU, and
-    # get_cuda_rng_tracker() would otherwise build one that forks CUDA generators. The inference
-    # tracker's fork() is a no-op: on CPU, dropout draws from the default generator.
+    # megatron.training's _set_random_seed builds the CUDA RNG tracker only when it sees a GPU.
+    _use_cpu_rng_tracker()
+
+
+def _use_cpu_rng_tracker() -> None:
+    """get_cuda_rng_tracker() would otherwise build a tracker that forks CUDA generators. The
+    inference tracker's fork() is a no-op: on CPU, dropout draws from the default generator."""
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
+
     tensor_parallel_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     # A checkpoint whose tracker states are empty is refused at load ("Unable to load rng state",
     # checkpointing.py), and this tracker has no CUDA generator to save. Give it one entry, which

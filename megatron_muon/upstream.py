@@ -6,8 +6,9 @@ the import raises one ImportError naming each package, its installed version, th
 the versions this release supports, rather than an AttributeError deep inside a run. The rest of
 the package uses the names below.
 
-The patches that `megatron_muon.training.install()` and the CPU layer (megatron_muon.cpu) apply to
-torch, megatron.training and Megatron-FSDP are listed in PATCHES, each target checked here too;
+The patches that `megatron_muon.training.install()`, `megatron_muon.bridge.install()` and the CPU
+layer (megatron_muon.cpu) apply to torch, megatron.training, Megatron-FSDP and Megatron-Bridge are
+listed in PATCHES, each target checked here too (Bridge's when megatron_muon.bridge is imported);
 they are applied only through `patch`, `temporarily` and `enter_torch_function_mode`, which refuse
 an unlisted target, and `undo_patches()` restores what they replaced.
 """
@@ -23,12 +24,22 @@ from typing import Any
 
 from .supported_versions import SUPPORTED
 
-# Which distribution provides a top-level module, for the error's version and supported range.
-_DISTRIBUTIONS = {"torch": "torch", "megatron": "megatron-core",
-                  "emerging_optimizers": "emerging-optimizers", "megatron_fsdp": "megatron-fsdp",
-                  "argparse": "python"}
-# A module that the patches touch only where it is installed (megatron-core uses its own copy).
+# Which distribution provides a module, for the error's version and supported range: the first
+# whose prefix the module's name starts with.
+_DISTRIBUTIONS = {"megatron.bridge": "megatron-bridge", "megatron": "megatron-core",
+                  "torch": "torch", "emerging_optimizers": "emerging-optimizers",
+                  "megatron_fsdp": "megatron-fsdp", "argparse": "python", "builtins": "python"}
+# Patched only where installed: the standalone Megatron-FSDP (megatron-core uses its own copy).
 _OPTIONAL_MODULES = ("megatron_fsdp",)
+# Resolved when megatron_muon.bridge is imported, not before: Bridge is an optional extra, and
+# importing it without TransformerEngine needs megatron_muon.cpu's stand-ins first.
+_BRIDGE = "megatron.bridge."
+
+
+def _distribution(dotted: str) -> str:
+    return next(d for prefix, d in _DISTRIBUTIONS.items()
+                if f"{dotted}.".startswith(f"{prefix}."))
+
 
 _missing: dict[str, str] = {}  # dotted name -> why megatron-muon needs it
 
@@ -36,7 +47,7 @@ _missing: dict[str, str] = {}  # dotted name -> why megatron-muon needs it
 def _resolve(dotted: str) -> Any:
     """The object a dotted name names: its longest importable module prefix, then attributes."""
     parts = dotted.split(".")
-    for split in range(len(parts) - 1, 0, -1):
+    for split in range(len(parts), 0, -1):
         module = ".".join(parts[:split])
         try:
             found = importlib.import_module(module)
@@ -168,13 +179,22 @@ PATCHES = {
     "megatron.training.training.training_log": "logs the max attention logit (and, in the demo, "
                                                "each iteration's exact values)",
     "megatron.training.training.get_megatron_optimizer": "megatron_muon's factory",
+    # Megatron-Bridge (megatron_muon.bridge.install, and its CPU layer).
+    "builtins.__import__": "without CUDA, placeholders for the GPU-only packages Bridge's modules "
+                           "import unconditionally (megatron_muon.cpu.GPU_ONLY_IMPORTS)",
+    "megatron.bridge.training.setup.initialize_megatron": "with allow_no_cuda (CPU)",
+    "megatron.bridge.training.initialize._set_random_seed": "then a CPU RNG tracker (CPU)",
+    "megatron.bridge.training.initialize.compile_helpers": "the wheel's helper is prebuilt and it "
+                                                           "ships no Makefile",
+    "megatron.bridge.training.train.clip_qk": "the optimizer's step has clipped: log only",
 }
 _TORCH_FUNCTION_MODE = "torch.overrides.TorchFunctionMode"
 
-for _target, _why in PATCHES.items():
-    if (_target.split(".")[0] not in _OPTIONAL_MODULES
-            or importlib.util.find_spec(_target.split(".")[0]) is not None):
-        _borrow(_target, "patched: " + _why)
+def _check_patch_targets(wanted: Callable[[str], bool]) -> None:
+    for target, why in PATCHES.items():
+        optional = target.split(".")[0] in _OPTIONAL_MODULES
+        if wanted(target) and (not optional or importlib.util.find_spec(target.split(".")[0])):
+            _borrow(target, "patched: " + why)
 
 
 def _installed_version(distribution: str) -> str:
@@ -195,19 +215,31 @@ def _own_version() -> str:
         return "(from source)"
 
 
-if _missing:
-    _lacking: dict[str, list[str]] = {}
-    for _name, _why in _missing.items():
-        _lacking.setdefault(_DISTRIBUTIONS[_name.split(".")[0]], []).append(f"  {_name}: {_why}")
+def _raise_if_missing() -> None:
+    if not _missing:
+        return
+    lacking: dict[str, list[str]] = {}
+    for name, why in _missing.items():
+        lacking.setdefault(_distribution(name), []).append(f"  {name}: {why}")
     raise ImportError(
         f"megatron-muon {_own_version()} does not support the installed "
-        + ", ".join(f"{d} {_installed_version(d)}" for d in _lacking)
+        + ", ".join(f"{d} {_installed_version(d)}" for d in lacking)
         + ": names it uses are gone.\n"
         + "".join(f"{d} {_installed_version(d)} ("
                   + (f"supported: {d}{SUPPORTED[d]}" if d in SUPPORTED else "not required")
-                  + ") has no\n" + "\n".join(names) + "\n" for d, names in _lacking.items())
+                  + ") has no\n" + "\n".join(names) + "\n" for d, names in lacking.items())
         + "Install the versions this release supports ("
         + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")
+
+
+def check_bridge_patch_targets() -> None:
+    """What megatron_muon.bridge patches in Megatron-Bridge, as the import checks the rest."""
+    _check_patch_targets(lambda target: target.startswith(_BRIDGE))
+    _raise_if_missing()
+
+
+_check_patch_targets(lambda target: not target.startswith(_BRIDGE))
+_raise_if_missing()
 
 
 # What each applied patch replaced, in order: the target and an undo.
