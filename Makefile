@@ -11,9 +11,12 @@
 # of each dependency range that CI tests (constraints/newest.txt).
 # `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint, fake-process-group and
 # upstream-name tests and one demo run at the lowest ones (constraints/lowest.txt), in .venv-lowest.
+# `make test-bridge` trains through Megatron-Bridge's own loop (tests_bridge/), in .venv-bridge
+# (constraints/bridge.txt).
 SHELL := /bin/bash
 VENV := .venv
 LOWEST_VENV := .venv-lowest
+BRIDGE_VENV := .venv-bridge
 PY := $(VENV)/bin/python
 LOWEST_TESTS := tests/test_plan.py tests/test_exchange.py tests/test_numerics.py \
 	tests/test_factory.py tests/test_checkpoint.py tests/test_fake_pg.py tests/test_versions.py \
@@ -27,7 +30,7 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv demo test test-lowest test-gpu bench bench-demo scale clean
+.PHONY: venv demo test test-lowest test-bridge test-gpu bench bench-demo scale clean
 
 # $(1): the venv's folder; $(2): the constraints file that pins its dependencies.
 define make_venv
@@ -38,14 +41,25 @@ define make_venv
 	@[ -x $(1)/bin/python ] && $(1)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { rm -rf $(1); $(PYTHON) -m venv $(1); }
 	$(1)/bin/python -m pip install -q --upgrade pip
 	$(1)/bin/python -m pip install -q -c $(2) -e '.[test]'
-	touch $(1)/.installed
 endef
 
 $(VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt
 	$(call make_venv,$(VENV),constraints/newest.txt)
+	touch $@
 
 $(LOWEST_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/lowest.txt
 	$(call make_venv,$(LOWEST_VENV),constraints/lowest.txt)
+	touch $@
+
+# Bridge's wheel without its dependencies (GPU builds, hundreds of packages), then what its
+# training loop imports.
+$(BRIDGE_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt \
+		constraints/bridge.txt
+	$(call make_venv,$(BRIDGE_VENV),constraints/newest.txt)
+	$(BRIDGE_VENV)/bin/python -m pip install -q --no-deps -c constraints/bridge.txt megatron-bridge
+	$(BRIDGE_VENV)/bin/python -m pip install -q -c constraints/newest.txt -c constraints/bridge.txt \
+		$$(grep -v '^#\|megatron-bridge' constraints/bridge.txt | cut -d= -f1)
+	touch $@
 
 venv: $(VENV)/.installed
 
@@ -58,6 +72,9 @@ test: venv
 
 test-lowest: $(LOWEST_VENV)/.installed
 	$(LOWEST_VENV)/bin/python -m pytest -q $(LOWEST_TESTS)
+
+test-bridge: $(BRIDGE_VENV)/.installed
+	$(BRIDGE_VENV)/bin/python -m pytest -q tests_bridge
 
 test-gpu: venv
 	$(PY) -m pytest -q -rs tests_gpu
@@ -72,4 +89,4 @@ scale: venv
 	$(PY) benchmarks/scale_model.py $(SCALE_ARGS)
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) *.egg-info

@@ -23,5 +23,7 @@ setup(
         "test": ["pytest", "matplotlib", "packaging"],
         # apex has no registry release: GPU users build it from source (see README).
         "gpu": ["transformer-engine[pytorch]"],
+        # megatron_muon.bridge: Muon on Megatron-FSDP through Megatron-Bridge's recipes.
+        "bridge": ["megatron-bridge>=0.6.2,<0.7"],
     },
 )

@@ -218,7 +218,7 @@ def dataset_helper_is_prebuilt(datasets_dir: Path) -> bool:
     return built and not (datasets_dir / 'Makefile').exists()
 
 
-def _skip_dataset_helper_build():
+def skip_dataset_helper_build():
     """Replaces compile_helpers where the helper is prebuilt (dataset_helper_is_prebuilt)."""
 
 
@@ -229,7 +229,7 @@ def install() -> None:
     apply_megatron_training_compat()
     if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
         # initialize.py imports compile_helpers from the module when it runs: patch the module.
-        upstream.patch('megatron.core.datasets.utils.compile_helpers', _skip_dataset_helper_build)
+        upstream.patch('megatron.core.datasets.utils.compile_helpers', skip_dataset_helper_build)
     for target, replacement in (
             ('megatron.training.arguments.add_megatron_arguments', _add_megatron_arguments),
             ('megatron.training.arguments.validate_args', _validate_args),

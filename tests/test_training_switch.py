@@ -55,7 +55,7 @@ def _switch(rank, world_size, checkout):
     megatron_muon.training.install()
     megatron_muon.training.install()  # idempotent
     # This venv has megatron-core's wheel: its helper is built, its Makefile absent.
-    assert datasets.compile_helpers is megatron_muon.training._skip_dataset_helper_build
+    assert datasets.compile_helpers is megatron_muon.training.skip_dataset_helper_build
     assert megatron.training.training.get_megatron_optimizer is megatron_muon.training._get_megatron_optimizer
     args = _validate("--optimizer", "muon")
     assert args.optimizer == "muon" and args.use_megatron_fsdp and args.muon_dist_mode == "owner"

@@ -1,0 +1,121 @@
+"""Muon on Megatron-FSDP through Megatron-Bridge's recipes and training loop (megatron-muon[bridge]).
+
+    import megatron_muon.bridge                  # before megatron.bridge, on a machine without CUDA
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    cfg = recipe()                                # any ConfigContainer
+    cfg.optimizer.optimizer = "muon"
+    cfg.ddp.use_megatron_fsdp = True
+    megatron_muon.bridge.install(cfg)            # validates; Bridge then builds our Muon
+    pretrain(cfg, forward_step)
+
+Bridge runs neither megatron.training's argument validation nor its optimizer factory: it builds
+the optimizer through the config's `provide()` where the config has one (Bridge's
+setup_optimizer). `install(cfg)` checks the ConfigContainer against megatron_muon.rules (each
+refusal naming Bridge's field), turns `cfg.optimizer` into a MuonOptimizerConfig, whose
+`provide()` builds ours for Muon on Megatron-FSDP and megatron-core's otherwise, and makes Bridge's
+MuonClip ours: its train step calls megatron-core's `clip_qk(model)` after `optimizer.step()`,
+which would clip the whole weights again after our in-step clip of the sharded main weights.
+Without CUDA it applies the CPU layer for Bridge (megatron_muon.cpu); with CUDA it touches none.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import megatron.core.datasets.utils
+
+from . import cpu, factory, qk_clip, rules, upstream
+from .chained import find_megatron_fsdp
+from .zero_muon import DIST_MODES
+
+cpu.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
+upstream.check_bridge_patch_targets()
+
+import megatron.bridge.training.initialize  # noqa: E402  (after the stand-ins)
+import megatron.bridge.training.train  # noqa: E402
+from megatron.bridge.training.config import OptimizerConfig  # noqa: E402
+from megatron.bridge.training.mixed_precision import get_mixed_precision_config  # noqa: E402
+
+from .training import dataset_helper_is_prebuilt, skip_dataset_helper_build  # noqa: E402
+
+_megatron_clip_qk = megatron.bridge.training.train.clip_qk
+
+
+@dataclasses.dataclass(kw_only=True)
+class MuonOptimizerConfig(OptimizerConfig):
+    """Bridge's OptimizerConfig plus megatron-muon's two settings, built by Bridge through
+    `provide()`: Muon on Megatron-FSDP is ours, everything else megatron-core's, as Bridge's
+    setup_optimizer would build it."""
+
+    muon_dist_mode: str = "owner"
+    """ZeROTensorParallelMuon's dist_mode: "owner" or "allgather" (--muon-dist-mode)."""
+
+    muon_max_consecutive_skipped_steps: int = 10
+    """Stop after this many steps in a row skipped for non-finite gradients; 0: never."""
+
+    def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False,
+                pg_collection=None):
+        chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+        return factory.get_megatron_optimizer(
+            self, chunks, config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
+            muon_dist_mode=self.muon_dist_mode,
+            muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps)
+
+
+def muon_on_megatron_fsdp(cfg) -> bool:
+    """Whether a ConfigContainer asks for what megatron_muon provides."""
+    return cfg.optimizer.optimizer == "muon" and (cfg.ddp.use_megatron_fsdp
+                                                  or cfg.dist.use_megatron_fsdp)
+
+
+def install(cfg) -> None:
+    """Check `cfg` (a Bridge ConfigContainer) and have Bridge build Muon on Megatron-FSDP with
+    megatron_muon; raise, naming each field, before anything is built. Call before pretrain()."""
+    if cfg.optimizer.optimizer == "dist_muon" and (cfg.ddp.use_megatron_fsdp
+                                                   or cfg.dist.use_megatron_fsdp):
+        raise ValueError("cfg.optimizer.optimizer='dist_muon' (megatron-core's layer-wise "
+                         "distributed Muon, for Megatron DDP) with cfg.ddp.use_megatron_fsdp: set "
+                         "cfg.optimizer.optimizer='muon'; on Megatron-FSDP, megatron-muon "
+                         "distributes Muon itself")
+    if muon_on_megatron_fsdp(cfg):
+        rules.refuse(_reader(cfg), lambda section, field: f"cfg.{section}.{field}",
+                     training_loop=True, what="Muon on Megatron-FSDP through Megatron-Bridge")
+        dist_mode = getattr(cfg.optimizer, "muon_dist_mode", "owner")
+        if dist_mode not in DIST_MODES:
+            raise ValueError(f"cfg.optimizer.muon_dist_mode {dist_mode!r}: choose from "
+                             f"{DIST_MODES}")
+    if not isinstance(cfg.optimizer, MuonOptimizerConfig):
+        cfg.optimizer = MuonOptimizerConfig(**{
+            field.name: getattr(cfg.optimizer, field.name)
+            for field in dataclasses.fields(cfg.optimizer) if field.init})
+    upstream.patch("megatron.bridge.training.train.clip_qk", _clip_qk)
+    if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
+        # Bridge's initialize imports compile_helpers by name: patch its copy.
+        upstream.patch("megatron.bridge.training.initialize.compile_helpers",
+                       skip_dataset_helper_build)
+    if cpu.apply_bridge_compat():
+        cfg.dist.distributed_backend = "gloo"  # NCCL needs GPUs
+
+
+def _reader(cfg):
+    """megatron_muon.rules' settings of a ConfigContainer. fp16 is what Bridge's mixed precision
+    will set (runtime_config_update applies it to the optimizer config in pretrain)."""
+
+    def read(section, field):
+        if (section, field) == ("optimizer", "fp16") and cfg.mixed_precision is not None:
+            return get_mixed_precision_config(cfg.mixed_precision).fp16
+        return getattr(getattr(cfg, section), field)
+
+    return read
+
+
+def _clip_qk(model, log_max_only=False):
+    """Bridge's QK-clip after the optimizer's step: for Muon on Megatron-FSDP the step has
+    reduced the max logits and clipped (megatron_muon.qk_clip); what is left is the value to
+    log."""
+    chunks = model if isinstance(model, list) else [model]
+    if not all(find_megatron_fsdp(chunk) for chunk in chunks):
+        return _megatron_clip_qk(model, log_max_only)
+    return qk_clip.take_max_attention_logit(chunks)

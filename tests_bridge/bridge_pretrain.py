@@ -1,0 +1,102 @@
+"""A tiny GPT trained by Megatron-Bridge's own pretrain(cfg, forward_step) on its mock data, with
+Muon on Megatron-FSDP through megatron_muon.bridge, or (--ddp) megatron-core's Muon on Megatron DDP
+as Bridge builds it without megatron-muon. Run under torchrun; prints each iteration's exact loss
+and grad norm on the last rank:
+` iteration N | exact values | lm loss: <repr> | grad norm: <repr> |`."""
+
+import argparse
+import os
+
+import megatron_muon.bridge  # first: on CPU, Bridge's GPU-only imports need its stand-ins
+
+from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec  # noqa: E402
+from megatron.bridge.training.callbacks import Callback  # noqa: E402
+from megatron.bridge.training.config import (  # noqa: E402
+    CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig,
+    GPTDatasetConfig, LoggerConfig, OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,
+    TrainingConfig, ValidationConfig)
+from megatron.bridge.training.gpt_step import forward_step  # noqa: E402
+from megatron.bridge.training.pretrain import pretrain  # noqa: E402
+
+
+def config(args) -> ConfigContainer:
+    model = GPTModelProvider(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        seq_length=32, vocab_size=128, make_vocab_size_divisible_by=128,
+        transformer_layer_spec=local_layer_spec, transformer_impl="local",
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        cross_entropy_loss_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
+        bf16=False, fp16=False, params_dtype=None,
+        qk_clip=args.qk_clip, qk_clip_threshold=args.qk_clip_threshold, qk_clip_alpha=0.5,
+        log_max_attention_logit=args.qk_clip)
+    optimizer = OptimizerConfig(
+        optimizer="muon", lr=0.01, min_lr=0.01, weight_decay=0.01, bf16=False, fp16=False,
+        clip_grad=1.0, use_distributed_optimizer=not args.ddp, muon_momentum=0.9,
+        muon_fp32_matmul_prec="highest", muon_scalar_optimizer="adam")
+    ddp = DistributedDataParallelConfig(
+        use_megatron_fsdp=not args.ddp, use_distributed_optimizer=not args.ddp,
+        data_parallel_sharding_strategy=args.strategy, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False, overlap_param_gather=False, check_for_nan_in_grad=False)
+    return ConfigContainer(
+        model=model,
+        train=TrainingConfig(train_iters=args.iters, global_batch_size=4, micro_batch_size=1,
+                             exit_signal_handler=False),
+        validation=ValidationConfig(eval_interval=None, eval_iters=0),
+        optimizer=optimizer,
+        scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0,
+                                  start_weight_decay=0.01, end_weight_decay=0.01),
+        ddp=ddp,
+        dataset=GPTDatasetConfig(random_seed=1234, seq_length=32, blend=None, blend_per_split=None,
+                                 split="1,0,0", reset_position_ids=False,
+                                 reset_attention_mask=False, eod_mask_loss=False,
+                                 dataloader_type="single", num_workers=0),
+        logger=LoggerConfig(log_interval=1),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=128),
+        checkpoint=CheckpointConfig(save=args.save, load=args.load,
+                                    save_interval=args.save_interval,
+                                    ckpt_format="fsdp_dtensor" if not args.ddp else "torch_dist"),
+        rng=RNGConfig(seed=1234),
+        dist=DistributedInitConfig(distributed_backend="gloo", use_megatron_fsdp=not args.ddp),
+        mixed_precision=None,
+    )
+
+
+class ExactValues(Callback):
+    """Each iteration's loss and grad norm to every digit, on the last rank; first, which
+    optimizer Bridge built."""
+
+    def on_train_start(self, context):
+        print(f"optimizer: {type(context.optimizer).__name__}", flush=True)
+
+    def on_train_step_end(self, context):
+        import torch.distributed as dist
+
+        if dist.get_rank() != dist.get_world_size() - 1 or not context.loss_dict:
+            return
+        loss = next(iter(context.loss_dict.values()))
+        loss = loss[0] / loss[1] if loss.numel() == 2 else loss
+        iteration = context.state.train_state.step + 1  # as Bridge logs it
+        print(f" iteration {iteration:8d} | exact values | lm loss: {float(loss)!r} | "
+              f"grad norm: {context.grad_norm!r} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="optim_grads_params")
+    parser.add_argument("--ddp", action="store_true", help="megatron-core's Muon on Megatron DDP")
+    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--qk-clip", action="store_true")
+    parser.add_argument("--qk-clip-threshold", type=float, default=100.0)
+    parser.add_argument("--save")
+    parser.add_argument("--load")
+    parser.add_argument("--save-interval", type=int, default=None)
+    args = parser.parse_args()
+    cfg = config(args)
+    megatron_muon.bridge.install(cfg)
+    pretrain(cfg, forward_step, callbacks=[ExactValues()])
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    main()

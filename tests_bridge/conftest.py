@@ -1,0 +1,10 @@
+"""Megatron-Bridge's tests run in their own venv (make test-bridge): gloo on CPU, as tests/ does,
+with tests/' helpers importable."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))

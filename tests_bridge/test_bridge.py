@@ -1,0 +1,156 @@
+"""Muon on Megatron-FSDP through Megatron-Bridge: Bridge's own pretrain(cfg, forward_step) trains
+a tiny GPT on its mock data with megatron_muon.bridge.install(cfg), at W=2 on gloo, as
+megatron-core's Muon on Megatron DDP trains it through Bridge without megatron-muon; install()
+refuses, naming Bridge's fields, what Muon on Megatron-FSDP does not support."""
+
+import argparse
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import demo_log
+import tolerances
+
+SCRIPT = Path(__file__).resolve().parent / "bridge_pretrain.py"
+ITERATIONS = 6
+
+
+@functools.cache
+def _train(*flags: str) -> str:
+    """The log of a W=2 Bridge run of bridge_pretrain.py with `flags`."""
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(SCRIPT), "--iters", str(ITERATIONS), *flags],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_bridge_trains_muon_on_megatron_fsdp_as_megatron_core_on_ddp(strategy):
+    ours, reference = _train("--strategy", strategy), _train("--ddp")
+    assert "FSDPMuonChainedOptimizer" in ours and "FSDPMuonChainedOptimizer" not in reference
+    for key in ("lm loss", "grad norm"):
+        got, expected = demo_log.exact_values(ours, key), demo_log.exact_values(reference, key)
+        assert sorted(got) == sorted(expected) == list(range(1, ITERATIONS + 1)), (key, got)
+        for iteration in expected:
+            assert got[iteration] == pytest.approx(expected[iteration], rel=tolerances.RTOL), (
+                strategy, key, iteration, got[iteration], expected[iteration])
+    losses = demo_log.exact_values(ours, "lm loss")
+    assert losses[ITERATIONS] < losses[1] - 0.4  # it trains: 4.87 -> 4.29 here
+
+
+def _config(**changes):
+    """bridge_pretrain's ConfigContainer for Muon on Megatron-FSDP, with `changes` as
+    {"section.field": value}."""
+    import bridge_pretrain
+
+    cfg = bridge_pretrain.config(argparse.Namespace(
+        strategy="optim_grads_params", ddp=False, iters=1, qk_clip=False, qk_clip_threshold=100.0,
+        save=None, load=None, save_interval=None))
+    for name, value in changes.items():
+        section, field = name.split(".")
+        setattr(getattr(cfg, section), field, value)
+    return cfg
+
+
+@pytest.mark.parametrize("changes, refusal", [
+    ({"optimizer.fp16": True}, "cfg.optimizer.fp16 (use bf16 or fp32)"),
+    ({"model.qk_clip": True, "model.qk_clip_alpha": 1.0}, "cfg.model.qk_clip_alpha 1.0"),
+    ({"model.qk_clip": True, "model.qk_clip_threshold": 0.0}, "cfg.model.qk_clip_threshold 0.0"),
+    ({"model.qk_clip": True, "model.attention_output_gate": True},
+     "cfg.model.qk_clip with cfg.model.attention_output_gate"),
+    ({"dist.use_torch_fsdp2": True}, "cfg.dist.use_torch_fsdp2"),
+    ({"optimizer.optimizer_cpu_offload": True}, "cfg.optimizer.optimizer_cpu_offload"),
+    ({"optimizer.use_precision_aware_optimizer": True},
+     "cfg.optimizer.use_precision_aware_optimizer"),
+    ({"ddp.num_distributed_optimizer_instances": 2},
+     "cfg.ddp.num_distributed_optimizer_instances > 1 without cfg.ddp.overlap_grad_reduce"),
+    ({"optimizer.optimizer": "dist_muon"}, "cfg.optimizer.optimizer='dist_muon'"),
+])
+def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refusal):
+    import megatron_muon.bridge
+
+    cfg = _config(**changes)
+    before = dataclasses.asdict(cfg.optimizer), type(cfg.optimizer), cfg.dist.distributed_backend
+    with pytest.raises(ValueError) as refused:
+        megatron_muon.bridge.install(cfg)
+    assert refusal in str(refused.value)
+    assert (dataclasses.asdict(cfg.optimizer), type(cfg.optimizer),
+            cfg.dist.distributed_backend) == before
+
+
+def test_install_refuses_fp16_from_bridges_mixed_precision():
+    import megatron_muon.bridge
+
+    cfg = _config()
+    cfg.mixed_precision = "fp16_mixed"
+    with pytest.raises(ValueError, match=r"cfg.optimizer.fp16 \(use bf16 or fp32\)"):
+        megatron_muon.bridge.install(cfg)
+    cfg.mixed_precision = "bf16_mixed"
+    megatron_muon.bridge.install(cfg)
+
+
+def test_install_makes_the_optimizer_config_ours_keeping_every_setting():
+    import megatron_muon.bridge
+
+    cfg = _config(**{"optimizer.lr": 0.02, "optimizer.muon_momentum": 0.8})
+    given = dataclasses.asdict(cfg.optimizer)
+    megatron_muon.bridge.install(cfg)
+    assert isinstance(cfg.optimizer, megatron_muon.bridge.MuonOptimizerConfig)
+    assert {k: v for k, v in dataclasses.asdict(cfg.optimizer).items() if k in given} == given
+    assert cfg.optimizer.muon_dist_mode == "owner"
+
+
+def test_bridges_qk_clip_is_ours_for_megatron_fsdp_models_only():
+    from unittest import mock
+
+    import megatron.bridge.training.train as bridge_train
+
+    import megatron_muon.bridge
+
+    megatron_muon.bridge.install(_config())
+    assert bridge_train.clip_qk is megatron_muon.bridge._clip_qk
+    fsdp_chunk = mock.Mock(spec=["install_optimized_model_weights", "finish_grad_sync"])
+    with mock.patch.object(megatron_muon.bridge.qk_clip, "take_max_attention_logit",
+                           return_value=7.0) as ours, \
+            mock.patch.object(megatron_muon.bridge, "_megatron_clip_qk") as megatron_cores:
+        assert bridge_train.clip_qk([fsdp_chunk]) == 7.0
+        ours.assert_called_once_with([fsdp_chunk])
+        megatron_cores.assert_not_called()
+        ddp_chunk = object()
+        bridge_train.clip_qk([ddp_chunk])
+        megatron_cores.assert_called_once_with([ddp_chunk], False)
+
+
+def test_undo_patches_leaves_bridge_and_builtins_as_they_were():
+    code = """
+import builtins, importlib
+real_import = builtins.__import__
+import megatron_muon.bridge
+from megatron_muon import upstream
+import bridge_pretrain, argparse
+owners = sorted({t.rpartition(".")[0] for t in upstream.PATCHES if t.startswith("megatron.bridge.")})
+before = {o: dict(vars(importlib.import_module(o))) for o in owners}
+cfg = bridge_pretrain.config(argparse.Namespace(strategy="optim", ddp=False, iters=1,
+    qk_clip=False, qk_clip_threshold=1.0, save=None, load=None, save_interval=None))
+megatron_muon.bridge.install(cfg)
+changed = [o for o in owners if dict(vars(importlib.import_module(o))) != before[o]]
+assert changed, owners
+upstream.undo_patches()
+after = {o: dict(vars(importlib.import_module(o))) for o in owners}
+assert after == before, [o for o in owners if after[o] != before[o]]
+assert builtins.__import__ is real_import
+print("restored", changed)
+"""
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, timeout=300, cwd=Path(__file__).resolve().parent,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "restored" in run.stdout
