@@ -45,6 +45,7 @@ def config(args) -> ConfigContainer:
         validation=ValidationConfig(eval_interval=None, eval_iters=0),
         optimizer=optimizer,
         scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0,
+                                  override_opt_param_scheduler=True,
                                   start_weight_decay=0.01, end_weight_decay=0.01),
         ddp=ddp,
         dataset=GPTDatasetConfig(random_seed=1234, seq_length=32, blend=None, blend_per_split=None,

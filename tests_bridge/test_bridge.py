@@ -21,11 +21,11 @@ ITERATIONS = 6
 
 
 @functools.cache
-def _train(*flags: str) -> str:
-    """The log of a W=2 Bridge run of bridge_pretrain.py with `flags`."""
+def _train(*flags: str, nproc: int = 2, iterations: int = ITERATIONS) -> str:
+    """The log of a Bridge run of bridge_pretrain.py with `flags` at W=`nproc`."""
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(SCRIPT), "--iters", str(ITERATIONS), *flags],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), str(SCRIPT), "--iters", str(iterations), *flags],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
@@ -44,6 +44,24 @@ def test_bridge_trains_muon_on_megatron_fsdp_as_megatron_core_on_ddp(strategy):
                 strategy, key, iteration, got[iteration], expected[iteration])
     losses = demo_log.exact_values(ours, "lm loss")
     assert losses[ITERATIONS] < losses[1] - 0.4  # it trains: 4.87 -> 4.29 here
+
+
+def test_a_run_resumed_from_bridges_checkpoint_continues_bit_identically_or_on_4_ranks(tmp_path):
+    """Bridge saves Megatron-FSDP runs in fsdp_dtensor: stopped after 3 iterations and resumed,
+    the run logs what the uninterrupted one does, bit for bit at W=2; resharded to W=4 (gradients
+    then add in another order) within tolerances.RTOL."""
+    uninterrupted = _train()
+    _train("--save", str(tmp_path), "--save-interval", "3", iterations=3)
+    assert (tmp_path / "iter_0000003").is_dir()
+    for nproc, rtol in ((2, 0.0), (4, tolerances.RTOL)):
+        resumed = _train("--load", str(tmp_path), nproc=nproc)
+        for key in ("lm loss", "grad norm"):
+            got, expected = (demo_log.exact_values(resumed, key),
+                             demo_log.exact_values(uninterrupted, key))
+            assert sorted(got) == [4, 5, 6], (nproc, key, got)
+            for iteration in got:
+                assert got[iteration] == pytest.approx(expected[iteration], rel=rtol, abs=0), (
+                    nproc, key, iteration, got[iteration], expected[iteration])
 
 
 def _config(**changes):
