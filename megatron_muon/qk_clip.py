@@ -150,9 +150,6 @@ def build_max_attention_logits(model_chunks, group, held_rows) -> MaxAttentionLo
                 f"{flag}: the max attention logits of {name}.core_attention "
                 f"({type(core).__name__}) cannot be observed; use megatron-core's local attention "
                 f"(--transformer-impl local) or TransformerEngine's (>= 2.9)")
-    if config.qk_clip and config.attention_output_gate:
-        raise ValueError("--qk-clip with --attention-output-gate: megatron-core's QK-clip does not "
-                         "define the gate rows of the fused q/k/v weight")
     clip = None
     if config.qk_clip:
         main_weights = [dict(named_main_weights(chunk)) for chunk in model_chunks]

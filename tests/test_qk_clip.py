@@ -181,7 +181,7 @@ def _refusals(rank, world_size):
                              r"\(LinearAttention\) cannot be observed")
     gated = fsdp_gpt(qk_clip=True)
     gated.config.attention_output_gate = True  # after the build: the local spec has no gate
-    _refused([gated], "--qk-clip with --attention-output-gate")
+    _refused([gated], "TransformerConfig.qk_clip with TransformerConfig.attention_output_gate")
     _refused([fsdp_gpt(qk_clip=True)], "--qk-clip: module.module.decoder.layers.0.self_attention."
              "linear_qkv.weight is not stepped by Muon",
              config_overrides={ParamKey(name="*linear_qkv.weight"): {"optimizer": "adam"}})
