@@ -6,8 +6,10 @@ and grad norm on the last rank:
 
 import argparse
 import os
+import types
 
 import megatron_muon.bridge  # first: on CPU, Bridge's GPU-only imports need its stand-ins
+from megatron_muon import qk_clip, upstream
 
 from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec  # noqa: E402
 from megatron.bridge.training.callbacks import Callback  # noqa: E402
@@ -67,8 +69,16 @@ class ExactValues(Callback):
     """Each iteration's loss and grad norm to every digit, on the last rank; first, which
     optimizer Bridge built."""
 
+    def __init__(self, observe_local_attention: bool):
+        self.observe_local_attention = observe_local_attention
+
     def on_train_start(self, context):
         print(f"optimizer: {type(context.optimizer).__name__}", flush=True)
+        if self.observe_local_attention:
+            # megatron-core's clip_qk reads the logits TransformerEngine's attention records;
+            # megatron-muon's recorder gives megatron-core's local attention the same attribute
+            # (our factory installs it for Megatron-FSDP; here for the DDP reference).
+            qk_clip.observe_max_attention_logits(context.model)
 
     def on_train_step_end(self, context):
         import torch.distributed as dist
@@ -80,6 +90,16 @@ class ExactValues(Callback):
         iteration = context.state.train_state.step + 1  # as Bridge logs it
         print(f" iteration {iteration:8d} | exact values | lm loss: {float(loss)!r} | "
               f"grad norm: {context.grad_norm!r} |", flush=True)
+
+
+def _megatron_cores_clip_qk_in_fp32(model, log_max_only=False):
+    """megatron-core's clip_qk on DDP chunks of an fp32 model: it reaches the layers through
+    chunk.module.module (DDP, then bf16's Float16Module), which an fp32 model lacks."""
+    from megatron.core.optimizer.qk_clip import clip_qk
+    from megatron.core.utils import unwrap_model
+
+    return clip_qk([types.SimpleNamespace(module=types.SimpleNamespace(module=unwrap_model(chunk)))
+                    for chunk in model], log_max_only)
 
 
 def main():
@@ -95,7 +115,10 @@ def main():
     args = parser.parse_args()
     cfg = config(args)
     megatron_muon.bridge.install(cfg)
-    pretrain(cfg, forward_step, callbacks=[ExactValues()])
+    if args.ddp and args.qk_clip:
+        upstream.patch("megatron.bridge.training.train.clip_qk", _megatron_cores_clip_qk_in_fp32)
+    pretrain(cfg, forward_step, callbacks=[ExactValues(observe_local_attention=args.qk_clip
+                                                       and args.ddp)])
 
 
 if __name__ == "__main__":
