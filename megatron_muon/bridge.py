@@ -21,20 +21,25 @@ Without CUDA it applies the CPU layer for Bridge (megatron_muon.cpu); with CUDA 
 """
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 import megatron.core.datasets.utils
 
-from . import cpu, factory, qk_clip, rules, upstream
+from . import checksums, cpu, factory, qk_clip, rules, upstream
 from .chained import find_megatron_fsdp
 from .zero_muon import DIST_MODES
 
 cpu.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
-upstream.check_bridge_patch_targets()
+upstream.import_bridge()
 
 import megatron.bridge.training.initialize  # noqa: E402  (after the stand-ins)
 import megatron.bridge.training.train  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.bridge.training.checkpointing import DefaultCheckpointManager  # noqa: E402
 from megatron.bridge.training.config import OptimizerConfig  # noqa: E402
+from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name  # noqa: E402
+from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix  # noqa: E402
 from megatron.bridge.training.mixed_precision import get_mixed_precision_config  # noqa: E402
 
 from .training import dataset_helper_is_prebuilt, skip_dataset_helper_build  # noqa: E402
@@ -64,6 +69,33 @@ class MuonOptimizerConfig(OptimizerConfig):
             muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps)
 
 
+class ChecksummedCheckpointManager(DefaultCheckpointManager):
+    """Bridge's own checkpoint manager plus megatron-muon's checksums (megatron_muon.checksums):
+    after a persistent, synchronous save each rank records its files' sizes and CRC-32s; before a
+    load the checkpoint Bridge will read (its own choice of it) is verified on every rank, and a
+    damaged file stops the run, named, before anything is read. install() makes it Bridge's
+    manager (cfg.checkpoint.custom_manager_class) for Muon on Megatron-FSDP in fsdp_dtensor."""
+
+    def save(self, ctx, callback_manager) -> None:
+        super().save(ctx, callback_manager)
+        config = self.checkpoint_config
+        if not ctx.non_persistent_ckpt and not config.async_save:
+            checksums.record_on_every_rank(
+                Path(get_checkpoint_name(config.save, ctx.state.train_state.step)))
+
+    def load(self, ctx):
+        config = self.checkpoint_config
+        if config.load is not None:
+            iteration, release = upstream.resolve_checkpoint_iteration(config.load,
+                                                                      config.ckpt_step)
+            if iteration == upstream.DIRECT_ITERATION_DIR:
+                checksums.verify_on_every_rank(Path(config.load))
+            elif iteration >= 0 or release:
+                checksums.verify_on_every_rank(
+                    Path(get_checkpoint_name(config.load, iteration, release)))
+        return super().load(ctx)
+
+
 def muon_on_megatron_fsdp(cfg) -> bool:
     """Whether a ConfigContainer asks for what megatron_muon provides."""
     return cfg.optimizer.optimizer == "muon" and (cfg.ddp.use_megatron_fsdp
@@ -91,12 +123,29 @@ def install(cfg) -> None:
             field.name: getattr(cfg.optimizer, field.name)
             for field in dataclasses.fields(cfg.optimizer) if field.init})
     upstream.patch("megatron.bridge.training.train.clip_qk", _clip_qk)
+    _checksum_checkpoints(cfg)
     if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
         # Bridge's initialize imports compile_helpers by name: patch its copy.
         upstream.patch("megatron.bridge.training.initialize.compile_helpers",
                        skip_dataset_helper_build)
     if cpu.apply_bridge_compat():
         cfg.dist.distributed_backend = "gloo"  # NCCL needs GPUs
+
+
+def _checksum_checkpoints(cfg) -> None:
+    """ChecksummedCheckpointManager for Muon on Megatron-FSDP in fsdp_dtensor, unless the user
+    brings a manager of their own (then said, once)."""
+    if not (muon_on_megatron_fsdp(cfg) and cfg.checkpoint.ckpt_format == "fsdp_dtensor"):
+        return
+    ours = f"{ChecksummedCheckpointManager.__module__}.{ChecksummedCheckpointManager.__name__}"
+    if cfg.checkpoint.custom_manager_class not in (None, ours):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            warnings.warn(f"cfg.checkpoint.custom_manager_class is "
+                          f"{cfg.checkpoint.custom_manager_class}: checkpoints are saved and "
+                          f"loaded without megatron-muon's checksums")
+        return
+    register_allowed_target_prefix(f"{__name__}.")  # Bridge instantiates allow-listed names only
+    cfg.checkpoint.custom_manager_class = ours
 
 
 def _reader(cfg):

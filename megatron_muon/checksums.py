@@ -8,8 +8,11 @@ the directory; at load the ranks split the recorded files between them (any worl
 
 import json
 import os
+import warnings
 import zlib
 from pathlib import Path
+
+import torch.distributed as dist
 
 MANIFESTS = "checksums"
 
@@ -65,3 +68,29 @@ def damage(checkpoint: Path, files: dict[str, dict], rank: int, world_size: int)
             problems.append(f"{path}: contents differ from the save (CRC-32 {crc}, "
                             f"{expected['crc32']} when saved)")
     return problems
+
+
+def record_on_every_rank(checkpoint: Path) -> None:
+    """After a save (persistent and complete): each rank records its files, then all wait."""
+    record(checkpoint, dist.get_rank())
+    dist.barrier()
+
+
+def verify_on_every_rank(checkpoint: Path) -> None:
+    """Check the checkpoint a load will read against its recorded checksums, the ranks sharing
+    the files; raise on every rank, naming each damaged file, before anything is read."""
+    if not checkpoint.is_dir():
+        return  # no checkpoint: the training loop warns and trains from scratch
+    files = recorded(checkpoint)
+    if files is None:
+        if dist.get_rank() == 0:
+            warnings.warn(f"{checkpoint} has no recorded checksums (saved without them): loading "
+                          f"it unverified")
+        return
+    everyones = [None] * dist.get_world_size()
+    dist.all_gather_object(everyones, damage(checkpoint, files, dist.get_rank(),
+                                             dist.get_world_size()))
+    problems = [problem for mine in everyones for problem in mine]
+    if problems:
+        raise RuntimeError(f"the checkpoint {checkpoint} is damaged; nothing was loaded:\n  "
+                           + "\n  ".join(problems))

@@ -41,7 +41,6 @@ import megatron.training.arguments
 import megatron.training.checkpointing
 import megatron.training.training
 import torch
-import torch.distributed as dist
 from megatron.training.checkpointing import get_checkpoint_name, get_load_checkpoint_path_by_args
 from megatron.training.utils import print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
@@ -177,38 +176,16 @@ def _save_checkpoint(iteration, *args, **kwargs):
             and not kwargs.get('non_persistent_ckpt', False)):
         checkpoint = get_checkpoint_name(flags.save, iteration, kwargs.get('release', False),
                                          return_base_dir=True)
-        checksums.record(Path(checkpoint), dist.get_rank())
-        dist.barrier()
+        checksums.record_on_every_rank(Path(checkpoint))
     return result
 
 
 def _load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', *args, **kwargs):
     flags = megatron.training.get_args()
     if _checksummed(flags) and getattr(flags, load_arg, None):
-        _verify(Path(get_load_checkpoint_path_by_args(flags, load_arg)))
+        checksums.verify_on_every_rank(Path(get_load_checkpoint_path_by_args(flags, load_arg)))
     return _megatron_load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args,
                                      **kwargs)
-
-
-def _verify(checkpoint: Path):
-    """Check the checkpoint --load will read (Megatron's own choice of it) against its recorded
-    checksums, the ranks sharing the files; raise on every rank, naming each damaged file, before
-    anything is read."""
-    if not checkpoint.is_dir():
-        return  # no checkpoint: Megatron warns and trains from scratch
-    files = checksums.recorded(checkpoint)
-    if files is None:
-        if dist.get_rank() == 0:
-            warnings.warn(f'{checkpoint} has no recorded checksums (saved without them): loading '
-                          f'it unverified')
-        return
-    everyones = [None] * dist.get_world_size()
-    dist.all_gather_object(everyones, checksums.damage(checkpoint, files, dist.get_rank(),
-                                                       dist.get_world_size()))
-    problems = [problem for mine in everyones for problem in mine]
-    if problems:
-        raise RuntimeError(f'the checkpoint {checkpoint} is damaged; nothing was loaded:\n  '
-                           + '\n  '.join(problems))
 
 
 def dataset_helper_is_prebuilt(datasets_dir: Path) -> bool:

@@ -232,9 +232,22 @@ def _raise_if_missing() -> None:
         + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")
 
 
-def check_bridge_patch_targets() -> None:
-    """What megatron_muon.bridge patches in Megatron-Bridge, as the import checks the rest."""
+# Megatron-Bridge's, resolved by import_bridge().
+resolve_checkpoint_iteration = None
+DIRECT_ITERATION_DIR = None
+
+
+def import_bridge() -> None:
+    """What megatron_muon.bridge takes from Megatron-Bridge, its patch targets and private names,
+    checked as importing megatron_muon checks the rest."""
+    global resolve_checkpoint_iteration, DIRECT_ITERATION_DIR
     _check_patch_targets(lambda target: target.startswith(_BRIDGE))
+    resolve_checkpoint_iteration = _borrow(
+        "megatron.bridge.training.checkpointing._resolve_checkpoint_iteration",
+        "which checkpoint Bridge's load reads (its own choice), to verify its checksums first")
+    DIRECT_ITERATION_DIR = _borrow(
+        "megatron.bridge.training.checkpointing._DIRECT_ITERATION_DIR_SENTINEL",
+        "what that choice returns when cfg.checkpoint.load is an iteration's directory")
     _raise_if_missing()
 
 

@@ -20,14 +20,19 @@ SCRIPT = Path(__file__).resolve().parent / "bridge_pretrain.py"
 ITERATIONS = 6
 
 
-@functools.cache
-def _train(*flags: str, nproc: int = 2, iterations: int = ITERATIONS) -> str:
-    """The log of a Bridge run of bridge_pretrain.py with `flags` at W=`nproc`."""
-    run = subprocess.run(
+def _run(*flags: str, nproc: int = 2, iterations: int = ITERATIONS) -> subprocess.CompletedProcess:
+    """A Bridge run of bridge_pretrain.py with `flags` at W=`nproc`."""
+    return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(nproc), str(SCRIPT), "--iters", str(iterations), *flags],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+@functools.cache
+def _train(*flags: str, nproc: int = 2, iterations: int = ITERATIONS) -> str:
+    """The log of a successful _run."""
+    run = _run(*flags, nproc=nproc, iterations=iterations)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return run.stdout + run.stderr
 
@@ -80,6 +85,19 @@ def test_a_run_resumed_from_bridges_checkpoint_continues_bit_identically_or_on_4
         resumed = _train("--load", str(tmp_path), nproc=nproc)
         assert sorted(demo_log.exact_values(resumed, "lm loss")) == [4, 5, 6], nproc
         _assert_same_values(resumed, later, rtol, f"resumed at W={nproc}")
+    # megatron-muon's checksums on Bridge's save path: recorded by each rank, verified at load.
+    checkpoint = tmp_path / "iter_0000003"
+    assert sorted(p.name for p in (checkpoint / "checksums").iterdir()) == ["rank0.json",
+                                                                             "rank1.json"]
+    shard = checkpoint / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    damaged = _run("--load", str(tmp_path))
+    assert damaged.returncode != 0
+    assert f"the checkpoint {checkpoint} is damaged; nothing was loaded" in damaged.stderr
+    assert f"{shard}: contents differ from the save" in damaged.stderr
+    assert "exact values" not in damaged.stdout
 
 
 def _config(**changes):
@@ -190,3 +208,17 @@ print("restored", changed)
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "restored" in run.stdout
+
+
+def test_install_checksums_bridges_fsdp_dtensor_checkpoints_unless_the_user_has_a_manager():
+    import megatron_muon.bridge
+
+    cfg = _config()
+    megatron_muon.bridge.install(cfg)
+    assert cfg.checkpoint.custom_manager_class == (
+        "megatron_muon.bridge.ChecksummedCheckpointManager")
+    theirs = _config(**{"checkpoint.custom_manager_class": "their.package.Manager"})
+    with pytest.warns(UserWarning, match="their.package.Manager: checkpoints are saved and "
+                                         "loaded without megatron-muon's checksums"):
+        megatron_muon.bridge.install(theirs)
+    assert theirs.checkpoint.custom_manager_class == "their.package.Manager"
