@@ -222,3 +222,24 @@ def test_install_checksums_bridges_fsdp_dtensor_checkpoints_unless_the_user_has_
                                          "loaded without megatron-muon's checksums"):
         megatron_muon.bridge.install(theirs)
     assert theirs.checkpoint.custom_manager_class == "their.package.Manager"
+
+
+def test_the_cpu_layer_for_bridge_changes_nothing_when_cuda_is_available():
+    code = """
+import builtins
+import torch
+real_import = builtins.__import__
+torch.cuda.is_available = lambda: True
+from megatron_muon import cpu, upstream
+assert cpu.stand_in_for_gpu_only_imports() is False
+assert cpu.apply_bridge_compat() is False
+assert builtins.__import__ is real_import and not upstream.is_patched("builtins.__import__")
+try:
+    import megatron.bridge.training.pretrain
+except ModuleNotFoundError as missing:  # no placeholder: TransformerEngine really is missing
+    print("missing", missing.name)
+"""
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "missing transformer_engine" in run.stdout
