@@ -53,6 +53,12 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='Stop with an error after this many optimizer steps in a row skipped '
                        'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '
                        'step is reported.')
+    group.add_argument('--muon-check-interval', type=_at_least_0, default=0,
+                       help='Every this many optimizer steps, also compute each Muon matrix\'s '
+                       'update whole (as --muon-dist-mode allgather does) and stop with an error, '
+                       'naming the matrix, where the owner exchange\'s differs (beyond fp32 '
+                       'Newton-Schulz\'s 0, or a lower precision\'s own error); 0: never. Costs '
+                       'nothing between checks.')
     return parser
 
 

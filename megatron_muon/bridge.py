@@ -59,6 +59,10 @@ class MuonOptimizerConfig(OptimizerConfig):
     muon_max_consecutive_skipped_steps: int = 10
     """Stop after this many steps in a row skipped for non-finite gradients; 0: never."""
 
+    muon_check_interval: int = 0
+    """Every this many steps, compare each Muon update with the whole-matrix reference
+    (ZeROTensorParallelMuon's check_interval); 0: never."""
+
     def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False,
                 pg_collection=None):
         chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
@@ -66,7 +70,8 @@ class MuonOptimizerConfig(OptimizerConfig):
             self, chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
             muon_dist_mode=self.muon_dist_mode,
-            muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps)
+            muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps,
+            muon_check_interval=self.muon_check_interval)
 
 
 class ChecksummedCheckpointManager(DefaultCheckpointManager):

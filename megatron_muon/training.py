@@ -122,6 +122,7 @@ def _get_megatron_optimizer(*args, **kwargs):
     return factory.get_megatron_optimizer(
         *args, muon_dist_mode=getattr(flags, 'muon_dist_mode', 'owner'),
         muon_max_consecutive_skipped_steps=getattr(flags, 'muon_max_consecutive_skipped_steps', 10),
+        muon_check_interval=getattr(flags, 'muon_check_interval', 0),
         **kwargs)
 
 

@@ -59,13 +59,13 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
-def _check_settings(dist_mode, byte_slack, max_batch_bytes, muon_kwargs) -> None:
+def _check_settings(dist_mode, byte_slack, max_batch_bytes, check_interval, muon_kwargs) -> None:
     """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
     after momentum has changed), naming Megatron's flag."""
     defaults = {name: parameter.default for name, parameter
                 in inspect.signature(TensorParallelMuon.__init__).parameters.items()}
     given = {**defaults, **muon_kwargs, "dist_mode": dist_mode, "byte_slack": byte_slack,
-             "max_batch_bytes": max_batch_bytes}
+             "max_batch_bytes": max_batch_bytes, "check_interval": check_interval}
     scale_modes = typing.get_args(MuonScaleT)
     rules = [  # (setting, Megatron flag, valid?, what it must be)
         ("dist_mode", "--muon-dist-mode", lambda v: v in DIST_MODES, f"one of {DIST_MODES}"),
@@ -78,6 +78,7 @@ def _check_settings(dist_mode, byte_slack, max_batch_bytes, muon_kwargs) -> None
         ("weight_decay", "--weight-decay", lambda v: v >= 0, "at least 0"),
         ("byte_slack", None, lambda v: v >= 0, "at least 0"),
         ("max_batch_bytes", None, lambda v: v > 0, "positive"),
+        ("check_interval", "--muon-check-interval", lambda v: v >= 0, "at least 0"),
     ]
     for name, flag, valid, expected in rules:
         if not valid(given[name]):
@@ -157,6 +158,11 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             this size, and consecutive batches are exchanged together up to this size (one
             collective per direction); one exchange is gathered while the previous one computes.
         param_names: {param: name}, for error messages.
+        check_interval: every this many steps (0: never), owner mode also computes every
+            matrix's update as "allgather" does and compares what the owners sent back with it
+            before anything is applied; above the bound (0 with fp32 `highest` Newton-Schulz,
+            else the reference's own distance from fp32 Newton-Schulz) it restores its params
+            and momentum and raises, naming the matrix. Off, it costs nothing.
         **kwargs: TensorParallelMuon's arguments.
 
     Every setting and param is checked at construction, before any state exists; an error names
@@ -165,11 +171,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
                  byte_slack: float = 0.05, max_batch_bytes: int = 64 << 20,
-                 param_names: dict | None = None, **kwargs: Any):
-        _check_settings(dist_mode, byte_slack, max_batch_bytes, kwargs)
+                 param_names: dict | None = None, check_interval: int = 0, **kwargs: Any):
+        _check_settings(dist_mode, byte_slack, max_batch_bytes, check_interval, kwargs)
         super().__init__(params, **kwargs)
         self.dp_group = dp_group
         self.dist_mode = dist_mode
+        self.check_interval = check_interval
+        self._steps = 0
         self._param_names = param_names or {}
         self._batched_ns_exact: dict[tuple, bool] = {}
         self._held_rows: dict[DTensor, tuple[int, int, int]] = {}
@@ -314,9 +322,14 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closure is not supported")
-        updates, lrs = {}, {}
+        self._steps += 1
+        checking = (self.check_interval and self.dist_mode == "owner"
+                    and self._steps % self.check_interval == 0)
         for group in self.param_groups:
             self._init_group(group)
+        restore = self._snapshot() if checking else None
+        updates, lrs = {}, {}
+        for group in self.param_groups:
             for p in group["params"]:
                 # Megatron-FSDP leaves grad=None where a rank's shard is empty.
                 local_param = p.to_local()
@@ -329,14 +342,81 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             p = plan.param_of(i)
             plan.rows_of(i, p.to_local()).add_(rows, alpha=-lrs[p])
 
+        results = {}
+
+        def keep(plan, i, rows):  # the exchange may reuse its buffers for the next one
+            results[plan, i] = rows.clone()
+
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
+            locals_ = []
             for plan in self._plans:
                 local = {i: plan.rows_of(i, updates[plan.param_of(i)]) for i in range(len(plan.matrices))}
+                locals_.append(local)
                 if self.dist_mode == "owner":
-                    self._owner_orthogonalize(plan, local, apply)
+                    self._owner_orthogonalize(plan, local, keep if checking else apply)
                 else:
                     self._allgather_orthogonalize(plan, local, apply)
+            if checking:
+                self._check_against_reference(locals_, results, restore)
+                for (plan, i), rows in results.items():
+                    apply(plan, i, rows)
         return None
+
+    def _snapshot(self):
+        """What restores this rank's params and momentum to now."""
+        saved = [(t, t.clone()) for group in self.param_groups for p in group["params"]
+                 for t in (p.to_local(), self.state[p]["momentum_buffer"].to_local())]
+        return lambda: [t.copy_(copy) for t, copy in saved]
+
+    def _check_against_reference(self, locals_: list, results: dict, restore) -> None:
+        """The check interval's comparison, before anything is applied: each matrix assembled
+        whole and orthogonalized by TensorParallelMuon as dist_mode="allgather" does; each rank
+        compares the owner's result for its rows; the largest difference and bound of each
+        matrix are reduced over its group. The bound: 0 with fp32 `highest` Newton-Schulz; at a
+        lower precision, where batched kernels may round differently (README, "Library"), the
+        reference's own distance from fp32 Newton-Schulz."""
+        worst, count, failures = 0.0, 0, []
+        for plan, local in zip(self._plans, locals_):
+            device = plan.param_of(0).to_local().device
+            diffs = torch.zeros(len(plan.matrices), dtype=torch.float64, device=device)
+            bounds = torch.zeros_like(diffs)
+            for i, matrix in enumerate(plan.matrices):
+                full = all_gather_rows(local[i], matrix.layout, plan.group)
+                attrs = _ParamAttributes(plan.param_of(i))
+                start, stop = matrix.layout.row_range(plan.rank)
+                reference = self.orthogonalize(attrs, full)[start:stop]
+                owners = results.get((plan, i))
+                if reference.numel() == 0 or owners is None:
+                    continue
+                diffs[i] = (owners - reference).abs().max()
+                if self.fp32_matmul_prec != "highest":
+                    with eo_utils.fp32_matmul_precision("highest"):
+                        fp32 = self.orthogonalize(attrs, full)[start:stop]
+                    bounds[i] = (reference - fp32).abs().max()
+            dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=plan.group)
+            dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=plan.group)
+            worst, count = max(worst, diffs.max().item() if len(diffs) else 0.0), count + len(diffs)
+            failures += [self._describe(plan, i, diffs[i].item(), bounds[i].item())
+                         for i in range(len(plan.matrices)) if diffs[i] > bounds[i]]
+        if failures:
+            restore()
+            raise RuntimeError(
+                f"muon check at step {self._steps}: the owner exchange's update differs from the "
+                f"reference (TensorParallelMuon on the whole matrix); nothing of this step was "
+                f"applied:\n  " + "\n  ".join(failures))
+        if dist.get_rank() == 0:
+            print(f"muon check at step {self._steps}: max |owner - reference| = {worst:.3e} over "
+                  f"{count} matrices", flush=True)
+
+    def _describe(self, plan: _GroupPlan, i: int, diff: float, bound: float) -> str:
+        param_index = plan.pieces[i][0]
+        p = plan.param_of(i)
+        expert = ""
+        if self._num_experts(p) > 1:
+            expert = f", expert {sum(1 for j in range(i) if plan.pieces[j][0] == param_index)}"
+        return (f"{self._name(p)}{expert}: shape {tuple(plan.matrices[i].shape)}, owner rank "
+                f"{plan.owners[i]} of its data-parallel group: max |owner - reference| = "
+                f"{diff:.6e} > bound {bound:.6e}")
 
     def _allgather_orthogonalize(self, plan: _GroupPlan, local: dict, apply) -> None:
         for i, matrix in enumerate(plan.matrices):

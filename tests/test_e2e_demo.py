@@ -46,16 +46,21 @@ def no_idle_workers():
     close_pools()
 
 
-def torchrun(*flags: str, iterations: int = ITERATIONS) -> list[float]:
+def torchrun_log(*flags: str, iterations: int = ITERATIONS) -> str:
     """Launch the demo with torchrun at W=2, as `make demo` does (its own precision); return
-    its training losses."""
+    its log."""
     run = subprocess.run(
         [str(TORCHRUN), '--standalone', '--nproc-per-node', '2', DEMO, '--train-iters',
          str(iterations), '--eval-iters', '0', *flags],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert run.returncode == 0, f'training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}'
-    return demo_log.losses(run.stdout, 1, iterations)
+    return run.stdout
+
+
+def torchrun(*flags: str, iterations: int = ITERATIONS) -> list[float]:
+    """The training losses of torchrun_log's run."""
+    return demo_log.losses(torchrun_log(*flags, iterations=iterations), 1, iterations)
 
 
 def _run_as_torchrun_would(rank, world_size, argv, log_dir):
@@ -122,8 +127,14 @@ def assert_loss_falls(losses: list[float]) -> None:
 
 def test_muon_on_megatron_fsdp_loss_falls():
     """The default: --optimizer muon through megatron_muon.training's switch and factory, at the
-    demo's own Newton-Schulz precision (the suite's header says which)."""
-    assert_loss_falls(torchrun('--optimizer', 'muon'))
+    demo's own Newton-Schulz precision (the suite's header says which), with the check interval:
+    every 10th step's updates also computed whole and compared (and found within the bound: a
+    failed check stops the run)."""
+    log = torchrun_log('--optimizer', 'muon', '--muon-check-interval', '10')
+    assert_loss_falls(demo_log.losses(log, 1, ITERATIONS))
+    checks = re.findall(r'^muon check at step (\d+): max \|owner - reference\| = \S+ over \d+ '
+                        r'matrices$', log, re.MULTILINE)
+    assert checks == ['10', '20'], checks
 
 
 # A smaller GPT than the demo's for the comparisons below: they test the sharding, not the model.

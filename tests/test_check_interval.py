@@ -1,0 +1,133 @@
+"""The check interval (ZeROTensorParallelMuon's check_interval, --muon-check-interval): every N-th
+step owner mode also computes each matrix's update as dist_mode="allgather" does and compares;
+a corrupted owner result is caught, named, and nothing of that step is applied; off (and between
+checks) it adds no collective. At W=2 and W=4 on real Megatron-FSDP, uneven shards and, at W=4,
+ranks holding nothing."""
+
+import re
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_models import MUON_KWARGS, batch, make_models, muon_param_groups, split_params
+from megatron_muon import ZeROTensorParallelMuon
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_to_all_single", "all_gather",
+               "broadcast", "reduce_scatter_tensor", "all_gather_object")
+
+
+def _muon(world_size, strategy="optim_grads_params", check_interval=0, precision="highest"):
+    _, fsdp = make_models(strategy, world_size)
+    matrices, _ = split_params(fsdp)
+    names = {p: n for n, p in fsdp.named_parameters()}
+    muon = ZeROTensorParallelMuon(muon_param_groups(matrices), check_interval=check_interval,
+                                  param_names=names,
+                                  **{**MUON_KWARGS, "fp32_matmul_prec": precision})
+    return fsdp, matrices, muon
+
+
+def _backward(fsdp, step, rank):
+    x, y = batch(step, rank)
+    torch.nn.functional.mse_loss(fsdp(x), y).backward()
+    if not fsdp.model_auto_sync:
+        fsdp.finish_grad_sync()
+
+
+def _counted_step(muon) -> int:
+    """How many collectives one step issues on this rank."""
+    calls = []
+    patches = [mock.patch.object(dist, name, side_effect=getattr(dist, name),
+                                 autospec=False) for name in COLLECTIVES]
+    for patch in patches:
+        calls.append(patch.start())
+    try:
+        muon.step()
+    finally:
+        for patch in patches:
+            patch.stop()
+    return sum(call.call_count for call in calls)
+
+
+def _checks(rank, world_size):
+    for strategy in ("no_shard", "optim", "optim_grads_params"):
+        fsdp, matrices, checked = _muon(world_size, strategy, check_interval=2)
+        _, same_matrices, plain = _muon(world_size, strategy)
+        for step in range(4):
+            _backward(fsdp, step, rank)
+            for p, q in zip(matrices, same_matrices):  # the same gradients, unchecked
+                q.grad = p.grad
+            counted, uncounted = _counted_step(checked), _counted_step(plain)
+            assert all(torch.equal(p.to_local(), q.to_local())  # the check changes no update
+                       for p, q in zip(matrices, same_matrices)), (strategy, step)
+            if step % 2 == 0:  # steps 1 and 3: no check, not one collective more
+                assert counted == uncounted, (strategy, step, counted, uncounted)
+            else:
+                assert counted > uncounted, (strategy, step, counted, uncounted)
+            fsdp.zero_grad_buffer()
+            checked.zero_grad()
+            plain.zero_grad()
+    return len(matrices)
+
+
+def _check_logs_and_costs_nothing_between(rank, world_size):
+    import builtins
+
+    printed = []
+    with mock.patch.object(builtins, "print", side_effect=lambda *a, **k: printed.append(a[0])):
+        matrices = _checks(rank, world_size)
+    lines = [line for line in printed if line.startswith("muon check at step")]
+    if rank != 0:
+        assert lines == []
+        return
+    assert len(lines) == 3 * 2, printed  # 3 strategies, steps 2 and 4
+    for line in lines:
+        assert re.fullmatch(r"muon check at step [24]: max \|owner - reference\| = "
+                            rf"0\.000e\+00 over {matrices} matrices", line), line
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_check_passes_exact_updates_and_adds_no_collective_between_checks(distributed,
+                                                                               world_size):
+    distributed(_check_logs_and_costs_nothing_between, world_size)
+
+
+def _corrupted_owner(rank, world_size):
+    fsdp, matrices, muon = _muon(world_size, check_interval=1)
+    _backward(fsdp, 0, rank)
+    before = [p.to_local().clone() for p in matrices]
+    orthogonalize_owned = muon._orthogonalize_owned
+    corrupt_rank = muon._plans[0].owners[0]  # a rank that owns a matrix
+
+    def corrupted(params, fulls, batch_key):
+        results = orthogonalize_owned(params, fulls, batch_key)
+        if rank == corrupt_rank and results and results[0].numel():
+            results[0] = results[0].clone()
+            results[0][0, 0] += 1e-3  # one element of one owner's result
+        return results
+
+    with mock.patch.object(muon, "_orthogonalize_owned", side_effect=corrupted):
+        with pytest.raises(RuntimeError) as caught:
+            muon.step()
+    message = str(caught.value)
+    assert "muon check at step 1: the owner exchange's update differs" in message, message
+    assert "nothing of this step was applied" in message
+    assert re.search(r"module\.\w+\.weight: shape \(\d+, \d+\), owner rank "
+                     rf"{corrupt_rank} of its data-parallel group: max \|owner - reference\| = "
+                     r"1\.0\d*e-03 > bound 0\.000000e\+00", message), message
+    # Nothing applied: weights (weight decay included) and momentum as before the step.
+    assert all(torch.equal(p.to_local(), b) for p, b in zip(matrices, before))
+    assert all(not muon.state[p]["momentum_buffer"].to_local().any() for p in matrices)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_corrupted_owner_result_is_caught_named_and_nothing_applied(distributed, world_size):
+    distributed(_corrupted_owner, world_size)
+
+
+def test_a_negative_check_interval_is_refused():
+    with pytest.raises(ValueError, match=r"check_interval \(--muon-check-interval\) must be at "
+                                         r"least 0, got -1"):
+        ZeROTensorParallelMuon([torch.nn.Parameter(torch.zeros(2, 2))], check_interval=-1,
+                               **MUON_KWARGS)
