@@ -38,9 +38,9 @@ import megatron.bridge.training.train  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.bridge.training.checkpointing import DefaultCheckpointManager  # noqa: E402
 from megatron.bridge.training.config import OptimizerConfig  # noqa: E402
+from megatron.bridge.training.mixed_precision import get_mixed_precision_config  # noqa: E402
 from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name  # noqa: E402
 from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix  # noqa: E402
-from megatron.bridge.training.mixed_precision import get_mixed_precision_config  # noqa: E402
 
 from .training import dataset_helper_is_prebuilt, skip_dataset_helper_build  # noqa: E402
 
@@ -49,7 +49,7 @@ _megatron_clip_qk = megatron.bridge.training.train.clip_qk
 
 @dataclasses.dataclass(kw_only=True)
 class MuonOptimizerConfig(OptimizerConfig):
-    """Bridge's OptimizerConfig plus megatron-muon's two settings, built by Bridge through
+    """Bridge's OptimizerConfig plus megatron-muon's settings (its flags'), built by Bridge through
     `provide()`: Muon on Megatron-FSDP is ours, everything else megatron-core's, as Bridge's
     setup_optimizer would build it."""
 
