@@ -377,22 +377,20 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         reference's own distance from fp32 Newton-Schulz."""
         worst, count, failures = 0.0, 0, []
         for plan, local in zip(self._plans, locals_):
+            references, fp32 = {}, {}
+            self._allgather_orthogonalize(plan, local, lambda _, i, rows: references.update({i: rows}))
+            if self.fp32_matmul_prec != "highest":
+                with eo_utils.fp32_matmul_precision("highest"):
+                    self._allgather_orthogonalize(plan, local,
+                                                  lambda _, i, rows: fp32.update({i: rows}))
             device = plan.param_of(0).to_local().device
             diffs = torch.zeros(len(plan.matrices), dtype=torch.float64, device=device)
             bounds = torch.zeros_like(diffs)
-            for i, matrix in enumerate(plan.matrices):
-                full = all_gather_rows(local[i], matrix.layout, plan.group)
-                attrs = _ParamAttributes(plan.param_of(i))
-                start, stop = matrix.layout.row_range(plan.rank)
-                reference = self.orthogonalize(attrs, full)[start:stop]
-                owners = results.get((plan, i))
-                if reference.numel() == 0 or owners is None:
-                    continue
-                diffs[i] = (owners - reference).abs().max()
-                if self.fp32_matmul_prec != "highest":
-                    with eo_utils.fp32_matmul_precision("highest"):
-                        fp32 = self.orthogonalize(attrs, full)[start:stop]
-                    bounds[i] = (reference - fp32).abs().max()
+            for i, reference in references.items():
+                if reference.numel() and (plan, i) in results:
+                    diffs[i] = (results[plan, i] - reference).abs().max()
+                    if fp32:
+                        bounds[i] = (reference - fp32[i]).abs().max()
             dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=plan.group)
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=plan.group)
             worst, count = max(worst, diffs.max().item() if len(diffs) else 0.0), count + len(diffs)

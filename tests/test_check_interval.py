@@ -93,18 +93,21 @@ def test_the_check_passes_exact_updates_and_adds_no_collective_between_checks(di
     distributed(_check_logs_and_costs_nothing_between, world_size)
 
 
-def _corrupted_owner(rank, world_size):
-    fsdp, matrices, muon = _muon(world_size, check_interval=1)
+def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3):
+    fsdp, matrices, muon = _muon(world_size, check_interval=1, precision=precision)
     _backward(fsdp, 0, rank)
     before = [p.to_local().clone() for p in matrices]
     orthogonalize_owned = muon._orthogonalize_owned
     corrupt_rank = muon._plans[0].owners[0]  # a rank that owns a matrix
 
+    corrupted_once = []
+
     def corrupted(params, fulls, batch_key):
         results = orthogonalize_owned(params, fulls, batch_key)
-        if rank == corrupt_rank and results and results[0].numel():
+        if rank == corrupt_rank and not corrupted_once and results and results[0].numel():
+            corrupted_once.append(True)
             results[0] = results[0].clone()
-            results[0][0, 0] += 1e-3  # one element of one owner's result
+            results[0][0, 0] += corruption  # one element of one owner's result
         return results
 
     with mock.patch.object(muon, "_orthogonalize_owned", side_effect=corrupted):
@@ -113,9 +116,15 @@ def _corrupted_owner(rank, world_size):
     message = str(caught.value)
     assert "muon check at step 1: the owner exchange's update differs" in message, message
     assert "nothing of this step was applied" in message
-    assert re.search(r"module\.\w+\.weight: shape \(\d+, \d+\), owner rank "
-                     rf"{corrupt_rank} of its data-parallel group: max \|owner - reference\| = "
-                     r"1\.0\d*e-03 > bound 0\.000000e\+00", message), message
+    found = re.search(r"module\.\w+\.weight: shape \(\d+, \d+\), owner rank "
+                      rf"{corrupt_rank} of its data-parallel group: max \|owner - reference\| = "
+                      r"(\S+) > bound (\S+)", message)
+    assert found and message.count("owner rank") == 1, message  # that matrix, and only it
+    difference, bound = float(found[1]), float(found[2])
+    if precision == "highest":
+        assert bound == 0 and difference == pytest.approx(corruption, rel=1e-3), message
+    else:  # bf16's own error against fp32 Newton-Schulz, well below the corruption
+        assert 0 < bound < corruption / 10 and difference > corruption / 2, message
     # Nothing applied: weights (weight decay included) and momentum as before the step.
     assert all(torch.equal(p.to_local(), b) for p, b in zip(matrices, before))
     assert all(not muon.state[p]["momentum_buffer"].to_local().any() for p in matrices)
@@ -124,6 +133,20 @@ def _corrupted_owner(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_corrupted_owner_result_is_caught_named_and_nothing_applied(distributed, world_size):
     distributed(_corrupted_owner, world_size)
+
+
+def _bf16_checks(rank, world_size):
+    fsdp, _, muon = _muon(world_size, check_interval=1, precision="medium")
+    for step in range(2):
+        _backward(fsdp, step, rank)
+        muon.step()  # owner and per-matrix reference within bf16's own error: no raise
+        fsdp.zero_grad_buffer()
+        muon.zero_grad()
+    _corrupted_owner(rank, world_size, precision="medium", corruption=1.0)
+
+
+def test_with_bf16_newton_schulz_the_bound_is_bf16s_own_error(distributed):
+    distributed(_bf16_checks, 2)
 
 
 def test_a_negative_check_interval_is_refused():
