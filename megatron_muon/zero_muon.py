@@ -378,7 +378,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         worst, count, failures = 0.0, 0, []
         for plan, local in zip(self._plans, locals_):
             references, fp32 = {}, {}
-            self._allgather_orthogonalize(plan, local, lambda _, i, rows: references.update({i: rows}))
+            self._allgather_orthogonalize(plan, local,
+                                          lambda _, i, rows: references.update({i: rows}))
             if self.fp32_matmul_prec != "highest":
                 with eo_utils.fp32_matmul_precision("highest"):
                     self._allgather_orthogonalize(plan, local,
