@@ -65,22 +65,23 @@ def test_each_rule_refuses_on_the_command_line(changes, on_the_command_line, in_
         "--optimizer muon with --use-megatron-fsdp does not support: " + on_the_command_line)
 
 
+def _section(settings: dict, name: str, **more) -> types.SimpleNamespace:
+    """The settings rules.SECTIONS places in section `name`, as a config object."""
+    return types.SimpleNamespace(**more, **{field: settings[field] for field, section
+                                            in rules.SECTIONS.items() if section == name})
+
+
 def _factory_chunk(settings):
-    ddp = {field: settings[field] for field, section in rules.SECTIONS.items() if section == "ddp"}
-    model = {field: settings[field] for field, section in rules.SECTIONS.items()
-             if section == "model"}
     return types.SimpleNamespace(install_optimized_model_weights=None, finish_grad_sync=None,
-                                 ddp_config=types.SimpleNamespace(**ddp),
-                                 config=types.SimpleNamespace(**model))
+                                 ddp_config=_section(settings, "ddp"),
+                                 config=_section(settings, "model"))
 
 
 @pytest.mark.parametrize("changes, on_the_command_line, in_the_factory", REFUSED)
 def test_each_rule_refuses_in_the_factory_with_the_config_fields_names(
         changes, on_the_command_line, in_the_factory):
     settings = {**SUPPORTED, **changes}
-    optimizer = {field: settings[field] for field, section in rules.SECTIONS.items()
-                 if section == "optimizer"}
-    config = types.SimpleNamespace(optimizer="muon", **optimizer)
+    config = _section(settings, "optimizer", optimizer="muon")
     with pytest.raises(Exception) as raised:
         get_megatron_optimizer(config, [_factory_chunk(settings)])
     if in_the_factory is None:  # checked, and passed: building the optimizer fails on the fakes
