@@ -9,6 +9,8 @@ import torch.distributed as dist
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.distributed.tensor import DTensor
 
+from .checks import (MuonCheckError, agree_on_every_rank, compute_weights_that_differ,
+                     replicas_that_differ)
 from .zero_muon import ZeROTensorParallelMuon
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,14 @@ class FSDPMuonChainedOptimizer:
     each step reduces the forward's max attention logits, and a step that updates the weights
     clips the main weights' q and k rows (MuonClip) before installing them.
 
+    The check interval (its Muon parts' `check_interval`, --muon-check-interval): on every N-th
+    iteration that updates the weights, the Muon parts compare the owner exchange with the
+    reference before applying anything; then the param sync runs in full at once
+    (megatron.training's force_param_sync) and replicas and compute weights are checked. One
+    line: `muon check at iteration K: max |owner - reference| = X over M matrices; replicas
+    equal; compute weights equal`, or every rank raises naming what differs. `iteration` is
+    Megatron's: every call of step, skipped steps too, continued from a checkpoint's step count.
+
     Checkpoints: `sharded_state_dict` / `load_state_dict` in Megatron's `fsdp_dtensor` format, and
     torch's `state_dict` / `load_state_dict` pair (the same dict).
     """
@@ -78,6 +88,13 @@ class FSDPMuonChainedOptimizer:
         self._consecutive_skipped_steps = 0
         self.max_attention_logits = max_attention_logits
         self._param_names = None
+        self.iteration = 0
+        self.muon_optimizers = [
+            part.optimizer for part in self._parts()
+            if isinstance(getattr(part, "optimizer", None), ZeROTensorParallelMuon)]
+        self.check_interval = max((muon.check_interval for muon in self.muon_optimizers), default=0)
+        for muon in self.muon_optimizers:
+            muon.log_checks = False  # one line per check, with the weights' checks: here
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
 
@@ -95,6 +112,10 @@ class FSDPMuonChainedOptimizer:
         chunk.finish_grad_sync = finish_grad_sync
 
     def step(self, *args, **kwargs):
+        self.iteration += 1
+        for muon in self.muon_optimizers:
+            muon.iteration = self.iteration - 1  # its step counts this one
+        checking = self.check_interval and self.iteration % self.check_interval == 0
         for index, (chunk, fsdp) in enumerate(zip(self.model_chunks, self._fsdp_models)):
             if index not in self._synced and not fsdp.model_auto_sync:
                 chunk.finish_grad_sync()
@@ -111,8 +132,36 @@ class FSDPMuonChainedOptimizer:
             self._successful_steps += 1
             if self.max_attention_logits is not None:
                 self.max_attention_logits.clip_main_weights()
-            self._install_weights_for_the_next_forward()
+            self._install_weights_for_the_next_forward(force_sync=bool(checking))
+            if checking:
+                self._check_weights()
         return result
+
+    def _check_weights(self):
+        """The check interval's second half, after the param sync; every rank raises or none."""
+        failures, replica_groups = [], 0
+        for chunk, fsdp in zip(self.model_chunks, self._fsdp_models):
+            differ, compared = replicas_that_differ(named_main_weights(chunk))
+            replica_groups += compared
+            failures += [f"{name}: its replicas differ" for name in differ]
+            failures += [f"{name}: the compute weights differ from the main weights"
+                         for name in compute_weights_that_differ(fsdp)]
+        device = next(self.model_chunks[0].parameters()).device
+        _, replica_groups, failures = agree_on_every_rank(0.0, replica_groups, failures, device)
+        if failures:
+            raise MuonCheckError(
+                f"muon check at iteration {self.iteration}: after the param sync the weights are "
+                f"not what this step made (the step was applied; the run stops):\n  "
+                + "\n  ".join(failures))
+        checks = [muon.last_check for muon in self.muon_optimizers
+                  if muon.last_check and muon.last_check.iteration == muon.iteration]
+        update = (f"max |owner - reference| = {max(c.worst for c in checks):.3e} over "
+                  f"{sum(c.matrices for c in checks)} matrices" if checks
+                  else "no owner exchange to compare (dist_mode allgather)")
+        replicas = "replicas equal" if replica_groups else "no replicas"
+        if dist.get_rank() == 0:
+            print(f"muon check at iteration {self.iteration}: {update}; {replicas}; compute "
+                  f"weights equal", flush=True)
 
     def _skipped_a_step(self):
         """Every rank comes here together (the flag is reduced), so all stop together."""
@@ -227,6 +276,7 @@ class FSDPMuonChainedOptimizer:
         if missing:
             raise KeyError(f"the checkpoint has no optimizer state for {missing}")
         self._successful_steps = int(state_dict["step"])
+        self.iteration = self._successful_steps
         for name, p, part, _ in named_params:
             part.optimizer.state[p].update(state_dict[self._section(part)][name])
         self._set_step_counts()

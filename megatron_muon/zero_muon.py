@@ -13,6 +13,7 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import upstream
+from .checks import CheckResult, MuonCheckError, agree_on_every_rank, data_parallel_dims
 from .exchange import OwnerExchange, all_gather_ints, all_gather_rows
 from .muon_math import momentum_update_
 from .plan import Matrix, batch_matrices, choose_owners, exchange_batches, qkv_row_blocks, row_layouts
@@ -22,24 +23,16 @@ DIST_MODES = typing.get_args(DistMode)
 TP_MODES = typing.get_args(inspect.signature(TensorParallelMuon.__init__).parameters["tp_mode"].annotation)
 
 
-def _data_parallel_dims(p: DTensor) -> list[int]:
-    """Mesh dims of Megatron-FSDP's data parallelism (row shards or replicas): all but TP's,
-    which Megatron-FSDP's dist index names."""
-    tp_dim_name = getattr(getattr(p, "megatron_fsdp_dist_index", None), "tp_dim", None)
-    names = p.device_mesh.mesh_dim_names or (None,) * p.device_mesh.ndim
-    return [i for i in range(p.device_mesh.ndim) if tp_dim_name is None or names[i] != tp_dim_name]
-
-
 def _shard_index(p: DTensor) -> int:
     """Which row shard of `p` this rank holds, from its mesh coordinate. Rows follow
     megatron_fsdp's chunk order (uneven_dtensor): the shard dim it visits first is the least
     significant. Replicas (no_shard, HSDP's outer dim) hold the same shard."""
     mesh, coordinate = p.device_mesh, p.device_mesh.get_coordinate()
     shard_order = upstream.mesh_shard_order(mesh) or range(mesh.ndim - 1, -1, -1)
-    data_parallel_dims = _data_parallel_dims(p)
+    dp_dims = data_parallel_dims(p)
     shard, stride = 0, 1
     for dim in reversed(shard_order):
-        if dim in data_parallel_dims and p.placements[dim] == Shard(0):
+        if dim in dp_dims and p.placements[dim] == Shard(0):
             shard, stride = shard + coordinate[dim] * stride, stride * mesh.size(dim)
     return shard
 
@@ -47,9 +40,9 @@ def _shard_index(p: DTensor) -> int:
 def _tp_local_rows(p: DTensor) -> int:
     """Rows of the 2-D matrix (3-D stacks: one row per last-dim vector) the data-parallel
     shards tile: the TP-local matrix when TP splits dim 0."""
-    rows, data_parallel_dims = p.shape[0], _data_parallel_dims(p)
+    rows, dp_dims = p.shape[0], data_parallel_dims(p)
     for mesh_dim, placement in enumerate(p.placements):
-        if placement == Shard(0) and mesh_dim not in data_parallel_dims:
+        if placement == Shard(0) and mesh_dim not in dp_dims:
             rows //= p.device_mesh.size(mesh_dim)
     return rows * math.prod(p.shape[1:-1])
 
@@ -158,11 +151,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             this size, and consecutive batches are exchanged together up to this size (one
             collective per direction); one exchange is gathered while the previous one computes.
         param_names: {param: name}, for error messages.
-        check_interval: every this many steps (0: never), owner mode also computes every
+        check_interval: every this many iterations (0: never), owner mode also computes every
             matrix's update as "allgather" does and compares what the owners sent back with it
             before anything is applied; above the bound (0 with fp32 `highest` Newton-Schulz,
             else the reference's own distance from fp32 Newton-Schulz) it restores its params
-            and momentum and raises, naming the matrix. Off, it costs nothing.
+            and momentum and raises on every rank, naming the matrix. Off, it costs nothing.
+            `iteration` counts its steps; FSDPMuonChainedOptimizer sets it to Megatron's
+            iteration (skipped steps count) and logs the check with its own.
         **kwargs: TensorParallelMuon's arguments.
 
     Every setting and param is checked at construction, before any state exists; an error names
@@ -177,7 +172,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.dp_group = dp_group
         self.dist_mode = dist_mode
         self.check_interval = check_interval
-        self._steps = 0
+        self.iteration = 0
+        self.log_checks = True  # False: the caller logs `last_check`
+        self.last_check: CheckResult | None = None
         self._param_names = param_names or {}
         self._batched_ns_exact: dict[tuple, bool] = {}
         self._held_rows: dict[DTensor, tuple[int, int, int]] = {}
@@ -188,11 +185,22 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         TP-local matrix of `rows` rows (3-D stacks: of their rows)."""
         return self._held_rows[p]
 
+    def bytes_received_per_step(self) -> int:
+        """What this rank receives in one owner step (gather and scatter), from its plan."""
+        return sum(sum(route.recv_counts) * plan.param_of(0).element_size()
+                   for plan in self._plans for exchange in plan.exchanges
+                   for route in (exchange.gather, exchange.scatter) if route.moves)
+
+    def _device(self) -> torch.device:
+        """The params' device, that of their process groups (CPU without params)."""
+        return next((p.to_local().device for group in self.param_groups for p in group["params"]),
+                    torch.device("cpu"))
+
     def _name(self, p) -> str:
         return self._param_names.get(p) or f"the parameter of shape {tuple(p.shape)}"
 
     def _exchange_group(self, p: DTensor):
-        dims = _data_parallel_dims(p)
+        dims = data_parallel_dims(p)
         size = math.prod(p.device_mesh.size(dim) for dim in dims)
         if self.dp_group is not None:
             if self.dp_group.size() != size:
@@ -237,7 +245,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         """(mesh dim name, size, placement) of each data-parallel mesh dim."""
         names = p.device_mesh.mesh_dim_names or (None,) * p.device_mesh.ndim
         return tuple((names[dim], p.device_mesh.size(dim), p.placements[dim])
-                     for dim in _data_parallel_dims(p))
+                     for dim in data_parallel_dims(p))
 
     @staticmethod
     def _num_experts(p) -> int:
@@ -322,9 +330,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closure is not supported")
-        self._steps += 1
+        self.iteration += 1
         checking = (self.check_interval and self.dist_mode == "owner"
-                    and self._steps % self.check_interval == 0)
+                    and self.iteration % self.check_interval == 0)
         for group in self.param_groups:
             self._init_group(group)
         restore = self._snapshot() if checking else None
@@ -375,7 +383,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         matrix are reduced over its group. The bound: 0 with fp32 `highest` Newton-Schulz; at a
         lower precision, where batched kernels may round differently (README, "Library"), the
         reference's own distance from fp32 Newton-Schulz."""
-        worst, count, failures = 0.0, 0, []
+        worst, owned, failures = 0.0, 0, []
         for plan, local in zip(self._plans, locals_):
             references, fp32 = {}, {}
             self._allgather_orthogonalize(plan, local,
@@ -394,18 +402,23 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                         bounds[i] = (reference - fp32[i]).abs().max()
             dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=plan.group)
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=plan.group)
-            worst, count = max(worst, diffs.max().item() if len(diffs) else 0.0), count + len(diffs)
+            worst = max(worst, diffs.max().item() if len(diffs) else 0.0)
+            owned += sum(owner == plan.rank for owner in plan.owners)
             failures += [self._describe(plan, i, diffs[i].item(), bounds[i].item())
-                         for i in range(len(plan.matrices)) if diffs[i] > bounds[i]]
+                         for i in range(len(plan.matrices))
+                         if diffs[i] > bounds[i] and plan.owners[i] == plan.rank]
+        # Over every rank: tensor-parallel ranks' data-parallel groups hold different matrices,
+        # and all ranks must stop together.
+        worst, matrices, failures = agree_on_every_rank(worst, owned, failures, self._device())
         if failures:
             restore()
-            raise RuntimeError(
-                f"muon check at step {self._steps}: the owner exchange's update differs from the "
-                f"reference (TensorParallelMuon on the whole matrix); nothing of this step was "
-                f"applied:\n  " + "\n  ".join(failures))
-        if dist.get_rank() == 0:
-            print(f"muon check at step {self._steps}: max |owner - reference| = {worst:.3e} over "
-                  f"{count} matrices", flush=True)
+            raise MuonCheckError(
+                f"muon check at iteration {self.iteration}: the owner exchange's update differs "
+                f"from the reference (TensorParallelMuon on the whole matrix); nothing of this "
+                f"step was applied:\n  " + "\n  ".join(failures))
+        self.last_check = CheckResult(self.iteration, worst, matrices)
+        if self.log_checks and dist.get_rank() == 0:
+            print(f"muon check at iteration {self.iteration}: {self.last_check}", flush=True)
 
     def _describe(self, plan: _GroupPlan, i: int, diff: float, bound: float) -> str:
         param_index = plan.pieces[i][0]
@@ -414,7 +427,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         if self._num_experts(p) > 1:
             expert = f", expert {sum(1 for j in range(i) if plan.pieces[j][0] == param_index)}"
         return (f"{self._name(p)}{expert}: shape {tuple(plan.matrices[i].shape)}, owner rank "
-                f"{plan.owners[i]} of its data-parallel group: max |owner - reference| = "
+                f"{plan.owners[i]} of its data-parallel group (global rank {dist.get_rank()}): "
+                f"max |owner - reference| = "
                 f"{diff:.6e} > bound {bound:.6e}")
 
     def _allgather_orthogonalize(self, plan: _GroupPlan, local: dict, apply) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from fsdp_models import MUON_KWARGS, batch, make_models, muon_param_groups, split_params
 from megatron_muon import ZeROTensorParallelMuon
+from megatron_muon.chained import named_main_weights
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_to_all_single", "all_gather",
                "broadcast", "reduce_scatter_tensor", "all_gather_object")
@@ -77,13 +78,13 @@ def _check_logs_and_costs_nothing_between(rank, world_size):
     printed = []
     with mock.patch.object(builtins, "print", side_effect=lambda *a, **k: printed.append(a[0])):
         matrices = _checks(rank, world_size)
-    lines = [line for line in printed if line.startswith("muon check at step")]
+    lines = [line for line in printed if line.startswith("muon check at iteration")]
     if rank != 0:
         assert lines == []
         return
     assert len(lines) == 3 * 2, printed  # 3 strategies, steps 2 and 4
     for line in lines:
-        assert re.fullmatch(r"muon check at step [24]: max \|owner - reference\| = "
+        assert re.fullmatch(r"muon check at iteration [24]: max \|owner - reference\| = "
                             rf"0\.000e\+00 over {matrices} matrices", line), line
 
 
@@ -114,10 +115,10 @@ def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3):
         with pytest.raises(RuntimeError) as caught:
             muon.step()
     message = str(caught.value)
-    assert "muon check at step 1: the owner exchange's update differs" in message, message
+    assert "muon check at iteration 1: the owner exchange's update differs" in message, message
     assert "nothing of this step was applied" in message
     found = re.search(r"module\.\w+\.weight: shape \(\d+, \d+\), owner rank "
-                      rf"{corrupt_rank} of its data-parallel group: max \|owner - reference\| = "
+                      rf"{corrupt_rank} of its data-parallel group \(global rank {corrupt_rank}\): max \|owner - reference\| = "
                       r"(\S+) > bound (\S+)", message)
     assert found and message.count("owner rank") == 1, message  # that matrix, and only it
     difference, bound = float(found[1]), float(found[2])
@@ -154,3 +155,101 @@ def test_a_negative_check_interval_is_refused():
                                          r"least 0, got -1"):
         ZeROTensorParallelMuon([torch.nn.Parameter(torch.zeros(2, 2))], check_interval=-1,
                                **MUON_KWARGS)
+
+
+# Through the factory and FSDPMuonChainedOptimizer, on megatron-core GPTs: (strategy, HSDP outer
+# strategy or None, expert parallel, tensor parallel, replicas in the log line).
+CHAIN_CASES = {
+    2: [("no_shard", None, 1, 1, True), ("optim", None, 1, 1, False),
+        ("optim_grads_params", None, 1, 1, False)],
+    4: [("optim_grads_params", "no_shard", 1, 1, True), ("optim_grads", None, 2, 1, False),
+        ("optim", None, 1, 2, False)],
+}
+CHAIN_LINE = (r"muon check at iteration (\d+): max \|owner - reference\| = 0\.000e\+00 over "
+              r"(\d+) matrices; (replicas equal|no replicas); compute weights equal")
+
+
+def _chain(case, check_interval=2):
+    from megatron_muon import get_megatron_optimizer
+    from megatron_muon.testing import fsdp_gpt, init_parallel_state, optimizer_config
+
+    strategy, outer, expert_parallel, tensor_parallel, _ = case
+    init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel,
+                        replicas=2 if outer else 1)
+    model = fsdp_gpt(strategy=strategy, outer_strategy=outer or "no_shard", overlap=True,
+                     num_experts=4 if expert_parallel > 1 else None)
+    return model, get_megatron_optimizer(optimizer_config(), [model],
+                                         muon_check_interval=check_interval)
+
+
+def _train(model, optimizer, iterations, nan_at=None):
+    from megatron.core import parallel_state
+
+    from megatron_muon.testing import lm_loss
+
+    for iteration in range(1, iterations + 1):
+        optimizer.zero_grad()
+        with model.no_sync():  # as Megatron's schedules mark the last micro-batch
+            pass
+        loss = lm_loss(model, iteration, parallel_state.get_data_parallel_rank())
+        (loss * float("nan") if iteration == nan_at else loss).backward()
+        optimizer.step()
+
+
+def _chain_logs(rank, world_size):
+    import builtins
+
+    for case in CHAIN_CASES[world_size]:
+        model, optimizer = _chain(case)
+        printed = []
+        with mock.patch.object(builtins, "print", side_effect=lambda *a, **k: printed.append(a[0])):
+            _train(model, optimizer, 5, nan_at=1)  # iteration 1 is skipped and still counts
+        optimizer.load_state_dict(optimizer.state_dict())  # iterations go on from the checkpoint
+        assert optimizer.iteration == 4, optimizer.iteration  # its successful steps
+        lines = [line for line in printed if line.startswith("muon check")]
+        if rank != 0:
+            assert lines == [], (case, lines)
+            continue
+        found = [re.fullmatch(CHAIN_LINE, line) for line in lines]
+        assert all(found) and [int(m[1]) for m in found] == [2, 4], (case, lines)
+        assert all(m[3] == ("replicas equal" if case[4] else "no replicas") for m in found), lines
+        assert all(int(m[2]) > 0 for m in found), lines
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_chain_logs_each_check_at_megatrons_iteration(distributed, world_size):
+    distributed(_chain_logs, world_size)
+
+
+def _broken_weights(rank, world_size):
+    """A param sync that leaves one rank's compute weights stale, and a replica that drifts: each
+    stops the run on every rank at the check, naming the param."""
+    model, optimizer = _chain(CHAIN_CASES[2][1])  # ZeRO-1: unsharded compute weights
+    fsdp = optimizer._fsdp_models[0]
+    sync = fsdp.start_param_sync
+
+    def stale_on_rank_1(*args, **kwargs):
+        sync(*args, **kwargs)
+        if rank == 1:
+            fsdp.param_and_grad_buffer.parameter_groups[0].model_weight_buffer.data[0] += 1
+
+    with mock.patch.object(fsdp, "start_param_sync", side_effect=stale_on_rank_1):
+        _train(model, optimizer, 1)  # no check: nothing noticed
+        with pytest.raises(RuntimeError) as caught:
+            _train(model, optimizer, 1)
+    message = str(caught.value)
+    assert message.startswith("muon check at iteration 2: after the param sync"), message
+    assert "the compute weights differ from the main weights" in message, message
+
+    model, optimizer = _chain(CHAIN_CASES[2][0])  # no_shard: replicated main weights
+    _train(model, optimizer, 1)
+    if rank == 1:
+        with torch.no_grad():
+            dict(named_main_weights(model))["module.module.output_layer.weight"].to_local()[0, 0] += 1
+    with pytest.raises(RuntimeError) as caught:
+        _train(model, optimizer, 1)
+    assert "module.module.output_layer.weight: its replicas differ" in str(caught.value)
+
+
+def test_stale_compute_weights_and_drifting_replicas_stop_the_run(distributed):
+    distributed(_broken_weights, 2)
