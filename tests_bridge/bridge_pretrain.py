@@ -112,9 +112,12 @@ def main():
     parser.add_argument("--save")
     parser.add_argument("--load")
     parser.add_argument("--save-interval", type=int, default=None)
+    parser.add_argument("--check-interval", type=int, default=0, help="muon_check_interval")
     args = parser.parse_args()
     cfg = config(args)
     megatron_muon.bridge.install(cfg)
+    if args.check_interval:  # a field of the MuonOptimizerConfig install() put in place
+        cfg.optimizer.muon_check_interval = args.check_interval
     if args.ddp and args.qk_clip:
         upstream.patch("megatron.bridge.training.train.clip_qk", _megatron_cores_clip_qk_in_fp32)
     pretrain(cfg, forward_step, callbacks=[ExactValues(observe_local_attention=args.qk_clip

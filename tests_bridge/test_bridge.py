@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,13 @@ import tolerances
 
 SCRIPT = Path(__file__).resolve().parent / "bridge_pretrain.py"
 ITERATIONS = 6
+CHECKED = ("--check-interval", "3")  # MuonOptimizerConfig.muon_check_interval
+CHECK_LINE = (r"^muon check at iteration (\d+): max \|owner - reference\| = 0\.000e\+00 over \d+ "
+              r"matrices; no replicas; compute weights equal$")
+
+
+def _checked_iterations(log: str) -> list[int]:
+    return [int(k) for k in re.findall(CHECK_LINE, log, re.MULTILINE)]
 
 
 def _run(*flags: str, nproc: int = 2, iterations: int = ITERATIONS) -> subprocess.CompletedProcess:
@@ -48,8 +56,9 @@ def _assert_same_values(got_log: str, expected_log: str, rtol: float, what) -> N
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_bridge_trains_muon_on_megatron_fsdp_as_megatron_core_on_ddp(strategy):
-    ours, reference = _train("--strategy", strategy), _train("--ddp")
+    ours, reference = _train("--strategy", strategy, *CHECKED), _train("--ddp")
     assert "optimizer: FSDPMuonChainedOptimizer" in ours
+    assert _checked_iterations(ours) == [3, 6], ours[-3000:]
     assert "FSDPMuonChainedOptimizer" not in reference
     assert sorted(demo_log.exact_values(ours, "lm loss")) == list(range(1, ITERATIONS + 1))
     _assert_same_values(ours, reference, tolerances.RTOL, strategy)
@@ -68,7 +77,8 @@ def test_muon_clip_through_bridge_clips_once_as_megatron_core_does_on_ddp():
     logits = demo_log.printed_values(ours, "max attention logit")
     assert len(logits) == ITERATIONS and logits == demo_log.printed_values(reference,
                                                                           "max attention logit")
-    unclipped = demo_log.exact_values(_train("--strategy", "optim_grads_params"), "lm loss")
+    unclipped = demo_log.exact_values(_train("--strategy", "optim_grads_params", *CHECKED),
+                                      "lm loss")
     assert abs(demo_log.exact_values(ours, "lm loss")[ITERATIONS] - unclipped[ITERATIONS]) > 1e-3
 
 
@@ -82,8 +92,9 @@ def test_a_run_resumed_from_bridges_checkpoint_continues_bit_identically_or_on_4
     later = ''.join(line + "\n" for line in uninterrupted.splitlines()
                     if not demo_log.EXACT_LINE.match(line) or int(line.split()[1]) > 3)
     for nproc, rtol in ((2, 0.0), (4, tolerances.RTOL)):
-        resumed = _train("--load", str(tmp_path), nproc=nproc)
+        resumed = _train("--load", str(tmp_path), *CHECKED, nproc=nproc)
         assert sorted(demo_log.exact_values(resumed, "lm loss")) == [4, 5, 6], nproc
+        assert _checked_iterations(resumed) == [6], nproc  # Bridge's iteration, continued
         _assert_same_values(resumed, later, rtol, f"resumed at W={nproc}")
     # megatron-muon's checksums on Bridge's save path: recorded by each rank, verified at load.
     checkpoint = tmp_path / "iter_0000003"
