@@ -19,6 +19,7 @@ bf16 set on a fp32 model: its params stay fp32 and so does its arithmetic.
 
 import argparse
 import inspect
+import io
 import json
 import os
 import statistics
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import torch
@@ -43,6 +44,8 @@ MEGATRON_CORE_MODES = ("ddp", "layerwise")  # on dense models without HSDP only
 # Megatron DDP and the layer-wise optimizer keep them; "owner" is ZeRO-3.
 ZERO1_MODE = "owner_zero1"
 SIDE_BY_SIDE_MODES = (ZERO1_MODE,) + MEGATRON_CORE_MODES
+# "owner" with --muon-check-interval 1: what a checked step costs (every N-th step with N).
+CHECKED_MODE = "owner_checked"
 WARMUP = 3
 
 
@@ -241,7 +244,8 @@ def build(shape, parallel, mode):
     config = optimizer_config("adam" if mode == "adam" else "muon",
                               muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION)
     optimizer = get_megatron_optimizer(config, [model],
-                                       muon_dist_mode="allgather" if mode == "allgather" else "owner")
+                                       muon_dist_mode="allgather" if mode == "allgather" else "owner",
+                                       muon_check_interval=1 if mode == CHECKED_MODE else 0)
     return model, optimizer, config
 
 
@@ -252,7 +256,7 @@ def measure(shape, parallel, steps):
     init_parallel_state(expert_parallel=parallel.get("expert_parallel", 1),
                         replicas=parallel.get("replicas", 1))
     rank = dist.get_rank()
-    modes = MODES + (SIDE_BY_SIDE_MODES if not parallel else ())
+    modes = MODES + ((CHECKED_MODE,) + SIDE_BY_SIDE_MODES if not parallel else ())
     built = {mode: build(shape, parallel, mode) for mode in modes}
     counters = {mode: StepCounter(config.muon_num_ns_steps) for mode, (_, _, config) in built.items()}
     trackers = {mode: TransientTracker() for mode in modes}
@@ -269,7 +273,8 @@ def measure(shape, parallel, steps):
             model.finish_grad_sync()
             dist.barrier()
             step_start = time.perf_counter()
-            with counters[mode].counting(), trackers[mode].tracking():
+            with counters[mode].counting(), trackers[mode].tracking(), \
+                    redirect_stdout(io.StringIO()):  # the checks' log lines
                 optimizer.step()
             dist.barrier()
             end = time.perf_counter()
@@ -398,6 +403,12 @@ def summarize(world, per_rank):
             if mode in row:
                 row[f"{ours}_over_{mode}_train_step"] = row[ours]["train_step_s"] / row[mode]["train_step_s"]
                 row[f"{ours}_over_{mode}_muon_step"] = row[ours]["muon_step_s"] / row[mode]["muon_step_s"]
+    if CHECKED_MODE in row:
+        checked, owner = row[CHECKED_MODE], row["owner"]
+        row["checked_step"] = dict(
+            over_owner_muon_step=checked["muon_step_s"] / owner["muon_step_s"],
+            extra_collectives=checked["collectives_per_step"] - owner["collectives_per_step"],
+            extra_bytes_per_rank=checked["comm_bytes_per_rank"] - owner["comm_bytes_per_rank"])
     row["largest_batch_bytes"] = plan["largest_batch_bytes"]
     row["owner_tradeoff"] = plan["owner_tradeoff"]
     row["newton_schulz_precision"] = NEWTON_SCHULZ_PRECISION
@@ -406,7 +417,8 @@ def summarize(world, per_rank):
 
 def _muon_modes(figures) -> list[str]:
     """The Muon modes a run measured: ours, then megatron-core's where the config has them."""
-    return [mode for mode in ("owner", "allgather") + SIDE_BY_SIDE_MODES if mode in figures]
+    return [mode for mode in ("owner", "allgather", CHECKED_MODE) + SIDE_BY_SIDE_MODES
+            if mode in figures]
 
 
 def _fixed(value) -> str:
@@ -447,6 +459,12 @@ def print_table(results):
                       f"{row[ours]['optimizer_state_bytes'] / 1e6:.2f} MB, DDP "
                       f"{row['ddp']['optimizer_state_bytes'] / 1e6:.2f}, layer-wise "
                       f"{row['layerwise']['optimizer_state_bytes'] / 1e6:.2f}")
+            if "checked_step" in row:
+                c = row["checked_step"]
+                print(f"{'':9} a checked step (--muon-check-interval; every N-th): "
+                      f"{c['over_owner_muon_step']:.2f}x the owner step, "
+                      f"{c['extra_collectives']:+d} collectives, "
+                      f"{c['extra_bytes_per_rank'] / 1e6:+.3f} MB/rank")
             if row["world_size"] > 1:
                 print(f"{'':9} byte slack -> (bytes/bound, NS max/mean): " + ", ".join(
                     f"{t['byte_slack']:g} -> ({_fixed(t['comm_ratio_to_bound'])}, "
