@@ -61,7 +61,7 @@ def add_demo_args(parser):
     # Megatron's medium (bf16), or fp32 where bf16 matmuls are emulated: 7x faster per iteration
     # there (docs/newton-schulz-precision.md).
     parser.set_defaults(**DEMO_DEFAULTS, muon_fp32_matmul_prec=cpu.fast_newton_schulz_precision())
-    # Local-spec experts with linear biases fail in backward without expert parallelism (mlp.py:354
+    # Local-spec experts with linear biases fail in backward without expert parallelism (MLP.forward
     # adds the bias in place to the view _ReduceFromModelParallelRegion returns): MoE, no biases.
     if parser.parse_known_args()[0].num_experts:
         parser.set_defaults(add_bias_linear=False)
@@ -124,8 +124,8 @@ def refuse_layer_wise_muon_in_fp32(args):
     """megatron-core 0.19.2's own Muon with --use-distributed-optimizer on Megatron DDP
     (LayerWiseDistributedOptimizer) cannot be built in fp32: it chains raw torch optimizers, which
     carry no config, and megatron-core's ChainedOptimizer stops on a bare AssertionError
-    (optimizer.py:1440) when it chains it with its Adam part. tests/test_megatron_core_paths.py
-    shows megatron-core's own factory failing alike."""
+    (in ChainedOptimizer.__init__) when it chains it with its Adam part.
+    tests/test_megatron_core_paths.py shows megatron-core's own factory failing alike."""
     if args.use_layer_wise_distributed_optimizer and not (args.bf16 or args.fp16):
         raise SystemExit(
             'pretrain_gpt.py: --optimizer muon --use-distributed-optimizer on Megatron DDP '

@@ -140,10 +140,11 @@ class _CudaTensorsOnCpu(torch.overrides.TorchFunctionMode):
     """Create on CPU the tensors Megatron asks for on CUDA; let CPU tensors pass its CUDA checks.
 
     Megatron and Megatron-FSDP create tensors with device='cuda', torch.cuda.current_device() or
-    torch.device('cuda', N) throughout (first at training/initialize.py:508, then training.py,
-    schedules.py:749, timers.py:302, optimizer.py:315, clip_grads.py:108, tensor_parallel/
-    layers.py:302, megatron_fsdp/param_and_grad_buffer.py:514...) and move tensors with
-    .to(current_device) (megatron_fsdp.py:251, param_and_grad_buffer.py:5149).
+    torch.device('cuda', N) throughout (first in initialize._warmup_jit_function, then training,
+    forward_backward_no_pipelining, Timers._get_elapsed_time_all_ranks,
+    MegatronOptimizer.has_grad_norm_group, get_grad_norm_fp32, VocabParallelEmbedding.__init__,
+    Megatron-FSDP's TemporaryBucketAllocator.allocate...) and move tensors with
+    .to(current_device) (MegatronFSDP.__init__, make_fsdp_dtensor through DTensor.from_local).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -154,7 +155,7 @@ class _CudaTensorsOnCpu(torch.overrides.TorchFunctionMode):
             args = (args[0], 'cpu', *args[2:])
         result = func(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # clip_grads.py:174 asserts grad.type() == 'torch.cuda.FloatTensor'.
+            # clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor'.
             return result.replace('torch.', 'torch.cuda.', 1)
         return result
 
@@ -187,9 +188,9 @@ def apply_megatron_training_compat() -> bool:
 
     upstream.patch('megatron.training.training.build_train_valid_test_data_iterators',
                    build_data_iterators_keeping_the_generator)
-    # arguments.py:1444 reads the device's compute capability when Megatron-FSDP is on.
+    # arguments.validate_args reads the device's compute capability when Megatron-FSDP is on.
     upstream.patch('megatron.training.arguments.get_device_arch_version', lambda: 0)
-    # pretrain() calls initialize_megatron without allow_no_cuda (initialize.py:66 asserts CUDA).
+    # pretrain() calls initialize_megatron without allow_no_cuda (which then asserts CUDA).
     upstream.patch('megatron.training.training.initialize_megatron',
                    _allowing_no_cuda(megatron.training.training.initialize_megatron))
     target = 'megatron.training.initialize._initialize_distributed'
@@ -285,15 +286,16 @@ def _create_cuda_tensors_on_cpu() -> None:
     also in backward, and the CPU generator's state where the CUDA one is saved."""
     if upstream.is_patched('torch.cuda.get_rng_state'):
         return
-    # rerun_state_machine.py:979 saves the CUDA RNG state every step (and :992 restores it on a
-    # rerun, next to the CPU state it also restores); CPU has no other generator.
+    # RerunStateMachine._save_state saves the CUDA RNG state every step (and _restore_state
+    # restores it on a rerun, next to the CPU state it also restores); CPU has no other generator.
     upstream.patch('torch.cuda.get_rng_state', lambda device='cuda': torch.get_rng_state())
     upstream.patch('torch.cuda.set_rng_state', lambda new_state, device='cuda': None)
     mode = _CudaTensorsOnCpu()
     upstream.enter_torch_function_mode(mode)
     # Tensor.backward runs inside the mode's own handler, where the mode is off: re-enter it for
     # autograd's engine, so backward functions create their tensors on CPU too (megatron-core's
-    # MoE token dispatcher all-gathers into device=current_device() in backward, mappings.py:145).
+    # MoE token dispatcher all-gathers into device=current_device() in backward, in
+    # tensor_parallel.mappings._gather_along_first_dim).
     engine_run_backward = upstream.current('torch.autograd._engine_run_backward')
 
     def engine_run_backward_in_mode(*args, **kwargs):
@@ -313,7 +315,7 @@ def _destroy_process_groups():
 
 
 def _initialize_distributed_on_cpu(initialize_distributed, *args, **kwargs):
-    """Megatron sets up model parallelism only when it sees a GPU (initialize.py:358).
+    """Megatron sets up model parallelism only when it sees a GPU (in _initialize_distributed).
 
     Start the (gloo) process group here, then let Megatron's own code build the model-parallel
     groups with a GPU presented (it only skips process-group setup, already done, and runs mpu

@@ -66,7 +66,7 @@ def gpt(shape: GPTShape = TINY, num_experts=None, **settings):
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         num_moe_experts=num_experts, moe_router_topk=2,
         # megatron-core's local experts add their bias in place on a custom-Function view
-        # (mlp.py:354), which autograd refuses: MoE models here have no linear biases.
+        # (in MLP.forward), which autograd refuses: MoE models here have no linear biases.
         add_bias_linear=num_experts is None,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,

@@ -3,10 +3,11 @@
 Call `install()` once, before Megatron parses its arguments (it is idempotent). It
 
 * makes `validate_args` accept muon with Megatron-FSDP, which Megatron refuses twice
-  (arguments.py:1127 "Megatron-FSDP does not support the muon optimizer yet" and arguments.py:1685
-  "Emerging optimizer does not support Megatron-FSDP for now"). Megatron validates that
-  combination as it would Adam on Megatron-FSDP, after `validate_muon_args` has refused what
-  Muon on Megatron-FSDP lacks; every other combination is validated, and refused, as before;
+  (megatron.training.arguments.validate_args asserts both "Megatron-FSDP does not support the
+  muon optimizer yet" and "Emerging optimizer does not support Megatron-FSDP for now").
+  Megatron validates that combination as it would Adam on Megatron-FSDP, after
+  `validate_muon_args` has refused what Muon on Megatron-FSDP lacks; every other combination is
+  validated, and refused, as before;
 * routes megatron.training's optimizer factory to `megatron_muon.factory.get_megatron_optimizer`
   with `--muon-dist-mode` (training.py imports the name, so megatron.core.optimizer's attribute is
   not the one it calls);

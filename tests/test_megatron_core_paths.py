@@ -27,8 +27,8 @@ REQUESTS = {
 # What megatron-core 0.19.2 (with emerging-optimizers 0.3.0) itself fails with, and why:
 MEGATRON_CORES_FAILURES = {
     # In fp32 LayerWiseDistributedOptimizer chains raw torch optimizers, so its config is None,
-    # and the ChainedOptimizer around it and its Adam part asserts equal configs
-    # (optimizer.py:1440); in bf16 it wraps them in Float16OptimizerWithFloat16Params, which
+    # and the ChainedOptimizer around it and its Adam part asserts equal configs (in its
+    # __init__); in bf16 it wraps them in Float16OptimizerWithFloat16Params, which
     # carry the config.
     "muon, layer-wise distributed optimizer, fp32": "AssertionError()",
     # Its TensorParallelAdaptiveMuon passes its scale mode under a name emerging-optimizers
