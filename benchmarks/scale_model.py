@@ -20,7 +20,6 @@ The assumptions are printed with the numbers.
 
 import argparse
 import bisect
-import inspect
 import json
 import math
 import os
@@ -123,8 +122,7 @@ def muon_matrices(model, rows: dict):
     """(dense, expert) Muon matrices, each [Matrix], as megatron_muon's factory and
     ZeROTensorParallelMuon make them at TP=1 (QKV split into q, k, v blocks)."""
     from megatron_muon.factory import _is_scalar_param, _tag_params, is_expert_param
-    from megatron_muon.plan import Matrix, RowLayout, qkv_row_blocks
-    from megatron_muon.zero_muon import orthogonalization_key
+    from megatron_muon.plan import Matrix, RowLayout, orthogonalization_key, qkv_row_blocks
 
     _tag_params([model])
     dense, expert = [], []
@@ -241,16 +239,12 @@ class Part:
 
     def __init__(self, matrices, world):
         from megatron_muon.exchange import OwnerExchange
-        from megatron_muon.plan import batch_matrices, choose_owners, exchange_batches
-        from megatron_muon.zero_muon import ZeROTensorParallelMuon
+        from megatron_muon.plan import owner_plan
 
-        defaults = inspect.signature(ZeROTensorParallelMuon.__init__).parameters
         self.matrices, self.world = matrices, world
         start = time.perf_counter()
-        self.owners = choose_owners(matrices, ELEMENT_BYTES, defaults["byte_slack"].default)
-        max_elements = defaults["max_batch_bytes"].default // ELEMENT_BYTES
-        self.batches = batch_matrices(matrices, max_elements)
-        self.exchanges = exchange_batches(matrices, self.batches, max_elements)
+        plan = owner_plan(matrices, ELEMENT_BYTES)
+        self.owners, self.batches, self.exchanges = plan.owners, plan.batches, plan.exchanges
         # What one rank builds at construction besides: its routes through every exchange.
         for batches in self.exchanges:
             OwnerExchange(matrices, self.owners, batches, 0, None)

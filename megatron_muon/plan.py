@@ -6,6 +6,10 @@ from functools import cached_property
 from itertools import accumulate
 from typing import Sequence
 
+# ZeROTensorParallelMuon's defaults, which the scale model plans with too.
+BYTE_SLACK = 0.05  # owners may move this fraction more than the layout's minimum bytes
+MAX_BATCH_BYTES = 64 << 20  # a batch of same-shape matrices, and an exchange, at most this size
+
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -304,3 +308,31 @@ def scatter_segments(matrices: Sequence[Matrix], owners: Sequence[int], batch: S
         return []
     return [(i, *matrices[i].layout.row_range(dst)) for i in batch
             if owners[i] == src and matrices[i].layout.held(dst)]
+
+
+def orthogonalization_key(attrs, splits_qkv: bool, tp_size: int) -> tuple | None:
+    """Matrices with equal keys (and shapes) are orthogonalized identically and may share one
+    batched Newton-Schulz; None: orthogonalize alone (QKV split, or TP Newton-Schulz).
+    `attrs`: the param's Megatron tags."""
+    if splits_qkv or tp_size > 1:
+        return None
+    return (getattr(attrs, "partition_dim", None), getattr(attrs, "expert_tp", False))
+
+
+@dataclass(frozen=True)
+class OwnerPlan:
+    """One exchange group's owner step, from shapes alone: each matrix's owner, the batches of
+    same-shape matrices orthogonalized together, and the exchanges (lists of consecutive
+    batches) that carry them, one collective per direction each."""
+    owners: list[int]
+    batches: list[list[int]]
+    exchanges: list[list[list[int]]]
+
+
+def owner_plan(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float = BYTE_SLACK,
+               max_batch_bytes: int = MAX_BATCH_BYTES) -> OwnerPlan:
+    """The owner plan ZeROTensorParallelMuon carries out, and the scale model estimates."""
+    max_elements = max_batch_bytes // element_bytes
+    batches = batch_matrices(matrices, max_elements)
+    return OwnerPlan(choose_owners(matrices, element_bytes, byte_slack), batches,
+                     exchange_batches(matrices, batches, max_elements))

@@ -16,7 +16,8 @@ from . import upstream
 from .checks import CheckResult, MuonCheckError, agree_on_every_rank, data_parallel_dims
 from .exchange import OwnerExchange, all_gather_ints, all_gather_rows
 from .muon_math import momentum_update_
-from .plan import Matrix, batch_matrices, choose_owners, exchange_batches, qkv_row_blocks, row_layouts
+from .plan import (BYTE_SLACK, MAX_BATCH_BYTES, Matrix, orthogonalization_key, owner_plan,
+                   qkv_row_blocks, row_layouts)
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -81,15 +82,6 @@ def _check_settings(dist_mode, byte_slack, max_batch_bytes, check_interval, muon
     if given["split_qkv"] and given["is_qkv_fn"] is None:
         raise ValueError("ZeROTensorParallelMuon: split_qkv (Megatron's default; "
                          "--muon-no-split-qkv turns it off) needs is_qkv_fn")
-
-
-def orthogonalization_key(attrs, splits_qkv: bool, tp_size: int) -> tuple | None:
-    """Matrices with equal keys (and shapes) are orthogonalized identically and may share one
-    batched Newton-Schulz; None: orthogonalize alone (QKV split, or TP Newton-Schulz).
-    `attrs`: the param's Megatron tags."""
-    if splits_qkv or tp_size > 1:
-        return None
-    return (getattr(attrs, "partition_dim", None), getattr(attrs, "expert_tp", False))
 
 
 class _ParamAttributes:
@@ -165,7 +157,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     """
 
     def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
-                 byte_slack: float = 0.05, max_batch_bytes: int = 64 << 20,
+                 byte_slack: float = BYTE_SLACK, max_batch_bytes: int = MAX_BATCH_BYTES,
                  param_names: dict | None = None, check_interval: int = 0, **kwargs: Any):
         _check_settings(dist_mode, byte_slack, max_batch_bytes, check_interval, kwargs)
         super().__init__(params, **kwargs)
@@ -176,9 +168,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.log_checks = True  # False: the caller logs `last_check`
         self.last_check: CheckResult | None = None
         self._param_names = param_names or {}
-        self._batched_ns_exact: dict[tuple, bool] = {}
         self._held_rows: dict[DTensor, tuple[int, int, int]] = {}
         self._plans = self._plan(byte_slack, max_batch_bytes)
+        self.batched_newton_schulz = self._choose_batched_newton_schulz()
 
     def held_rows(self, p: DTensor) -> tuple[int, int, int]:
         """(start, stop, rows): this rank's shard of `p` holds rows [start, stop) of its
@@ -283,13 +275,11 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                     matrices.append(Matrix(layout.piece(start, start + rows), p.to_local().shape[-1],
                                            self._batch_key(p), self._row_blocks(p)))
                     pieces.append((index, *layout.local_range(rank, start, start + rows)))
-            element_bytes = params[0].element_size()
             # TP ranks hold equally shaped TP-local matrices laid out alike, so they pick the same
             # owners: TP Newton-Schulz then meets its TP peers on the same matrix.
-            owners = choose_owners(matrices, element_bytes, byte_slack)
-            max_elements = max_batch_bytes // element_bytes
-            exchanges = exchange_batches(matrices, batch_matrices(matrices, max_elements), max_elements)
-            plans.append(_GroupPlan(params, matrices, pieces, owners, exchanges, exchange_group))
+            plan = owner_plan(matrices, params[0].element_size(), byte_slack, max_batch_bytes)
+            plans.append(_GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges,
+                                    exchange_group))
         return plans
 
     def _tp_group(self, attrs):
@@ -468,29 +458,39 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         finish_scatter(len(exchanges) - 1)
 
     def _orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
-        """Newton-Schulz on the full matrices this rank owns in one batch: one batched call, or
-        one call each where fp32 `highest` Newton-Schulz would not be bit-identical batched.
-        With `medium`/`low` (bf16/tf32 matmuls) the backend's batched kernels may round
-        differently from its per-matrix ones, by less than that precision's own error (README)."""
-        batch = len(fulls) > 1 and batch_key is not None and (
-            self.fp32_matmul_prec != "highest"
-            or self._batched_is_exact(params[0], fulls[0].shape, batch_key))
-        if batch:
+        """Newton-Schulz on the full matrices this rank owns in one batch: one batched call where
+        `batched_newton_schulz` allows it, else one call each."""
+        if len(fulls) > 1 and self.batched_newton_schulz.get((tuple(fulls[0].shape), batch_key)):
             return list(self.orthogonalize(_ParamAttributes(params[0]), torch.stack(fulls)).unbind())
         return [self.orthogonalize(_ParamAttributes(p), full) for p, full in zip(params, fulls)]
 
-    def _batched_is_exact(self, p, shape, batch_key) -> bool:
-        """Whether batched Newton-Schulz reproduces the per-matrix bits for this shape here: the
-        backend may pick other kernels for 3-D input (seen on CPU for 7x13, not for 256x1024).
-        Checked once per shape and orthogonalization, on two random matrices on the params'
-        device (where the kernels that matter run)."""
-        key = (tuple(shape), batch_key)
-        if key not in self._batched_ns_exact:
-            device = p.to_local().device
-            sample = torch.randn((2, *shape), device=device,
-                                 generator=torch.Generator(device).manual_seed(0))
-            attrs = _ParamAttributes(p)
+    @torch.no_grad()
+    def _choose_batched_newton_schulz(self) -> dict[tuple, bool]:
+        """{(shape, batch key): whether this rank orthogonalizes its owned batches of that shape
+        in one batched call}, decided here, at construction, for the batches it owns. At fp32
+        `highest` only where batched Newton-Schulz reproduces the per-matrix bits on the params'
+        device (the backend may pick other kernels for 3-D input: seen on CPU for 7x13, not for
+        256x1024), tried on two random matrices; at `medium`/`low` (bf16/tf32 matmuls) always, the
+        batched kernels rounding differently by less than that precision's own error (README)."""
+        chosen = {}
+        for plan in self._plans:
+            for exchange in plan.exchanges:
+                for owned in exchange.owned_batches:
+                    matrix = plan.matrices[owned[0]] if len(owned) > 1 else None
+                    if matrix is None or matrix.batch_key is None:
+                        continue
+                    key = (matrix.shape, matrix.batch_key)
+                    if key not in chosen:
+                        chosen[key] = (self.fp32_matmul_prec != "highest"
+                                       or self._batched_is_exact(plan.param_of(owned[0]), key))
+        return chosen
+
+    def _batched_is_exact(self, p, key: tuple) -> bool:
+        device = p.to_local().device
+        sample = torch.randn((2, *key[0]), device=device,
+                             generator=torch.Generator(device).manual_seed(0))
+        attrs = _ParamAttributes(p)
+        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
             batched = self.orthogonalize(attrs, sample)
             single = torch.stack([self.orthogonalize(attrs, m) for m in sample])
-            self._batched_ns_exact[key] = torch.equal(batched, single)
-        return self._batched_ns_exact[key]
+        return torch.equal(batched, single)
