@@ -310,6 +310,15 @@ def scatter_segments(matrices: Sequence[Matrix], owners: Sequence[int], batch: S
             if owners[i] == src and matrices[i].layout.held(dst)]
 
 
+def split_matrices(layout: RowLayout, experts: int, cols: int, batch_key=None,
+                   row_blocks: tuple[int, ...] | None = None) -> list[tuple[int, Matrix]]:
+    """The matrices Muon orthogonalizes in a param of `layout`: the param itself, or each expert
+    of a stack of `experts`, with the first of its rows in the param."""
+    rows = layout.num_rows // experts
+    return [(start, Matrix(layout.piece(start, start + rows), cols, batch_key, row_blocks))
+            for start in range(0, layout.num_rows, rows)]
+
+
 def orthogonalization_key(attrs, splits_qkv: bool, tp_size: int) -> tuple | None:
     """Matrices with equal keys (and shapes) are orthogonalized identically and may share one
     batched Newton-Schulz; None: orthogonalize alone (QKV split, or TP Newton-Schulz).

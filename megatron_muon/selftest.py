@@ -123,16 +123,16 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
 def _corrupt_one_owner_result(muon):
     """--corrupt: on checked iterations, one element of the first result of each batch an owner
     orthogonalizes is off by 1e-3 (what a broken exchange would do); the check must catch it."""
-    orthogonalize_owned = muon._orthogonalize_owned
+    owned_results = muon.orthogonalize_owned
 
     def corrupted(params, fulls, batch_key):
-        results = orthogonalize_owned(params, fulls, batch_key)
+        results = owned_results(params, fulls, batch_key)
         if muon.iteration % CHECK_INTERVAL == 0 and results and results[0].numel():
             results[0] = results[0].clone()
             results[0][(0,) * results[0].dim()] += 1e-3
         return results
 
-    muon._orthogonalize_owned = corrupted
+    muon.orthogonalize_owned = corrupted
 
 
 @contextlib.contextmanager

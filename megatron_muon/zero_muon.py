@@ -16,8 +16,8 @@ from . import upstream
 from .checks import CheckResult, MuonCheckError, agree_on_every_rank, data_parallel_dims
 from .exchange import OwnerExchange, all_gather_ints, all_gather_rows
 from .muon_math import momentum_update_
-from .plan import (BYTE_SLACK, MAX_BATCH_BYTES, Matrix, orthogonalization_key, owner_plan,
-                   qkv_row_blocks, row_layouts)
+from .plan import (BYTE_SLACK, MAX_BATCH_BYTES, RowLayout, orthogonalization_key, owner_plan,
+                   qkv_row_blocks, row_layouts, split_matrices)
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -169,7 +169,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.last_check: CheckResult | None = None
         self._param_names = param_names or {}
         self._held_rows: dict[DTensor, tuple[int, int, int]] = {}
-        self._plans = self._plan(byte_slack, max_batch_bytes)
+        self._validate_all()
+        self._plans = [self._plan_group(params, group, byte_slack, max_batch_bytes)
+                       for (group, _), params in self._exchange_groups().items()]
         self.batched_newton_schulz = self._choose_batched_newton_schulz()
 
     def held_rows(self, p: DTensor) -> tuple[int, int, int]:
@@ -243,10 +245,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def _num_experts(p) -> int:
         return getattr(_ParamAttributes(p), "num_stacked_experts", 1)
 
-    def _plan(self, byte_slack: float, max_batch_bytes: int) -> list[_GroupPlan]:
-        """Validate every param and plan each exchange group: its row layouts are learned with
-        one collective per group, here at construction, never per step."""
-        by_group: dict[Any, list[DTensor]] = {}
+    def _validate_all(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 self._validate(p)
@@ -256,31 +255,43 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                 raise ValueError(
                     f"one param group mixes data-parallel layouts: {self._name(first)} {a} and "
                     f"{self._name(second)} {b}; put dense and expert params in separate groups")
+
+    def _exchange_groups(self) -> dict:
+        """{(process group, data-parallel layout): its params}: dense params over dp_cp, experts
+        over expert data parallelism, each exchanged within its group."""
+        by_group: dict[Any, list[DTensor]] = {}
+        for group in self.param_groups:
             for p in group["params"]:
                 key = (self._exchange_group(p), self._data_parallel_layout(p))
                 by_group.setdefault(key, []).append(p)
-        plans = []
-        for (exchange_group, _), params in by_group.items():
-            table = all_gather_ints(
-                [_shard_index(params[0])] + [_as_rows(p.to_local()).shape[0] for p in params],
-                exchange_group, params[0].to_local().device)
-            layouts = row_layouts([row[0] for row in table], [row[1:] for row in table],
-                                  [_tp_local_rows(p) for p in params])
-            rank = dist.get_rank(exchange_group)
-            matrices, pieces = [], []
-            for index, (p, layout) in enumerate(zip(params, layouts)):
-                self._held_rows[p] = (*layout.row_range(rank), layout.num_rows)
-                rows = layout.num_rows // self._num_experts(p)
-                for start in range(0, layout.num_rows, rows):
-                    matrices.append(Matrix(layout.piece(start, start + rows), p.to_local().shape[-1],
-                                           self._batch_key(p), self._row_blocks(p)))
-                    pieces.append((index, *layout.local_range(rank, start, start + rows)))
-            # TP ranks hold equally shaped TP-local matrices laid out alike, so they pick the same
-            # owners: TP Newton-Schulz then meets its TP peers on the same matrix.
-            plan = owner_plan(matrices, params[0].element_size(), byte_slack, max_batch_bytes)
-            plans.append(_GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges,
-                                    exchange_group))
-        return plans
+        return by_group
+
+    @staticmethod
+    def _learn_layouts(params: list, group) -> list[RowLayout]:
+        """Each param's row layout over `group`: which shard each rank holds and how many rows
+        (one collective for all of them, at construction, never per step)."""
+        table = all_gather_ints(
+            [_shard_index(params[0])] + [_as_rows(p.to_local()).shape[0] for p in params],
+            group, params[0].to_local().device)
+        return row_layouts([row[0] for row in table], [row[1:] for row in table],
+                           [_tp_local_rows(p) for p in params])
+
+    def _plan_group(self, params: list, group, byte_slack: float,
+                    max_batch_bytes: int) -> _GroupPlan:
+        layouts = self._learn_layouts(params, group)
+        rank = dist.get_rank(group)
+        matrices, pieces = [], []
+        for index, (p, layout) in enumerate(zip(params, layouts)):
+            self._held_rows[p] = (*layout.row_range(rank), layout.num_rows)
+            cols = p.to_local().shape[-1]
+            for start, matrix in split_matrices(layout, self._num_experts(p), cols,
+                                                self._batch_key(p), self._row_blocks(p)):
+                matrices.append(matrix)
+                pieces.append((index, *layout.local_range(rank, start, start + matrix.shape[0])))
+        # TP ranks hold equally shaped TP-local matrices laid out alike, so they pick the same
+        # owners: TP Newton-Schulz then meets its TP peers on the same matrix.
+        plan = owner_plan(matrices, params[0].element_size(), byte_slack, max_batch_bytes)
+        return _GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group)
 
     def _tp_group(self, attrs):
         # As TensorParallelMuon.orthogonalize chooses it.
@@ -451,15 +462,17 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             fulls, results = iter(exchange.finish_gather()), []
             for owned in exchange.owned_batches:
                 if owned:
-                    results += self._orthogonalize_owned(
+                    results += self.orthogonalize_owned(
                         [plan.param_of(i) for i in owned], [next(fulls) for _ in owned],
                         plan.matrices[owned[0]].batch_key)
             exchange.start_scatter(results)
         finish_scatter(len(exchanges) - 1)
 
-    def _orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
+    def orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
         """Newton-Schulz on the full matrices this rank owns in one batch: one batched call where
-        `batched_newton_schulz` allows it, else one call each."""
+        `batched_newton_schulz` allows it, else one call each. The owner's hook: what it returns
+        is what the owner exchange sends back (the check interval compares it with the
+        reference)."""
         if len(fulls) > 1 and self.batched_newton_schulz.get((tuple(fulls[0].shape), batch_key)):
             return list(self.orthogonalize(_ParamAttributes(params[0]), torch.stack(fulls)).unbind())
         return [self.orthogonalize(_ParamAttributes(p), full) for p, full in zip(params, fulls)]

@@ -98,20 +98,20 @@ def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3):
     fsdp, matrices, muon = _muon(world_size, check_interval=1, precision=precision)
     _backward(fsdp, 0, rank)
     before = [p.to_local().clone() for p in matrices]
-    orthogonalize_owned = muon._orthogonalize_owned
+    owned_results = muon.orthogonalize_owned
     corrupt_rank = muon._plans[0].owners[0]  # a rank that owns a matrix
 
     corrupted_once = []
 
     def corrupted(params, fulls, batch_key):
-        results = orthogonalize_owned(params, fulls, batch_key)
+        results = owned_results(params, fulls, batch_key)
         if rank == corrupt_rank and not corrupted_once and results and results[0].numel():
             corrupted_once.append(True)
             results[0] = results[0].clone()
             results[0][0, 0] += corruption  # one element of one owner's result
         return results
 
-    with mock.patch.object(muon, "_orthogonalize_owned", side_effect=corrupted):
+    with mock.patch.object(muon, "orthogonalize_owned", side_effect=corrupted):
         with pytest.raises(RuntimeError) as caught:
             muon.step()
     message = str(caught.value)
