@@ -222,7 +222,8 @@ class FSDPMuonChainedOptimizer:
         names, local experts renamed to their global index so expert-parallel ranks never share
         a key."""
         if self._param_names is None:
-            by_name = {name: p for chunk in self.model_chunks for name, p in named_main_weights(chunk)}
+            by_name = {name: p for chunk in self.model_chunks
+                       for name, p in named_main_weights(chunk)}
             num_experts = getattr(self.model_chunks[0].config, "num_moe_experts", None)
             by_name = handle_experts_in_state_dict(by_name, num_experts)
             self._param_names = {p: name for name, p in by_name.items()}

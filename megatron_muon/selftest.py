@@ -1,4 +1,5 @@
-"""Prove megatron-muon exact on this cluster: `torchrun --nproc-per-node N -m megatron_muon.selftest`.
+"""Prove megatron-muon exact on this cluster:
+`torchrun --nproc-per-node N -m megatron_muon.selftest`.
 
 For each sharding strategy and, where the world size allows, tensor parallelism 2, expert
 parallelism 2 and HSDP (2 replicas), it builds a small megatron-core GPT on Megatron-FSDP, trains a
@@ -100,18 +101,21 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
             pass
         lm_loss(model, iteration, parallel_state.get_data_parallel_rank(), shape).backward()
         _synchronize()
+        before = [(clock.flops, clock.seconds) for clock in clocks]
         start = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):  # the checks' own lines
             optimizer.step()
         _synchronize()
         if iteration % CHECK_INTERVAL:
             step_seconds.append(time.perf_counter() - start)
-        else:
+        else:  # timed: the unchecked steps alone (a check runs the reference's Newton-Schulz too)
             worst = max([worst] + [muon.last_check.worst for muon in optimizer.muon_optimizers])
+            for clock, (flops, seconds) in zip(clocks, before):
+                clock.flops, clock.seconds = flops, seconds
     device = next(model.parameters()).device
-    figures = torch.tensor([statistics.median(step_seconds),
-                            sum(muon.bytes_received_per_step() for muon in optimizer.muon_optimizers)],
-                           dtype=torch.float64, device=device)
+    received = sum(muon.bytes_received_per_step() for muon in optimizer.muon_optimizers)
+    figures = torch.tensor([statistics.median(step_seconds), received], dtype=torch.float64,
+                           device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     work = torch.tensor([sum(c.flops for c in clocks), sum(c.seconds for c in clocks)],
                         dtype=torch.float64, device=device)

@@ -118,7 +118,8 @@ def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3):
     assert "muon check at iteration 1: the owner exchange's update differs" in message, message
     assert "nothing of this step was applied" in message
     found = re.search(r"module\.\w+\.weight: shape \(\d+, \d+\), owner rank "
-                      rf"{corrupt_rank} of its data-parallel group \(global rank {corrupt_rank}\): max \|owner - reference\| = "
+                      rf"{corrupt_rank} of its data-parallel group \(global rank {corrupt_rank}\): "
+                      r"max \|owner - reference\| = "
                       r"(\S+) > bound (\S+)", message)
     assert found and message.count("owner rank") == 1, message  # that matrix, and only it
     difference, bound = float(found[1]), float(found[2])
@@ -245,7 +246,8 @@ def _broken_weights(rank, world_size):
     _train(model, optimizer, 1)
     if rank == 1:
         with torch.no_grad():
-            dict(named_main_weights(model))["module.module.output_layer.weight"].to_local()[0, 0] += 1
+            output_layer = dict(named_main_weights(model))["module.module.output_layer.weight"]
+            output_layer.to_local()[0, 0] += 1
     with pytest.raises(RuntimeError) as caught:
         _train(model, optimizer, 1)
     assert "module.module.output_layer.weight: its replicas differ" in str(caught.value)
