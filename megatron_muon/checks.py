@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_FINGERPRINT_CHUNK = 1 << 24  # elements: 128 MiB of int64 scratch at most
 
 
 class MuonCheckError(RuntimeError):
@@ -57,11 +58,17 @@ def data_parallel_dims(p: DTensor) -> list[int]:
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """An int64 of `t`'s bits in which a change of any one element shows: the sum of each
     element's bits times an odd weight of its position, wrapping around (changing an element's
-    bits by b changes the sum by b times an odd number, never by 0 modulo 2**64)."""
-    flat = t.detach().contiguous().view(-1)
-    bits = flat.view(_BITS[flat.element_size()]).long()
-    weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) * 2 + 1
-    return (bits * weights).sum() + bits.numel()
+    bits by b changes the sum by b times an odd number, never by 0 modulo 2**64). Summed in
+    chunks, so a whole weight buffer needs a bounded int64 scratch, not three times its size."""
+    bits = t.detach().contiguous().view(-1)
+    bits = bits.view(_BITS[bits.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
+        chunk = bits[start:start + _FINGERPRINT_CHUNK].long()
+        weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64,
+                               device=bits.device) * 2 + 1
+        total += (chunk * weights).sum()
+    return total + bits.numel()
 
 
 def _differing(entries: list) -> set:

@@ -255,3 +255,16 @@ def _broken_weights(rank, world_size):
 
 def test_stale_compute_weights_and_drifting_replicas_stop_the_run(distributed):
     distributed(_broken_weights, 2)
+
+
+def test_a_fingerprint_sums_in_chunks_and_shows_a_one_ulp_change(monkeypatch):
+    from megatron_muon import checks
+
+    weights = torch.randn(1000, 37)
+    bits = weights.view(-1).view(torch.int32).long()
+    whole = (bits * (torch.arange(bits.numel()) * 2 + 1)).sum() + bits.numel()
+    monkeypatch.setattr(checks, "_FINGERPRINT_CHUNK", 100)  # 370 chunks
+    assert checks.fingerprint(weights) == whole
+    changed = weights.clone()
+    changed[5, 3] = torch.nextafter(changed[5, 3], torch.tensor(10.0))
+    assert checks.fingerprint(changed) != whole
