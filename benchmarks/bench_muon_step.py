@@ -13,12 +13,13 @@ steps after warm-up, every mode measured side by side in the same processes, the
 turns step by step. Beside megatron-core's modes runs ours on Megatron-FSDP's ZeRO-1
 ("owner_zero1": weights unsharded in the forward, as Megatron DDP keeps them). Bytes and collectives
 are the optimizer step's (gradient reductions run before it, ZeRO-3's weight gathers in the
-forward). megatron-core's layer-wise optimizer cannot be built in fp32 (README), so it runs with
-bf16 set on a fp32 model: its params stay fp32 and so does its arithmetic.
+forward). megatron-core's layer-wise optimizer cannot be built in fp32 (docs/reliability.md,
+"Refused configurations"), so it runs with bf16 set on a fp32 model: its params stay fp32 and so
+does its arithmetic. Bytes, collectives, buffers and FLOPs are counted on one warm-up step
+(exchange.observed and torch's FlopCounterMode; nothing is patched), times on the others.
 """
 
 import argparse
-import inspect
 import io
 import json
 import os
@@ -27,13 +28,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, redirect_stdout
+from contextlib import ExitStack, redirect_stdout
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from torch.utils.flop_counter import FlopCounterMode
+
 from megatron_muon.cpu import fast_newton_schulz_precision
+from megatron_muon.exchange import Traffic, observed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Megatron's bf16 (medium), but fp32 where bf16 matmuls are emulated: ~100x slower there.
@@ -47,6 +51,10 @@ SIDE_BY_SIDE_MODES = (ZERO1_MODE,) + MEGATRON_CORE_MODES
 # "owner" with --muon-check-interval 1: what a checked step costs (every N-th step with N).
 CHECKED_MODE = "owner_checked"
 WARMUP = 3
+# The warm-up step whose collectives, bytes, buffers and FLOPs are counted (exchange.observed and
+# torch's FlopCounterMode: every op passes through Python while they count, so no timed step is
+# counted); the plan is fixed, so every step's counts are the same.
+COUNTED_STEP = WARMUP - 1
 
 
 def configs(world):
@@ -66,151 +74,6 @@ def configs(world):
         runs["hsdp"] = (demo, dict(replicas=2, outer_strategy="no_shard"))
         runs["hfsdp"] = (demo, dict(replicas=2, outer_strategy="optim"))
     return runs
-
-
-class StepCounter:
-    """Counts what the optimizer step sends through torch.distributed and into Newton-Schulz."""
-
-    COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather", "all_reduce",
-                   "broadcast", "reduce_scatter_tensor")
-
-    def __init__(self, ns_steps):
-        self.ns_steps = ns_steps
-        self.reset()
-
-    def reset(self):
-        self.received_bytes = 0
-        self.collectives = 0
-        self.ns_flops = 0
-
-    @staticmethod
-    def _received(name, call):
-        """Bytes this rank receives from other ranks in one collective call."""
-        group = call.get("group")
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if name == "all_to_all_single":
-            out, splits = call["output"], call.get("output_split_sizes")
-            own = splits[rank] if splits else out.numel() // world
-            return (out.numel() - own) * out.element_size()
-        if name == "all_gather_into_tensor":
-            out = call["output_tensor"]
-            return out.numel() * out.element_size() * (world - 1) // world
-        if name == "all_gather":
-            return sum(t.numel() * t.element_size()
-                       for i, t in enumerate(call["tensor_list"]) if i != rank)
-        return 0
-
-    @contextmanager
-    def counting(self):
-        from megatron.core.distributed import param_and_grad_buffer as ddp_buffers
-        from megatron.core.optimizer import emerging_optimizers as core_muon
-        from megatron_muon.plan import ns_flops
-
-        originals = {name: getattr(dist, name) for name in self.COLLECTIVES}
-        newton_schulz_tp = core_muon.newton_schulz_tp
-        ddp_all_gather = ddp_buffers.dist_all_gather_func  # Megatron DDP's, bound at its import
-
-        def wrap(name):
-            signature = inspect.signature(originals[name])
-
-            def counted(*args, **kwargs):
-                call = signature.bind(*args, **kwargs).arguments
-                if dist.get_world_size(call.get("group")) > 1:
-                    self.collectives += 1
-                    self.received_bytes += self._received(name, call)
-                return originals[name](*args, **kwargs)
-            return counted
-
-        def counted_newton_schulz(x, *args, **kwargs):
-            batch = x.shape[0] if x.dim() == 3 else 1
-            self.ns_flops += batch * ns_flops(x.shape[-2], x.shape[-1], self.ns_steps)
-            return newton_schulz_tp(x, *args, **kwargs)
-
-        for name in self.COLLECTIVES:
-            setattr(dist, name, wrap(name))
-        ddp_buffers.dist_all_gather_func = dist.all_gather_into_tensor
-        core_muon.newton_schulz_tp = counted_newton_schulz
-        try:
-            yield self
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
-            ddp_buffers.dist_all_gather_func = ddp_all_gather
-            core_muon.newton_schulz_tp = newton_schulz_tp
-
-
-class TransientTracker:
-    """Peak bytes of the exchange's buffers alive at once during a step, following their
-    lifetimes in exchange.py: the gather's send and receive buffers until finish_gather, the
-    assembled matrices until their results exist, the results and the scatter's buffers until
-    finish_scatter hands the rows over."""
-
-    def __init__(self):
-        self.live = self.peak = 0
-
-    def _add(self, nbytes):
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-
-    @contextmanager
-    def tracking(self):
-        from megatron_muon import exchange, zero_muon
-
-        cls = exchange.OwnerExchange
-        start_gather, finish_gather = cls.start_gather, cls.finish_gather
-        start_scatter, finish_scatter = cls.start_scatter, cls.finish_scatter
-        all_gather_rows = zero_muon.all_gather_rows
-        tracker = self
-
-        def nbytes(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        def buffers(route):
-            return (sum(route.send_counts) + sum(route.recv_counts)) * 4 if route.moves else 0
-
-        def gather_buffers(ex):
-            return buffers(ex.gather)
-
-        def tracked_start_gather(self, local):
-            start_gather(self, local)
-            tracker._add(gather_buffers(self))
-
-        def tracked_finish_gather(self):
-            full = finish_gather(self)
-            local = {t.data_ptr() for t in self._local.values()}
-            self._assembled = nbytes(t for t in full if t.data_ptr() not in local)
-            tracker._add(self._assembled - gather_buffers(self))
-            return full
-
-        def tracked_start_scatter(self, results):
-            self._scattered = nbytes(results) + buffers(self.scatter)
-            tracker._add(self._scattered)
-            start_scatter(self, results)
-            tracker.live -= self._assembled  # the caller drops the assembled matrices now
-
-        def tracked_finish_scatter(self):
-            rows = finish_scatter(self)
-            tracker.live -= self._scattered
-            return rows
-
-        def tracked_all_gather_rows(local, layout, group):
-            # The padded shard, the gathered rows and the trimmed full matrix.
-            padded_elements = (layout.ranks + 1) * layout.max_rows + layout.num_rows
-            held = padded_elements * local.shape[1] * local.element_size() if len(layout.rows) > 1 else 0
-            tracker._add(held)
-            full = all_gather_rows(local, layout, group)
-            tracker.live -= held
-            return full
-
-        cls.start_gather, cls.finish_gather = tracked_start_gather, tracked_finish_gather
-        cls.start_scatter, cls.finish_scatter = tracked_start_scatter, tracked_finish_scatter
-        zero_muon.all_gather_rows = tracked_all_gather_rows
-        try:
-            yield self
-        finally:
-            cls.start_gather, cls.finish_gather = start_gather, finish_gather
-            cls.start_scatter, cls.finish_scatter = start_scatter, finish_scatter
-            zero_muon.all_gather_rows = all_gather_rows
 
 
 def optimizer_state_bytes(optimizer):
@@ -258,13 +121,12 @@ def measure(shape, parallel, steps):
     rank = dist.get_rank()
     modes = MODES + ((CHECKED_MODE,) + SIDE_BY_SIDE_MODES if not parallel else ())
     built = {mode: build(shape, parallel, mode) for mode in modes}
-    counters = {mode: StepCounter(config.muon_num_ns_steps) for mode, (_, _, config) in built.items()}
-    trackers = {mode: TransientTracker() for mode in modes}
+    traffic = {mode: Traffic() for mode in modes}
+    flops = {mode: FlopCounterMode(display=False) for mode in modes}
     train_times, step_times = {mode: [] for mode in modes}, {mode: [] for mode in modes}
     # The modes take turns step by step, so the machine's slow spells fall on all of them alike.
     for step in range(WARMUP + steps):
         for mode, (model, optimizer, _) in built.items():
-            counters[mode].reset()
             start = time.perf_counter()
             optimizer.zero_grad()
             with model.no_sync():  # marks the last micro-batch: HSDP reduces across replicas
@@ -273,8 +135,11 @@ def measure(shape, parallel, steps):
             model.finish_grad_sync()
             dist.barrier()
             step_start = time.perf_counter()
-            with counters[mode].counting(), trackers[mode].tracking(), \
-                    redirect_stdout(io.StringIO()):  # the checks' log lines
+            with ExitStack() as counting:
+                counting.enter_context(redirect_stdout(io.StringIO()))  # the checks' log lines
+                if step == COUNTED_STEP:
+                    counting.enter_context(observed(traffic[mode]))
+                    counting.enter_context(flops[mode])  # only Newton-Schulz multiplies matrices
                 optimizer.step()
             dist.barrier()
             end = time.perf_counter()
@@ -283,9 +148,9 @@ def measure(shape, parallel, steps):
                 step_times[mode].append(end - step_start)
     figures = {mode: dict(
         step_s=statistics.median(step_times[mode]), train_step_s=statistics.median(train_times[mode]),
-        received_bytes=counters[mode].received_bytes, collectives=counters[mode].collectives,
-        ns_flops=counters[mode].ns_flops, state_bytes=optimizer_state_bytes(optimizer),
-        transient_bytes=trackers[mode].peak) for mode, (_, optimizer, _) in built.items()}
+        received_bytes=traffic[mode].received_bytes, collectives=traffic[mode].collectives,
+        ns_flops=flops[mode].get_total_flops(), state_bytes=optimizer_state_bytes(optimizer),
+        transient_bytes=traffic[mode].peak_buffer_bytes) for mode, (_, optimizer, _) in built.items()}
     figures["plan"] = plan_figures(*built["owner"])
     return figures
 
@@ -320,7 +185,7 @@ def plan_figures(model, optimizer, config):
 
     muons = [p.optimizer for p in optimizer.optimizer.chained_optimizers
              if isinstance(p.optimizer, ZeROTensorParallelMuon)]
-    plans = [plan for muon in muons for plan in muon._plans]
+    plans = [plan for muon in muons for plan in muon.plans]
     names = {id(p): name for name, p in named_main_weights(model)}
     ep_rank = parallel_state.get_expert_model_parallel_rank()
 
@@ -340,11 +205,11 @@ def plan_figures(model, optimizer, config):
         min_bytes_by_plan=min_bytes_by_plan,
         muon_elements=sum(m.layout.num_rows * m.cols for plan in plans for m in plan.matrices),
         flops_by_matrix=flops_by_matrix,
-        batches=sum(len(exchange.batches) for plan in plans for exchange in plan.exchanges),
-        moving_batches=sum(e.gather.moves or e.scatter.moves for plan in plans for e in plan.exchanges),
+        batches=sum(len(routes.batches) for plan in plans for routes in plan.routes),
+        moving_batches=sum(r.gather.moves or r.scatter.moves for plan in plans for r in plan.routes),
         largest_batch_bytes=max((sum(plan.matrices[i].layout.num_rows * plan.matrices[i].cols * 4
-                                     for i in exchange.batch)
-                                 for plan in plans for exchange in plan.exchanges), default=0))
+                                     for i in routes.batch)
+                                 for plan in plans for routes in plan.routes), default=0))
 
 
 def worker(args):

@@ -121,13 +121,13 @@ def fsdp_rows(model, world: int, expert_world: int) -> dict:
 def muon_matrices(model, rows: dict):
     """(dense, expert) Muon matrices, each [Matrix], as megatron_muon's factory and
     ZeROTensorParallelMuon make them at TP=1 (QKV split into q, k, v blocks)."""
-    from megatron_muon.factory import _is_scalar_param, _tag_params, is_expert_param
+    from megatron_muon.factory import is_scalar_param, tag_params, is_expert_param
     from megatron_muon.plan import Matrix, RowLayout, orthogonalization_key, qkv_row_blocks
 
-    _tag_params([model])
+    tag_params([model])
     dense, expert = [], []
     for name, p in model.named_parameters():
-        if _is_scalar_param(p):
+        if is_scalar_param(p):
             continue
         split_shapes = p.qkv_split_shapes if getattr(p, "is_qkv", False) else None
         blocks = qkv_row_blocks(p.shape[0], split_shapes) if split_shapes else None
@@ -238,7 +238,7 @@ class Part:
     and how long one rank took to plan them."""
 
     def __init__(self, matrices, world):
-        from megatron_muon.exchange import OwnerExchange
+        from megatron_muon.exchange import OwnerRoutes
         from megatron_muon.plan import owner_plan
 
         self.matrices, self.world = matrices, world
@@ -247,7 +247,7 @@ class Part:
         self.owners, self.batches, self.exchanges = plan.owners, plan.batches, plan.exchanges
         # What one rank builds at construction besides: its routes through every exchange.
         for batches in self.exchanges:
-            OwnerExchange(matrices, self.owners, batches, 0, None)
+            OwnerRoutes(matrices, self.owners, batches, 0)
         self.plan_seconds = time.perf_counter() - start
 
 
@@ -282,7 +282,7 @@ def rank_figures(part: Part, mode: str, rates: Rates, ns_steps: int) -> list[dic
 
 def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     """One model at one data-parallel size: the plan's figures and the step-time estimates."""
-    from megatron_muon.factory import _is_scalar_param, is_expert_param
+    from megatron_muon.factory import is_scalar_param, is_expert_param
 
     ep = expert_parallel(name, world)
     start = time.perf_counter()
@@ -301,7 +301,7 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     for param_name, p in model.named_parameters():
         experts = is_expert_param(param_name, p)
         held, width = rows[p], p.shape[1:].numel()
-        stepped_by = adam_elements if _is_scalar_param(p) else muon_elements
+        stepped_by = adam_elements if is_scalar_param(p) else muon_elements
         for r in range(world):
             elements = held[r // ep if experts else r] * width
             all_elements[r] += elements

@@ -105,7 +105,7 @@ def is_expert_param(name, param) -> bool:
     return not getattr(model_param, "allreduce", True) or ".experts." in name
 
 
-def _tag_params(model_chunks):
+def tag_params(model_chunks):
     """The tags megatron-core's Muon path sets, set on the main weights the optimizer sees, and
     the expert count of a grouped GEMM's single grouped weight (TE GroupedLinear with
     `single_grouped_weight`): Muon orthogonalizes each expert's matrix apart."""
@@ -124,7 +124,7 @@ def _tag_params(model_chunks):
                 param.qkv_split_shapes = qkv_split_shapes
 
 
-def _is_scalar_param(param) -> bool:
+def is_scalar_param(param) -> bool:
     """megatron-core's rule for what Muon leaves to the scalar optimizer (not 2-D, or embedding
     or output), except that a stack of expert matrices is Muon's."""
     return (upstream.is_nonlinear_or_embedding(param)
@@ -138,14 +138,14 @@ def _muon_overrides(config, config_overrides):
                      else config_overrides)
     for key in upstream.EMERGING_OPTIMIZERS["muon"].default_param_overrides:
         overrides.pop(key, None)
-    scalar = ParamKey(predicate=ParamPredicate(name="muon_scalar_param", fn=_is_scalar_param))
+    scalar = ParamKey(predicate=ParamPredicate(name="muon_scalar_param", fn=is_scalar_param))
     overrides[scalar] = {"optimizer": config.muon_scalar_optimizer}
     return overrides
 
 
 def _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
                  muon_dist_mode, muon_check_interval):
-    _tag_params(model_chunks)
+    tag_params(model_chunks)
     groups = upstream.get_param_groups(model_chunks, config,
                                        _muon_overrides(config, config_overrides))
     ddp_config = model_chunks[0].ddp_config

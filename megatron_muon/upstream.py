@@ -76,6 +76,10 @@ flatten_mesh = _borrow(
     "torch.distributed.device_mesh.DeviceMesh._flatten",
     "one process group over a param's several data-parallel mesh dims (HSDP), from the mesh "
     "Megatron-FSDP built, as Megatron-FSDP gets its own")
+TorchDispatchMode = _borrow(
+    "torch.utils._python_dispatch.TorchDispatchMode",
+    "exchange.observed sees every collective a step issues (at its c10d op) without patching "
+    "torch.distributed (torch's own CommDebugMode is built on it)")
 is_mkldnn_bf16_supported = _borrow(
     "torch.ops.mkldnn._is_mkldnn_bf16_supported",
     "whether this CPU has native bf16 matmuls (else Newton-Schulz runs in fp32 on CPU)")
@@ -116,6 +120,16 @@ apply_weight_decay_inplace = _borrow(
 _borrow("argparse.ArgumentParser._actions",
         "the parser's arguments, to add 'highest' to Megatron's --muon-fp32-matmul-prec choices",
         get=lambda: argparse.ArgumentParser()._actions)
+
+
+_borrow("torch._ops.OpOverload._schema",
+        "the argument names of a c10d op, to read its process group and tensors by name in "
+        "exchange.observed", get=lambda: _resolve("torch.ops.c10d.allreduce_.default")._schema)
+
+
+def op_argument_names(op) -> list[str]:
+    """The names of a dispatcher op's arguments, in order (OpOverload has no public way)."""
+    return [argument.name for argument in op._schema.arguments]
 
 
 def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:

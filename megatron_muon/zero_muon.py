@@ -8,13 +8,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
+from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
 from emerging_optimizers.orthogonalized_optimizers.muon import MuonScaleT
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import upstream
 from .checks import CheckResult, MuonCheckError, agree_on_every_rank, data_parallel_dims
-from .exchange import OwnerExchange, all_gather_ints, all_gather_rows
+from .exchange import OwnerRoutes, all_gather_ints, all_gather_rows, owner_exchange, run_overlapped
 from .muon_math import momentum_update_
 from .plan import (BYTE_SLACK, MAX_BATCH_BYTES, RowLayout, orthogonalization_key, owner_plan,
                    qkv_row_blocks, row_layouts, split_matrices)
@@ -84,6 +85,23 @@ def _check_settings(dist_mode, byte_slack, max_batch_bytes, check_interval, muon
                          "--muon-no-split-qkv turns it off) needs is_qkv_fn")
 
 
+# OrthogonalizedOptimizer.step's hooks around `p -= lr * update`: they see one param whole (e.g.
+# MuonHyperball rescales it to its norm), which a rank holding some rows of it cannot honour.
+WEIGHT_UPDATE_HOOKS = ("pre_weight_update_fn_inplace", "post_weight_update_fn_inplace")
+
+
+def _check_hooks(cls) -> None:
+    """Refuse, before any state exists, a subclass that overrides a weight-update hook (it would
+    otherwise be dropped without a word)."""
+    for hook in WEIGHT_UPDATE_HOOKS:
+        if getattr(cls, hook) is not getattr(OrthogonalizedOptimizer, hook):
+            raise NotImplementedError(
+                f"{cls.__name__}.{hook}: ZeROTensorParallelMuon updates each rank's rows of a "
+                f"matrix apart, so a weight-update hook, which sees the whole param (e.g. "
+                f"MuonHyperball's norm), cannot be honoured on Megatron-FSDP's sharded main "
+                f"weights; use megatron-core's optimizer with Megatron DDP for it")
+
+
 class _ParamAttributes:
     """Megatron's tags (is_qkv, partition_dim, expert_tp, ...) of a main-weight param: its own,
     else those of the model param Megatron-FSDP made it from."""
@@ -98,17 +116,16 @@ class _ParamAttributes:
             return getattr(self._param.orig_param, name)
 
 
-class _GroupPlan:
+class GroupPlan:
     """The matrices of one exchange group, fixed at construction: one per param, or one per
     expert of a stacked expert weight; where this rank's rows of each sit in its param's local
-    shard; their owners, and the exchanges that carry their batches."""
+    shard; their owners, and this rank's routes through the exchanges that carry their batches."""
 
     def __init__(self, params, matrices, pieces, owners, exchanges, group):
         self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
         self.group = group
         self.rank = dist.get_rank(group)
-        self.exchanges = [OwnerExchange(matrices, owners, batches, self.rank, group)
-                          for batches in exchanges]
+        self.routes = [OwnerRoutes(matrices, owners, batches, self.rank) for batches in exchanges]
 
     def param_of(self, i: int):
         return self.params[self.pieces[i][0]]
@@ -160,6 +177,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                  byte_slack: float = BYTE_SLACK, max_batch_bytes: int = MAX_BATCH_BYTES,
                  param_names: dict | None = None, check_interval: int = 0, **kwargs: Any):
         _check_settings(dist_mode, byte_slack, max_batch_bytes, check_interval, kwargs)
+        _check_hooks(type(self))
         super().__init__(params, **kwargs)
         self.dp_group = dp_group
         self.dist_mode = dist_mode
@@ -169,8 +187,11 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.last_check: CheckResult | None = None
         self._param_names = param_names or {}
         self._held_rows: dict[DTensor, tuple[int, int, int]] = {}
+        self._group_index = {p: index for index, group in enumerate(self.param_groups)
+                             for p in group["params"]}
         self._validate_all()
-        self._plans = [self._plan_group(params, group, byte_slack, max_batch_bytes)
+        # What this rank carries out each step, per exchange group (the bench and tests read it).
+        self.plans = [self._plan_group(params, group, byte_slack, max_batch_bytes)
                        for (group, _), params in self._exchange_groups().items()]
         self.batched_newton_schulz = self._choose_batched_newton_schulz()
 
@@ -182,8 +203,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def bytes_received_per_step(self) -> int:
         """What this rank receives in one owner step (gather and scatter), from its plan."""
         return sum(sum(route.recv_counts) * plan.param_of(0).element_size()
-                   for plan in self._plans for exchange in plan.exchanges
-                   for route in (exchange.gather, exchange.scatter) if route.moves)
+                   for plan in self.plans for routes in plan.routes
+                   for route in (routes.gather, routes.scatter) if route.moves)
 
     def _device(self) -> torch.device:
         """The params' device, that of their process groups (CPU without params)."""
@@ -277,7 +298,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                            [_tp_local_rows(p) for p in params])
 
     def _plan_group(self, params: list, group, byte_slack: float,
-                    max_batch_bytes: int) -> _GroupPlan:
+                    max_batch_bytes: int) -> GroupPlan:
         layouts = self._learn_layouts(params, group)
         rank = dist.get_rank(group)
         matrices, pieces = [], []
@@ -291,7 +312,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         # TP ranks hold equally shaped TP-local matrices laid out alike, so they pick the same
         # owners: TP Newton-Schulz then meets its TP peers on the same matrix.
         plan = owner_plan(matrices, params[0].element_size(), byte_slack, max_batch_bytes)
-        return _GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group)
+        return GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group)
 
     def _tp_group(self, attrs):
         # As TensorParallelMuon.orthogonalize chooses it.
@@ -316,6 +337,14 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         return orthogonalization_key(attrs, self._splits_qkv(attrs),
                                      tp_group.size() if tp_group is not None else 1)
 
+    def _orthogonalize(self, p, full: torch.Tensor) -> torch.Tensor:
+        """TensorParallelMuon.orthogonalize on a full matrix (or a stack of them) of param `p`,
+        with Megatron's tags and its param group's options, as OrthogonalizedOptimizer.step
+        calls it."""
+        group = self.param_groups[self._group_index[p]]
+        return self.orthogonalize(_ParamAttributes(p), full,
+                                  **{k: v for k, v in group.items() if k != "params"})
+
     @torch.no_grad()
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
         # Every rank holds momentum for every param, empty where its shard is empty, so state
@@ -329,6 +358,12 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """OrthogonalizedOptimizer.step's loop on this rank's rows: per param weight decay,
+        momentum and Nesterov (muon_math.momentum_update_, upstream's operations in its order);
+        then, in place of one orthogonalize call per param, the matrices of each exchange group
+        orthogonalized whole (on their owners, or on every rank in "allgather" mode); then
+        p -= lr * update on this rank's rows. The weight-update hooks around that update are
+        refused at construction (WEIGHT_UPDATE_HOOKS)."""
         if closure is not None:
             raise ValueError("closure is not supported")
         self.iteration += 1
@@ -353,12 +388,12 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
         results = {}
 
-        def keep(plan, i, rows):  # the exchange may reuse its buffers for the next one
-            results[plan, i] = rows.clone()
+        def keep(plan, i, rows):
+            results[plan, i] = rows
 
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
             locals_ = []
-            for plan in self._plans:
+            for plan in self.plans:
                 local = {i: plan.rows_of(i, updates[plan.param_of(i)]) for i in range(len(plan.matrices))}
                 locals_.append(local)
                 if self.dist_mode == "owner":
@@ -382,10 +417,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         whole and orthogonalized by TensorParallelMuon as dist_mode="allgather" does; each rank
         compares the owner's result for its rows; the largest difference and bound of each
         matrix are reduced over its group. The bound: 0 with fp32 `highest` Newton-Schulz; at a
-        lower precision, where batched kernels may round differently (README, "Library"), the
-        reference's own distance from fp32 Newton-Schulz."""
+        lower precision, where batched kernels may round differently (docs/design.md,
+        "Library"), the reference's own distance from fp32 Newton-Schulz."""
         worst, owned, failures = 0.0, 0, []
-        for plan, local in zip(self._plans, locals_):
+        for plan, local in zip(self.plans, locals_):
             references, fp32 = {}, {}
             self._allgather_orthogonalize(plan, local,
                                           lambda _, i, rows: references.update({i: rows}))
@@ -421,7 +456,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         if self.log_checks and dist.get_rank() == 0:
             print(f"muon check at iteration {self.iteration}: {self.last_check}", flush=True)
 
-    def _describe(self, plan: _GroupPlan, i: int, diff: float, bound: float) -> str:
+    def _describe(self, plan: GroupPlan, i: int, diff: float, bound: float) -> str:
         param_index = plan.pieces[i][0]
         p = plan.param_of(i)
         expert = ""
@@ -432,50 +467,43 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                 f"max |owner - reference| = "
                 f"{diff:.6e} > bound {bound:.6e}")
 
-    def _allgather_orthogonalize(self, plan: _GroupPlan, local: dict, apply) -> None:
+    def _allgather_orthogonalize(self, plan: GroupPlan, local: dict, apply) -> None:
         for i, matrix in enumerate(plan.matrices):
             full = all_gather_rows(local[i], matrix.layout, plan.group)
             start, stop = matrix.layout.row_range(plan.rank)
-            apply(plan, i, self.orthogonalize(_ParamAttributes(plan.param_of(i)), full)[start:stop])
+            apply(plan, i, self._orthogonalize(plan.param_of(i), full)[start:stop])
 
-    def _owner_orthogonalize(self, plan: _GroupPlan, local: dict, apply) -> None:
-        """Gather each exchange's matrices to their owners, orthogonalize there batch by batch,
-        send the rows back, and `apply(plan, matrix, this rank's rows)` as soon as an exchange is
-        back. Double buffered: exchange i+1's gather runs while exchange i computes, and exchange
-        i-1's rows are applied first, so about two exchanges' buffers are alive at once. The
-        order of collectives depends only on the plan, so every rank issues the same ones."""
-        exchanges = plan.exchanges
+    def _owner_orthogonalize(self, plan: GroupPlan, local: dict, apply) -> None:
+        """Each exchange's matrices gathered to their owners, orthogonalized there batch by
+        batch, the rows sent back and `apply(plan, matrix, this rank's rows)`, two exchanges in
+        flight (exchange.run_overlapped)."""
+        def orthogonalize(owned, fulls):
+            return self.orthogonalize_owned([plan.param_of(i) for i in owned], fulls,
+                                            plan.matrices[owned[0]].batch_key)
 
-        def start_gather(index):
-            if index < len(exchanges):
-                exchanges[index].start_gather({i: local[i] for i in exchanges[index].batch})
-
-        def finish_scatter(index):
-            if index >= 0:
-                for i, rows in exchanges[index].finish_scatter().items():
-                    apply(plan, i, rows)
-
-        start_gather(0)
-        for current, exchange in enumerate(exchanges):
-            start_gather(current + 1)
-            finish_scatter(current - 1)
-            fulls, results = iter(exchange.finish_gather()), []
-            for owned in exchange.owned_batches:
-                if owned:
-                    results += self.orthogonalize_owned(
-                        [plan.param_of(i) for i in owned], [next(fulls) for _ in owned],
-                        plan.matrices[owned[0]].batch_key)
-            exchange.start_scatter(results)
-        finish_scatter(len(exchanges) - 1)
+        run_overlapped(owner_exchange(routes, plan.group, {i: local[i] for i in routes.batch},
+                                      orthogonalize, lambda i, rows: apply(plan, i, rows))
+                       for routes in plan.routes)
 
     def orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
-        """Newton-Schulz on the full matrices this rank owns in one batch: one batched call where
-        `batched_newton_schulz` allows it, else one call each. The owner's hook: what it returns
-        is what the owner exchange sends back (the check interval compares it with the
-        reference)."""
-        if len(fulls) > 1 and self.batched_newton_schulz.get((tuple(fulls[0].shape), batch_key)):
-            return list(self.orthogonalize(_ParamAttributes(params[0]), torch.stack(fulls)).unbind())
-        return [self.orthogonalize(_ParamAttributes(p), full) for p, full in zip(params, fulls)]
+        """Newton-Schulz on the full matrices this rank owns in one batch: one batched call per
+        param group (orthogonalize gets that group's options) where `batched_newton_schulz`
+        allows it, else one call each. The owner's hook: what it returns is what the owner
+        exchange sends back (the check interval compares it with the reference)."""
+        if not self.batched_newton_schulz.get((tuple(fulls[0].shape), batch_key)):
+            return [self._orthogonalize(p, full) for p, full in zip(params, fulls)]
+        by_group: dict[int, list[int]] = {}
+        for j, p in enumerate(params):
+            by_group.setdefault(self._group_index[p], []).append(j)
+        results = [None] * len(fulls)
+        for members in by_group.values():
+            if len(members) == 1:
+                results[members[0]] = self._orthogonalize(params[members[0]], fulls[members[0]])
+                continue
+            stacked = torch.stack([fulls[j] for j in members])
+            for j, result in zip(members, self._orthogonalize(params[members[0]], stacked).unbind()):
+                results[j] = result
+        return results
 
     @torch.no_grad()
     def _choose_batched_newton_schulz(self) -> dict[tuple, bool]:
@@ -484,11 +512,12 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         `highest` only where batched Newton-Schulz reproduces the per-matrix bits on the params'
         device (the backend may pick other kernels for 3-D input: seen on CPU for 7x13, not for
         256x1024), tried on two random matrices; at `medium`/`low` (bf16/tf32 matmuls) always, the
-        batched kernels rounding differently by less than that precision's own error (README)."""
+        batched kernels rounding differently by less than that precision's own error
+        (docs/design.md, "Library")."""
         chosen = {}
-        for plan in self._plans:
-            for exchange in plan.exchanges:
-                for owned in exchange.owned_batches:
+        for plan in self.plans:
+            for routes in plan.routes:
+                for owned in routes.owned_batches:
                     matrix = plan.matrices[owned[0]] if len(owned) > 1 else None
                     if matrix is None or matrix.batch_key is None:
                         continue
@@ -502,8 +531,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         device = p.to_local().device
         sample = torch.randn((2, *key[0]), device=device,
                              generator=torch.Generator(device).manual_seed(0))
-        attrs = _ParamAttributes(p)
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-            batched = self.orthogonalize(attrs, sample)
-            single = torch.stack([self.orthogonalize(attrs, m) for m in sample])
+            batched = self._orthogonalize(p, sample)
+            single = torch.stack([self._orthogonalize(p, m) for m in sample])
         return torch.equal(batched, single)

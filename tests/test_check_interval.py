@@ -9,15 +9,11 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdp_models import MUON_KWARGS, batch, make_models, muon_param_groups, split_params
 from megatron_muon import ZeROTensorParallelMuon
-from megatron_muon.chained import named_main_weights
-
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_to_all_single", "all_gather",
-               "broadcast", "reduce_scatter_tensor", "all_gather_object")
-
+from megatron_muon.chained import find_megatron_fsdp, named_main_weights
+from megatron_muon.exchange import Traffic, observed
 
 def _muon(world_size, strategy="optim_grads_params", check_interval=0, precision="highest"):
     _, fsdp = make_models(strategy, world_size)
@@ -38,17 +34,9 @@ def _backward(fsdp, step, rank):
 
 def _counted_step(muon) -> int:
     """How many collectives one step issues on this rank."""
-    calls = []
-    patches = [mock.patch.object(dist, name, side_effect=getattr(dist, name),
-                                 autospec=False) for name in COLLECTIVES]
-    for patch in patches:
-        calls.append(patch.start())
-    try:
+    with observed(Traffic()) as traffic:
         muon.step()
-    finally:
-        for patch in patches:
-            patch.stop()
-    return sum(call.call_count for call in calls)
+    return traffic.collectives
 
 
 def _checks(rank, world_size):
@@ -99,7 +87,7 @@ def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3):
     _backward(fsdp, 0, rank)
     before = [p.to_local().clone() for p in matrices]
     owned_results = muon.orthogonalize_owned
-    corrupt_rank = muon._plans[0].owners[0]  # a rank that owns a matrix
+    corrupt_rank = muon.plans[0].owners[0]  # a rank that owns a matrix
 
     corrupted_once = []
 
@@ -226,7 +214,7 @@ def _broken_weights(rank, world_size):
     """A param sync that leaves one rank's compute weights stale, and a replica that drifts: each
     stops the run on every rank at the check, naming the param."""
     model, optimizer = _chain(CHAIN_CASES[2][1])  # ZeRO-1: unsharded compute weights
-    fsdp = optimizer._fsdp_models[0]
+    fsdp = find_megatron_fsdp(model)
     sync = fsdp.start_param_sync
 
     def stale_on_rank_1(*args, **kwargs):

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_muon.exchange import OwnerExchange, all_gather_ints, all_gather_rows
+from megatron_muon.exchange import (OwnerRoutes, Traffic, all_gather_ints, all_gather_rows, observed,
+                                   owner_exchange, run_overlapped)
 from megatron_muon.plan import Matrix, batch_matrices, choose_owners, exchange_batches, row_layouts
 
 ROWS = [[3, 0, 5], [0, 0, 1], [2, 4, 0], [0, 1, 1]]  # rows[rank][matrix]
@@ -49,25 +50,32 @@ def _owner_round_trip(rank, world_size, shard_of):
     exchanges = exchange_batches(matrices, batch_matrices(matrices, max_batch_elements=2 * 5 * 3),
                                  max_elements=3 * 5 * 5)
     assert any(len({matrices[b[0]].cols for b in batches}) > 1 for batches in exchanges), exchanges
-    for batches in exchanges:
-        exchange = OwnerExchange(matrices, owners, batches, rank, dist.group.WORLD)
-        batch = exchange.batch
-        local = {}
-        for i in batch:
-            start, stop = matrices[i].layout.row_range(rank)
-            local[i] = _full(i, *matrices[i].shape)[start:stop].clone()
-        exchange.start_gather(local)
-        owned = exchange.finish_gather()
-        assert [i for i in batch if owners[i] == rank] == exchange.owned
-        for i, full in zip(exchange.owned, owned):
-            assert torch.equal(full, _full(i, *matrices[i].shape))
-        exchange.start_scatter([2 * full + 1 for full in owned])
-        returned = exchange.finish_scatter()
-        assert sorted(returned) == sorted(batch)
-        for i in batch:
-            start, stop = matrices[i].layout.row_range(rank)
-            expected = 2 * _full(i, *matrices[i].shape)[start:stop] + 1
-            assert torch.equal(returned[i], expected), (rank, i)
+    routes = [OwnerRoutes(matrices, owners, batches, rank) for batches in exchanges]
+    orthogonalized, returned = [], {}
+
+    def orthogonalize(owned, fulls):  # what an owner computes: checked, then a known result
+        orthogonalized.extend(owned)
+        for i, full in zip(owned, fulls):
+            assert owners[i] == rank and torch.equal(full, _full(i, *matrices[i].shape)), (rank, i)
+        return [2 * full + 1 for full in fulls]
+
+    def local(r):
+        return {i: _full(i, *matrices[i].shape)[slice(*matrices[i].layout.row_range(rank))].clone()
+                for i in r.batch}
+
+    with observed(Traffic()) as traffic:
+        run_overlapped(owner_exchange(r, dist.group.WORLD, local(r), orthogonalize,
+                                      returned.__setitem__) for r in routes)
+    assert sorted(orthogonalized) == [i for i in range(len(matrices)) if owners[i] == rank]
+    assert sorted(returned) == list(range(len(matrices)))
+    for i, rows in returned.items():
+        start, stop = matrices[i].layout.row_range(rank)
+        assert torch.equal(rows, 2 * _full(i, *matrices[i].shape)[start:stop] + 1), (rank, i)
+    # The hook saw what the routes say: one all-to-all per moving direction, their bytes.
+    moving = [route for r in routes for route in (r.gather, r.scatter) if route.moves]
+    assert traffic.by_name == ({"alltoall_base_": len(moving)} if moving else {})
+    assert traffic.received_bytes == 4 * sum(sum(route.recv_counts) for route in moving)
+    assert traffic.peak_buffer_bytes > 0 or not moving
     if len(set(shard_of)) < world_size:  # replicas split the Newton-Schulz work
         assert len(set(owners)) == world_size, owners
     elif world_size == 4:  # a rank that owns nothing still takes part
@@ -80,3 +88,23 @@ def _owner_round_trip(rank, world_size, shard_of):
 def test_owner_exchange_round_trip_with_uneven_empty_and_replicated_shards(distributed, world_size,
                                                                           layout):
     distributed(_owner_round_trip, world_size, LAYOUTS[layout])
+
+
+def test_run_overlapped_keeps_two_exchanges_in_flight():
+    """Exchange k+1's gather is issued before exchange k computes, and exchange k-1 is finished
+    first: the schedule the optimizer's double buffering relies on."""
+    events = []
+
+    def exchange(k):
+        events.append(f"gather{k}")
+        yield
+        events.append(f"compute{k}")
+        yield
+        events.append(f"apply{k}")
+
+    run_overlapped(exchange(k) for k in range(4))
+    assert events == ["gather0", "gather1", "compute0", "gather2", "apply0", "compute1",
+                      "gather3", "apply1", "compute2", "apply2", "compute3", "apply3"]
+    events.clear()
+    run_overlapped([exchange(0)])
+    assert events == ["gather0", "compute0", "apply0"]

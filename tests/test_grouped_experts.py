@@ -45,10 +45,10 @@ def _tag(chunk):
     """The factory's tags (its `config` only names the attention shape)."""
     from types import SimpleNamespace
 
-    from megatron_muon.factory import _tag_params
+    from megatron_muon.factory import tag_params
 
     chunk.config = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8)
-    _tag_params([chunk])
+    tag_params([chunk])
     return chunk
 
 
@@ -114,12 +114,12 @@ def test_fused_orthogonalization_would_differ():
 
 
 def test_factory_tags_grouped_weights_and_gives_them_to_muon():
-    from megatron_muon.factory import _is_scalar_param
+    from megatron_muon.factory import is_scalar_param
 
     chunk = torch.nn.Module()
     chunk.moe = MoENet()
-    assert _is_scalar_param(chunk.moe.fc2.weight)  # 3-D: megatron-core's Muon leaves it to Adam
+    assert is_scalar_param(chunk.moe.fc2.weight)  # 3-D: megatron-core's Muon leaves it to Adam
     _tag(chunk)
     assert chunk.moe.fc1.weight.num_stacked_experts == chunk.moe.fc2.weight.num_stacked_experts == EXPERTS
-    assert not _is_scalar_param(chunk.moe.fc2.weight) and not _is_scalar_param(chunk.moe.fc1.weight)
+    assert not is_scalar_param(chunk.moe.fc2.weight) and not is_scalar_param(chunk.moe.fc1.weight)
     assert not hasattr(chunk.moe.head.weight, "num_stacked_experts")

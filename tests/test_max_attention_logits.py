@@ -2,14 +2,13 @@
 over the data-parallel ranks in one all-reduce, equals the unsharded model's on the same batch."""
 
 import math
-from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_muon import get_megatron_optimizer
+from megatron_muon.exchange import Traffic, observed
 from megatron_muon.qk_clip import (_core_attentions, observe_max_attention_logits,
                                    reduce_max_attention_logits, take_max_attention_logit)
 from megatron_muon.testing import (TINY, fsdp_gpt, global_batch_loss, gpt,
@@ -34,10 +33,9 @@ def _measured_as_unsharded(rank, world_size, tensor_parallel, layer_scaling):
     for step in range(2):  # two micro-batches: the maximum over both (TP peers read the same)
         global_batch_loss(model, step, dp_rank, dp_size)
         global_batch_loss(unsharded, step, 0, 1)
-    all_reduce = dist.all_reduce
-    with mock.patch.object(dist, "all_reduce", wraps=all_reduce) as counted:
+    with observed(Traffic()) as traffic:
         largest = reduce_max_attention_logits([model], _data_parallel_group())
-    assert counted.call_count == 1
+    assert traffic.by_name == {"allreduce_": 1}
     got, expected = _per_layer(model), _per_layer(unsharded)
     assert len(got) == TINY.layers and all(g is not None for g in got)
     for g, e, d in zip(got, expected, by_definition):  # with TP, this rank's heads in all

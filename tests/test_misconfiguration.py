@@ -121,3 +121,34 @@ def _experts_without_an_expert_group(rank, world_size):
 
 def test_expert_params_without_an_expert_group(distributed):
     distributed(_experts_without_an_expert_group, 1)
+
+
+@pytest.mark.parametrize("hook", ["pre_weight_update_fn_inplace", "post_weight_update_fn_inplace"])
+def test_a_weight_update_hook_that_needs_the_whole_param(hook):
+    """OrthogonalizedOptimizer.step calls these around p -= lr * update with the whole param (e.g.
+    MuonHyperball keeps its norm); on sharded rows that cannot hold, so it is refused, not dropped."""
+    hooked = type("HyperballMuon", (ZeROTensorParallelMuon,), {hook: lambda self, p, *update: None})
+    p = matrix()
+    before = p.to_local().clone()
+    with pytest.raises(NotImplementedError, match=f"HyperballMuon.{hook}: .*whole param"):
+        hooked([p])
+    assert torch.equal(p.to_local(), before)
+
+
+def test_orthogonalize_receives_its_param_groups_options():
+    """As in OrthogonalizedOptimizer.step, orthogonalize gets the options of the param's group
+    (Megatron's lr_mult, wd_mult, ...), and one batched call never mixes two groups."""
+    seen = []
+
+    class Recording(ZeROTensorParallelMuon):
+        def orthogonalize(self, p, grad, **options):
+            seen.append((grad.dim(), options.get("tag"), options["lr"]))
+            return super().orthogonalize(p, grad, **options)
+
+    first, second = [matrix() for _ in range(2)], [matrix() for _ in range(2)]
+    groups = [dict(params=first, tag="a", lr=0.1), dict(params=second, tag="b", lr=0.2)]
+    muon = Recording(groups, fp32_matmul_prec="medium")  # medium: batched calls, no probe
+    for p in first + second:
+        p.grad = DTensor.from_local(torch.randn(6, 4), p.device_mesh, p.placements)
+    muon.step()
+    assert sorted(seen) == [(3, "a", 0.1), (3, "b", 0.2)], seen  # a batch per group

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_models import (MUON_KWARGS, QKV_SPLIT, STRATEGIES, batch, full_tensor, fully_shard,
                          make_models, muon_param_groups, reference_optimizers, split_params)
 from megatron_muon import ZeROTensorParallelMuon
+from megatron_muon.exchange import Traffic, observed
 
 STEPS = 6
 
@@ -142,19 +143,6 @@ def test_owner_mode_runs_each_newton_schulz_once_across_ranks_and_replicas(distr
 
 
 def _count_traffic(rank, world_size):
-    all_to_all_single = dist.all_to_all_single
-    traffic = {"received": 0, "calls": 0}
-
-    def counted(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
-        traffic["calls"] += 1
-        traffic["received"] += (sum(output_split_sizes) - output_split_sizes[rank]) * output.element_size()
-        return all_to_all_single(output, input, output_split_sizes, input_split_sizes, **kwargs)
-
-    with mock.patch.object(dist, "all_to_all_single", counted):
-        _count_traffic_of_each_layout(rank, world_size, traffic)
-
-
-def _count_traffic_of_each_layout(rank, world_size, traffic):
     for unit_modules in (True, False):
         _, fsdp = make_models("optim_grads_params", world_size, unit_modules)
         matrices, _ = split_params(fsdp)
@@ -169,15 +157,16 @@ def _count_traffic_of_each_layout(rank, world_size, traffic):
         x, y = batch(0, rank)
         torch.nn.functional.mse_loss(fsdp(x), y).backward()
         fsdp.finish_grad_sync()
-        traffic.update(received=0, calls=0)
-        opt.step()
-        received = torch.tensor(traffic["received"])
+        with observed(Traffic()) as traffic:
+            opt.step()
+        received = torch.tensor(traffic.received_bytes)
         dist.all_reduce(received)
         assert received.item() == expected, (unit_modules, received.item(), expected)
-        batches = sum(len(plan.exchanges) for plan in opt._plans)
-        assert traffic["calls"] <= 2 * batches
+        exchanges = sum(len(plan.routes) for plan in opt.plans)
+        assert traffic.by_name.keys() <= {"alltoall_base_"}
+        assert traffic.collectives <= 2 * exchanges
         whole_on_owner = [m.layout.held(o) == m.layout.num_rows
-                          for plan in opt._plans for m, o in zip(plan.matrices, plan.owners)]
+                          for plan in opt.plans for m, o in zip(plan.matrices, plan.owners)]
         if not unit_modules:  # one bucket: some matrices sit whole on their owner and move nothing
             assert any(whole_on_owner), whole_on_owner
 
@@ -188,7 +177,8 @@ def test_owner_mode_moves_exactly_the_layout_minimum(distributed):
 
 def _batching_under_bf16_matmuls(rank, world_size):
     """With `medium` (bf16 matmuls, Megatron's default) an owner's same-shape matrices go through
-    one batched Newton-Schulz each batch, with no per-shape exactness check (README)."""
+    one batched Newton-Schulz each batch, with no per-shape exactness check (docs/design.md,
+    "Library")."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
     fsdp = fully_shard(module, "optim_grads_params", world_size, [torch.nn.Linear])
@@ -204,8 +194,8 @@ def _batching_under_bf16_matmuls(rank, world_size):
     fsdp(torch.randn(6, 16)).square().mean().backward()
     fsdp.finish_grad_sync()
     opt.step()
-    owned_batches = sum(1 for plan in opt._plans for exchange in plan.exchanges
-                        for owned in exchange.owned_batches if owned)
+    owned_batches = sum(1 for plan in opt.plans for routes in plan.routes
+                        for owned in routes.owned_batches if owned)
     assert len(matrices_per_call) == owned_batches, (matrices_per_call, owned_batches)
     assert all(opt.batched_newton_schulz.values())  # bf16: batched, no bit-identity probe
     total = torch.tensor([sum(matrices_per_call), max(matrices_per_call, default=0)])

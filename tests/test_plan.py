@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_muon.exchange import OwnerExchange
+from megatron_muon.exchange import OwnerRoutes
 from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, choose_owners, exchange_batches,
                                 gather_segments, layout_min_bytes, ns_flops, owner_traffic,
                                 qkv_row_blocks, row_layouts, scatter_segments)
@@ -143,7 +143,7 @@ def test_owner_traffic_is_what_each_rank_routes(layouts, owners):
     matrices = [Matrix(layout, 8) for layout in layouts]
     batch = list(range(len(matrices)))
     world = layouts[0].ranks
-    routes = [OwnerExchange(matrices, owners, [batch], rank, group=None) for rank in range(world)]
+    routes = [OwnerRoutes(matrices, owners, [batch], rank) for rank in range(world)]
     received, sent = owner_traffic(matrices, owners, element_bytes=4)
     assert received == [4 * (sum(r.gather.recv_counts) + sum(r.scatter.recv_counts)) for r in routes]
     assert sent == [4 * (sum(r.gather.send_counts) + sum(r.scatter.send_counts)) for r in routes]
@@ -153,8 +153,8 @@ def test_owner_traffic_is_what_each_rank_routes(layouts, owners):
         assert all(getattr(r, direction).moves == moving for r in routes)
     # Nothing moves when every owner holds its matrix whole and alone.
     alone = [Matrix(RowLayout((0, 5, 0)), 8)]
-    assert not OwnerExchange(alone, [1], [[0]], 0, None).gather.moves
-    assert not OwnerExchange(alone, [1], [[0]], 0, None).scatter.moves
+    assert not OwnerRoutes(alone, [1], [[0]], 0).gather.moves
+    assert not OwnerRoutes(alone, [1], [[0]], 0).scatter.moves
 
 
 def test_exchanges_pack_consecutive_batches_of_any_shape_up_to_the_bound():

@@ -42,7 +42,7 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel):
     muons = [part.optimizer for part in optimizer.chained_optimizers
              if isinstance(part.optimizer, ZeROTensorParallelMuon)]
     for muon, matrices in zip(muons, [dense, expert] if expert else [dense]):
-        (plan,) = muon._plans
+        (plan,) = muon.plans
         part = scale_model.Part(matrices, plan.matrices[0].layout.ranks)
         assert sorted(zip(plan.matrices, plan.owners), key=repr) == sorted(
             zip(part.matrices, part.owners), key=repr)
