@@ -6,7 +6,8 @@ megatron.training's "elapsed time per iteration" over the iterations after the f
 
 Runs: Muon on Megatron-FSDP (ours) under ZeRO-3 (the demo's default) and ZeRO-1, megatron-core's
 Muon on Megatron DDP (every rank orthogonalizes every matrix), and Adam on Megatron-FSDP's ZeRO-3;
-megatron-core's layer-wise Muon cannot be built in fp32 (README), bench_muon_step.py measures it.
+megatron-core's layer-wise Muon cannot be built in fp32 (docs/reliability.md, "Refused
+configurations"), bench_muon_step.py measures it.
 The configurations take turns round by round, so a slow spell of the machine falls on all of them
 alike; each is reported as the median over rounds of its runs' medians, with its ratio to
 megatron-core's Muon on DDP. Newton-Schulz runs at the demo's precision (Megatron's bf16, or fp32

@@ -4,7 +4,7 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
 - every multi-rank code path on CUDA tensors on one GPU, torch's fake process group standing in
   for NCCL (tests/fake_ranks.py): no collective may see a tensor off the GPU;
 - batched bf16 Newton-Schulz (`medium`) differs from per-matrix calls by less than bf16's own
-  error (the README's contract);
+  error (docs/design.md, "Library": the contract);
 - W=1 on NCCL: the demo trains, in fp32 and bf16, and Muon on Megatron-FSDP ZeRO-3 matches
   megatron-core's own Muon on Megatron DDP over the first iterations (fp32 Newton-Schulz);
 - with two GPUs or more, the same comparison at W=2.
