@@ -120,9 +120,10 @@ def fsdp_rows(model, world: int, expert_world: int) -> dict:
 
 def muon_matrices(model, rows: dict):
     """(dense, expert) Muon matrices, each [Matrix], as megatron_muon's factory and
-    ZeROTensorParallelMuon make them at TP=1 (QKV split into q, k, v blocks)."""
-    from megatron_muon.factory import is_scalar_param, tag_params, is_expert_param
-    from megatron_muon.plan import Matrix, RowLayout, orthogonalization_key, qkv_row_blocks
+    ZeROTensorParallelMuon make them at TP=1 (QKV split into q, k, v blocks; a stack of experts
+    split into its matrices)."""
+    from megatron_muon.factory import is_expert_param, is_scalar_param, tag_params
+    from megatron_muon.plan import RowLayout, orthogonalization_key, qkv_row_blocks, split_matrices
 
     tag_params([model])
     dense, expert = [], []
@@ -131,9 +132,11 @@ def muon_matrices(model, rows: dict):
             continue
         split_shapes = p.qkv_split_shapes if getattr(p, "is_qkv", False) else None
         blocks = qkv_row_blocks(p.shape[0], split_shapes) if split_shapes else None
-        matrix = Matrix(RowLayout(tuple(rows[p])), p.shape[1],
-                        orthogonalization_key(p, splits_qkv=bool(split_shapes), tp_size=1), blocks)
-        (expert if is_expert_param(name, p) else dense).append(matrix)
+        key = orthogonalization_key(p, splits_qkv=bool(split_shapes), tp_size=1)
+        (expert if is_expert_param(name, p) else dense).extend(
+            matrix for _, matrix in split_matrices(RowLayout(tuple(rows[p])),
+                                                   getattr(p, "num_stacked_experts", 1),
+                                                   p.shape[-1], key, blocks))
     return dense, expert
 
 
