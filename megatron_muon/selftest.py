@@ -61,10 +61,10 @@ class _NewtonSchulzClock:
         self.seconds, self.flops = 0.0, 0
         orthogonalize = muon.orthogonalize
 
-        def timed(attrs, matrix):
+        def timed(attrs, matrix, **options):
             _synchronize()
             start = time.perf_counter()
-            result = orthogonalize(attrs, matrix)
+            result = orthogonalize(attrs, matrix, **options)
             _synchronize()
             self.seconds += time.perf_counter() - start
             batch = matrix.shape[0] if matrix.dim() == 3 else 1

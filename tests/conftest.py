@@ -27,6 +27,27 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 UPSTREAM_PACKAGES = ("torch", "megatron-core", "emerging-optimizers")
 
+# `make test-fast` runs the suite without the tests marked e2e or slow (-m "not e2e and not slow").
+MARKERS = {
+    "e2e": "runs a training script end to end: the demo, torchrun, a Megatron-LM-style script",
+    "slow": "not e2e, but 5 s or more on 2 CPU cores, or a W=4 case of a sweep whose other "
+            "cases cover it (make test-fast leaves it out)",
+}
+
+
+def pytest_configure(config):
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+
+
+@pytest.fixture(scope="session")
+def strategy_runs(tmp_path_factory):
+    """e2e_harness.strategy_runs: the demo's runs by optimizer and strategy, each run once for
+    every e2e module that compares with them."""
+    from e2e_harness import strategy_runs
+
+    return strategy_runs(tmp_path_factory.mktemp("uninterrupted"))
+
 
 def pytest_sessionstart(session):
     from megatron_muon.cpu import bf16_matmul_is_emulated, fast_newton_schulz_precision

@@ -76,6 +76,7 @@ def _check_logs_and_costs_nothing_between(rank, world_size):
                             rf"0\.000e\+00 over {matrices} matrices", line), line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_check_passes_exact_updates_and_adds_no_collective_between_checks(distributed,
                                                                                world_size):
@@ -205,7 +206,7 @@ def _chain_logs(rank, world_size):
         assert all(int(m[2]) > 0 for m in found), lines
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_chain_logs_each_check_at_megatrons_iteration(distributed, world_size):
     distributed(_chain_logs, world_size)
 

@@ -168,6 +168,7 @@ def _resume_bit_identical(rank, world_size, tmp):
             assert torch.equal(got[name], expected[name]), (case, name)
 
 
+@pytest.mark.slow
 def test_resume_continues_bit_identically_for_every_strategy(saved_at_w2):
     run_distributed(_resume_bit_identical, 2, str(saved_at_w2))
 
@@ -193,6 +194,7 @@ def _trained(model_and_optimizer, rank, world_size):
     return model_and_optimizer
 
 
+@pytest.mark.slow
 def test_a_load_that_finds_no_checkpoint_trains_as_from_scratch():
     run_distributed(_prepared_load_without_checkpoint_trains_as_from_scratch, 2)
 
@@ -246,9 +248,11 @@ def _allowed_drift(name, expected):
     return state_drift(expected[name], REORDERING)
 
 
+@pytest.mark.slow
 def test_checkpoint_from_two_ranks_resumes_on_four(saved_at_w2):
     run_distributed(_resume_resharded, 4, str(saved_at_w2), 2)
 
 
+@pytest.mark.slow
 def test_checkpoint_from_four_ranks_resumes_on_two(saved_at_w4):
     run_distributed(_resume_resharded, 2, str(saved_at_w4), 4)

@@ -5,7 +5,6 @@ only its own rows: without the param sync the other rows stay stale and training
 silently. (After a checkpoint load: test_checkpoint.)"""
 
 import pytest
-import torch
 from megatron.core import parallel_state
 
 from fsdp_models import STRATEGIES, ForwardReads
@@ -57,6 +56,7 @@ def _every_case(rank, world_size):
         _forward_reads_main_weights(rank, world_size, case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_next_forward_reads_the_main_weights(distributed, world_size):
     distributed(_every_case, world_size)

@@ -157,9 +157,9 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
     (2, 1, "duplicated", None, "owner"), (2, 1, "duplicated", None, "allgather"),
     (2, 1, "distributed", None, "owner"), (2, 1, "blockwise", None, "owner"),
     # TP=2 for dense matrices, experts over EP=2 with expert TP 1
-    (2, 2, "duplicated", None, "owner"),
+    pytest.param(2, 2, "duplicated", None, "owner", marks=pytest.mark.slow),
     # HSDP: 2 replicas x 2 shards (allgather under HSDP: test_numerics)
-    (1, 2, "duplicated", "no_shard", "owner"), (1, 1, "duplicated", "optim", "owner"),
+    (1, 2, "duplicated", "no_shard", "owner"), pytest.param(1, 1, "duplicated", "optim", "owner", marks=pytest.mark.slow),
 ])
 def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, expert_parallel,
                                                  tp_mode, outer, dist_mode):

@@ -21,6 +21,7 @@ def test_the_guard_fails_a_collective_given_a_tensor_off_the_ranks_device():
     assert failure is None, failure
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_path_keeps_collectives_on_the_ranks_device(world_size, tmp_path):
     failure = run_fake_ranks(fake_paths.every_path, world_size, "cpu", str(tmp_path))

@@ -93,7 +93,7 @@ def _every_case(rank, world_size):
             _compare(rank, world_size, strategy, dist_mode)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_grouped_experts_are_orthogonalized_one_by_one(distributed, world_size):
     distributed(_every_case, world_size)
 

@@ -2,7 +2,6 @@
 through megatron_muon's it builds the same optimizer and trains the same model bit for bit, or
 fails as megatron-core alone fails, for each optimizer megatron-core offers on Megatron DDP."""
 
-import pytest
 import torch
 from megatron.core.optimizer import get_megatron_optimizer as megatron_cores_factory
 

@@ -4,6 +4,7 @@ step. Each case finishes within a timeout and equals single-device Muon bit for 
 
 import copy
 
+import pytest
 import torch
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
@@ -59,5 +60,6 @@ def _every_case(rank, world_size):
                 _compare(rank, strategy, dist_mode, units)
 
 
+@pytest.mark.slow
 def test_ranks_holding_nothing_neither_hang_nor_change_the_result():
     run_distributed(_every_case, WORLD_SIZE, timeout=TIMEOUT_SECONDS)

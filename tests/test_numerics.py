@@ -16,17 +16,23 @@ from megatron_muon.exchange import Traffic, observed
 STEPS = 6
 
 
-def _train_and_compare(rank, world_size):
-    qkv_boundaries = set()
-    for strategy in STRATEGIES:
-        for dist_mode in ("owner", "allgather"):
-            for unit_modules in (True, False):
-                qkv_boundaries |= _compare(rank, world_size, strategy, dist_mode, unit_modules)
-    # The QKV split was exercised with FSDP shard boundaries inside a head group, and on them.
-    if world_size == 4:
-        group_rows = sum(QKV_SPLIT)
-        assert any(b % group_rows for b in qkv_boundaries), qkv_boundaries
-        assert any(b % group_rows == 0 for b in qkv_boundaries), qkv_boundaries
+# Each case its own test: every strategy x dist mode x Megatron-FSDP unit at W=1, 2 and 4 (the
+# module's worker pool of each world size runs them all, conftest). At W=4 only the owner mode on
+# per-Linear units (every matrix crosses shard boundaries) is in make test-fast; the other W=4
+# cases, `slow`, it runs at W=1 and 2.
+DIST_MODES = ("owner", "allgather")
+UNITS = {True: "units", False: "one_unit"}
+
+
+def _case(strategy, dist_mode, unit_modules, world_size):
+    slow = world_size == 4 and (dist_mode, unit_modules) != ("owner", True)
+    return pytest.param(strategy, dist_mode, unit_modules, world_size,
+                        id=f"{strategy}-{dist_mode}-{UNITS[unit_modules]}-W{world_size}",
+                        marks=pytest.mark.slow if slow else ())
+
+
+CASES = [_case(strategy, dist_mode, unit_modules, world_size) for world_size in (1, 2, 4)
+         for strategy in STRATEGIES for dist_mode in DIST_MODES for unit_modules in UNITS]
 
 
 def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None):
@@ -68,7 +74,6 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None):
         assert momentum.to_local().shape == p.to_local().shape
     if rank == 0:
         print(f"{case}: max |diff| 0 after {STEPS} steps")
-    return _inner_boundaries(fsdp.module.qkv.weight)
 
 
 def _inner_boundaries(p) -> set[int]:
@@ -80,9 +85,27 @@ def _inner_boundaries(p) -> set[int]:
     return {b for b in itertools.accumulate(held) if 0 < b < p.shape[0]}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_matches_single_device_muon_for_every_strategy(distributed, world_size):
-    distributed(_train_and_compare, world_size)
+@pytest.mark.parametrize("strategy, dist_mode, unit_modules, world_size", CASES)
+def test_matches_single_device_muon(distributed, strategy, dist_mode, unit_modules, world_size):
+    distributed(_compare, world_size, strategy, dist_mode, unit_modules)
+
+
+def _qkv_boundaries_of_the_cases(rank, world_size):
+    """The QKV matrix's shard boundaries in the cases above (the layout is Megatron-FSDP's, the
+    same under either dist mode and at every step)."""
+    boundaries = set()
+    for strategy in STRATEGIES:
+        for unit_modules in UNITS:
+            _, fsdp = make_models(strategy, world_size, unit_modules)
+            boundaries |= _inner_boundaries(fsdp.module.qkv.weight)
+    # The QKV split is exercised with FSDP shard boundaries inside a head group, and on them.
+    group_rows = sum(QKV_SPLIT)
+    assert any(b % group_rows for b in boundaries), boundaries
+    assert any(b % group_rows == 0 for b in boundaries), boundaries
+
+
+def test_the_cases_cut_the_qkv_matrix_inside_and_between_head_groups(distributed):
+    distributed(_qkv_boundaries_of_the_cases, 4)
 
 
 # HSDP at W=4: 2 replicas x 2 shards. Megatron-FSDP shards the outer dim only under ZeRO-3.
@@ -90,17 +113,22 @@ HSDP_CASES = [("no_shard", "optim"), ("no_shard", "optim_grads"), ("no_shard", "
               ("optim", "optim_grads_params")]
 
 
-def _hsdp_train_and_compare(rank, world_size):
-    for outer, strategy in HSDP_CASES:
-        for dist_mode in ("owner", "allgather"):
-            _compare(rank, world_size, strategy, dist_mode, unit_modules=True, outer=outer)
+@pytest.mark.parametrize("outer, strategy, dist_mode", [  # allgather: slow, as at W=4 above
+    pytest.param(outer, strategy, dist_mode, id=f"{outer}-{strategy}-{dist_mode}",
+                 marks=pytest.mark.slow if dist_mode == "allgather" else ())
+    for outer, strategy in HSDP_CASES for dist_mode in DIST_MODES])
+def test_hsdp_matches_single_device_muon(distributed, outer, strategy, dist_mode):
+    distributed(_compare, 4, strategy, dist_mode, True, outer)
 
 
-def test_hsdp_matches_single_device_muon(distributed):
-    distributed(_hsdp_train_and_compare, 4)
+# (strategy, HSDP's outer strategy, dist mode, how often each matrix is orthogonalized at W=4)
+NEWTON_SCHULZ_CASES = [(strategy, outer, "owner", 1) for strategy, outer in
+                       (("optim_grads_params", None), ("no_shard", None),
+                        ("optim_grads_params", "no_shard"), ("optim_grads_params", "optim"))]
+NEWTON_SCHULZ_CASES.append(("optim_grads_params", None, "allgather", 4))
 
 
-def _count_newton_schulz(rank, world_size):
+def _count_newton_schulz(rank, world_size, cases):
     import megatron.core.optimizer.emerging_optimizers as core_muon
 
     calls = []
@@ -111,15 +139,11 @@ def _count_newton_schulz(rank, world_size):
         return newton_schulz_tp(x, *args, **kwargs)
 
     with mock.patch.object(core_muon, "newton_schulz_tp", counted):
-        _count_each_case(rank, world_size, calls)
+        _count_each_case(rank, world_size, calls, cases)
 
 
-def _count_each_case(rank, world_size, calls):
-    cases = [(strategy, outer, "owner", 1) for strategy, outer in
-             (("optim_grads_params", None), ("no_shard", None), ("optim_grads_params", "no_shard"),
-              ("optim_grads_params", "optim"))]
-    for strategy, outer, dist_mode, expected_repeats in cases + [
-            ("optim_grads_params", None, "allgather", world_size)]:
+def _count_each_case(rank, world_size, calls, cases):
+    for strategy, outer, dist_mode, expected_repeats in cases:
         _, fsdp = make_models(strategy, world_size, outer=outer)
         matrices, _ = split_params(fsdp)
         opt = ZeROTensorParallelMuon(matrices, dist_mode=dist_mode, **MUON_KWARGS)
@@ -138,12 +162,15 @@ def _count_each_case(rank, world_size, calls):
                 strategy, outer, dist_mode, step, per_step)
 
 
-def test_owner_mode_runs_each_newton_schulz_once_across_ranks_and_replicas(distributed):
-    distributed(_count_newton_schulz, 4)
+@pytest.mark.parametrize("case", [
+    pytest.param(case, id="-".join(filter(None, (case[1], case[0], case[2]))))
+    for case in NEWTON_SCHULZ_CASES])
+def test_owner_mode_runs_each_newton_schulz_once_across_ranks_and_replicas(distributed, case):
+    distributed(_count_newton_schulz, 4, [case])
 
 
-def _count_traffic(rank, world_size):
-    for unit_modules in (True, False):
+def _count_traffic(rank, world_size, layouts):
+    for unit_modules in layouts:
         _, fsdp = make_models("optim_grads_params", world_size, unit_modules)
         matrices, _ = split_params(fsdp)
         opt = ZeROTensorParallelMuon(matrices, byte_slack=0.0, **MUON_KWARGS)
@@ -171,8 +198,9 @@ def _count_traffic(rank, world_size):
             assert any(whole_on_owner), whole_on_owner
 
 
-def test_owner_mode_moves_exactly_the_layout_minimum(distributed):
-    distributed(_count_traffic, 4)
+@pytest.mark.parametrize("unit_modules", UNITS, ids=UNITS.values())
+def test_owner_mode_moves_exactly_the_layout_minimum(distributed, unit_modules):
+    distributed(_count_traffic, 4, [unit_modules])
 
 
 def _batching_under_bf16_matmuls(rank, world_size):

@@ -2,20 +2,14 @@
 rows it derives from Megatron-FSDP's bucketing are the rows each rank's main weights hold, and its
 plan has the matrices and owners ZeROTensorParallelMuon chose."""
 
-import os
-import sys
-
 import pytest
-import torch
 from megatron.core import parallel_state
 
+from benchmarks import scale_model
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.chained import named_main_weights
 from megatron_muon.testing import GPTShape, fsdp_gpt, gpt, init_parallel_state, optimizer_config
 from megatron_muon.zero_muon import ZeROTensorParallelMuon
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import scale_model  # noqa: E402
 
 # Uneven shards at W=4: widths 48 and 96 (biases too) in one bucket per layer.
 SHAPE = GPTShape(layers=2, hidden=48, ffn=96, heads=4, vocab=72, seq=16)

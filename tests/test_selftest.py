@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # torchrun, as a user runs it
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGURATIONS = {
     2: ["no_shard (no_shard)", "ZeRO-1 (optim)", "ZeRO-2 (optim_grads)",

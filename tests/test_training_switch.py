@@ -131,6 +131,7 @@ def _inert_with_cuda():
     assert torch.overrides._get_current_function_mode() is None
 
 
+@pytest.mark.slow
 def test_cpu_layer_changes_nothing_when_cuda_is_available():
     import multiprocessing
 

@@ -24,6 +24,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_name_gone_from_upstream_is_named_at_import():
     run = _python("""
         import megatron.core.optimizer.emerging_optimizers as core_muon
@@ -43,6 +44,7 @@ def test_a_name_gone_from_upstream_is_named_at_import():
     assert "Install the versions this release supports" in error
 
 
+@pytest.mark.slow
 def test_a_patch_target_gone_from_upstream_is_named_at_import():
     run = _python("""
         import megatron.training.training
@@ -53,6 +55,7 @@ def test_a_patch_target_gone_from_upstream_is_named_at_import():
     assert "has no\n  megatron.training.training.clip_qk: patched: " in run.stderr, run.stderr
 
 
+@pytest.mark.slow
 def test_uninstall_leaves_megatron_training_megatron_fsdp_and_torch_as_they_were():
     run = _python("""
         import importlib

@@ -8,3 +8,16 @@ from pathlib import Path
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BRIDGE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bridge: trains through Megatron-Bridge (tests_bridge/, "
+                                       "make test-bridge, in .venv-bridge)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if BRIDGE in item.path.parents:
+            item.add_marker("bridge")

@@ -1,0 +1,144 @@
+"""End to end, checkpoints: the demo saves with --save and resumes with --load the training an
+uninterrupted run computes (bit for bit at the same world size, dropout and MuonClip included;
+at another world size up to the order in which gradients add), trains from scratch when --load
+finds no checkpoint, and says what to do when a checkpoint lacks the optimizer state or cannot
+be saved (e2e_harness runs the demo)."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import demo_log
+from e2e_harness import (NO_DROPOUT, SMALL, STRATEGY_ITERATIONS, failure_of, train,
+                         training_log)
+from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
+from tolerances import RTOL
+
+pytestmark = pytest.mark.e2e
+
+
+def _model_and_optimizer(checkpoint: Path, tmp_path: Path) -> dict:
+    """The model and optimizer tensors of a fsdp_dtensor checkpoint, by key."""
+    single_file = tmp_path / f'{checkpoint.parent.name}.pt'
+    dcp_to_torch_save(checkpoint, single_file)
+    state = torch.load(single_file, weights_only=False)
+    tensors = {f'model.{k}': v for k, v in state['model'].items()}
+    for section in ('state', 'muon'):
+        for name, param_state in state['optimizer'][section].items():
+            tensors.update({f'optimizer.{name}.{k}': v for k, v in param_state.items()})
+    tensors['optimizer.step'] = state['optimizer']['step']
+    return tensors
+
+
+def assert_logged_as_uninterrupted(resumed: str, uninterrupted: str, resumed_at: int, last: int,
+                                   rel: float = 0.0):
+    """The resumed run computes what the restored state determines: every iteration's loss and
+    gradient norm are the uninterrupted run's (equal, or within `rel`)."""
+    demo_log.losses(resumed, resumed_at, last)  # the log holds these iterations and only these
+    for key in ('lm loss', 'grad norm'):
+        got, expected = demo_log.exact_values(resumed, key), demo_log.exact_values(uninterrupted, key)
+        for i in range(resumed_at, last + 1):
+            assert got[i] == pytest.approx(expected[i], rel=rel, abs=0), (key, i, got, expected)
+
+
+def test_demo_resumes_from_its_checkpoint_bit_identically(strategy_runs, tmp_path):
+    """--save/--save-interval/--exit-interval stop a run at iteration 3; --load resumes it. At
+    iteration 6 its model and optimizer (momentum, Adam's moments, step) equal those of the
+    uninterrupted run (strategy_runs) bit for bit, and its log shows the same training."""
+    uninterrupted = strategy_runs.log('muon', 'optim_grads_params')
+    flags = (*SMALL, *NO_DROPOUT, '--save', str(tmp_path / 'resumed'), '--save-interval', '3')
+    train(*flags, '--exit-interval', '3', iterations=STRATEGY_ITERATIONS, logged=(1, 3))
+    resumed = training_log(*flags, '--load', str(tmp_path / 'resumed'), '--exit-interval', '6',
+                           iterations=STRATEGY_ITERATIONS)
+    assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6)
+    expected = _model_and_optimizer(strategy_runs.checkpoints / 'iter_0000006', tmp_path)
+    got = _model_and_optimizer(tmp_path / 'resumed' / 'iter_0000006', tmp_path)
+    assert got.keys() == expected.keys()
+    assert any('momentum_buffer' in key for key in got)
+    different = [key for key in expected if not torch.equal(got[key], expected[key])]
+    assert not different, different
+
+
+def test_a_load_from_a_directory_without_a_checkpoint_trains_from_scratch(strategy_runs, tmp_path):
+    """Megatron's contract: warn ("could not find the metadata file") and train from scratch;
+    the training is the one without --load."""
+    empty = tmp_path / 'no-checkpoint-here'
+    empty.mkdir()
+    losses = train(*SMALL, *NO_DROPOUT, '--optimizer', 'muon', '--data-parallel-sharding-strategy',
+                   'optim_grads_params', '--load', str(empty), iterations=STRATEGY_ITERATIONS)
+    assert losses == strategy_runs('muon', 'optim_grads_params')
+
+
+QK_CLIP_THRESHOLD = 0.15  # the SMALL GPT's max attention logit passes it at iteration 6
+
+
+def test_muon_clip_caps_the_logits_and_resumes(strategy_runs, tmp_path):
+    """--qk-clip on ZeRO-3: every iteration logs its max attention logit; the training is the
+    unclipped run's until a logit first passes the threshold (the clip changes nothing before),
+    then the logits stay lower than without the clip; a run resumed from the checkpoint saved
+    after the first clip logs what the uninterrupted one does."""
+    unclipped = strategy_runs.log('muon', 'optim_grads_params')
+    flags = (*SMALL, *NO_DROPOUT, '--qk-clip', '--qk-clip-threshold', str(QK_CLIP_THRESHOLD),
+             '--log-max-attention-logit')
+    checkpoints = tmp_path / 'clipped'
+    clipped = training_log(*flags, '--save', str(checkpoints), '--save-interval', '3',
+                           iterations=STRATEGY_ITERATIONS)
+    logits = demo_log.exact_values(clipped, 'max attention logit')
+    unclipped_logits = demo_log.exact_values(unclipped, 'max attention logit')
+    iterations = list(range(1, STRATEGY_ITERATIONS + 1))
+    assert sorted(logits) == iterations == sorted(unclipped_logits), clipped[-3000:]
+    first_clip = min(i for i in iterations if logits[i] > QK_CLIP_THRESHOLD)
+    assert 1 < first_clip <= 6, logits  # the checkpoint of iteration 6 holds a clip
+    before, after = iterations[:first_clip], iterations[first_clip:]
+    assert [logits[i] for i in before] == [unclipped_logits[i] for i in before]
+    losses = demo_log.losses(clipped, 1, STRATEGY_ITERATIONS)
+    assert losses[:first_clip] == strategy_runs('muon', 'optim_grads_params')[:first_clip]
+    assert max(logits[i] for i in after) < max(unclipped_logits[i] for i in after), (
+        logits, unclipped_logits)
+    resumed = training_log(*flags, '--load', str(checkpoints), '--ckpt-step', '6',
+                           iterations=STRATEGY_ITERATIONS)
+    assert_logged_as_uninterrupted(resumed, clipped, resumed_at=7, last=STRATEGY_ITERATIONS)
+    assert demo_log.exact_values(resumed, 'max attention logit') == {
+        i: logits[i] for i in iterations[6:]}
+
+
+def test_adam_on_megatron_fsdp_refuses_to_save_rather_than_hang(tmp_path):
+    failure = failure_of('--optimizer', 'adam', '--save', str(tmp_path), '--save-interval', '1',
+                         iterations=2)
+    assert 'SystemExit: pretrain_gpt.py: --optimizer adam on Megatron-FSDP cannot --save' in failure, failure
+
+
+def test_a_checkpoint_from_two_processes_resumes_on_four_at_the_same_global_batch(strategy_runs):
+    """The uninterrupted two-process run's checkpoint of iteration 3 (global batch 8: 4 sequences
+    per rank), resumed on four processes (2 per rank): the same training up to the order in which
+    the gradients add."""
+    uninterrupted = strategy_runs.log('muon', 'optim_grads_params')
+    resumed = training_log(*SMALL, *NO_DROPOUT, '--micro-batch-size', '2', '--global-batch-size', '8',
+                           '--load', str(strategy_runs.checkpoints), '--ckpt-step', '3',
+                           '--exit-interval', '6', iterations=STRATEGY_ITERATIONS, processes=4)
+    assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6, rel=RTOL)
+
+
+def test_with_dropout_a_resumed_run_draws_the_uninterrupted_runs_dropout(tmp_path):
+    """Megatron's checkpoint holds the RNG states; on CPU dropout draws from the default
+    generator, which megatron_muon.cpu keeps as the load restored it while the data iterators are
+    built: the resumed run is the uninterrupted one, dropout included."""
+    uninterrupted = training_log(*SMALL, '--save', str(tmp_path), '--save-interval', '3',
+                                 iterations=6)
+    resumed = training_log(*SMALL, '--load', str(tmp_path), '--ckpt-step', '3', iterations=6)
+    assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6)
+
+
+def test_a_checkpoint_without_optimizer_state_says_to_load_the_model_only(tmp_path):
+    """A Muon run's --load of a checkpoint without its optimizer state (saved by Adam, or with
+    --no-save-optim) stops saying what to do; with --no-load-optim it trains on."""
+    flags = (*SMALL, '--load', str(tmp_path))
+    train(*SMALL, '--save', str(tmp_path), '--save-interval', '2', '--no-save-optim',
+          '--exit-interval', '2', iterations=4, logged=(1, 2))
+    failure = failure_of(*flags, iterations=4)
+    assert re.search(r'RuntimeError: the checkpoint has no optimizer state for this run \(first '
+                     r'missing: optimizer\.\S+\): .*--no-load-optim', failure), failure
+    train(*flags, '--no-load-optim', iterations=4, logged=(3, 4))
