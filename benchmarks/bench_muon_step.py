@@ -38,6 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_muon.cpu import fast_newton_schulz_precision
 from megatron_muon.exchange import Traffic, observed
+from step_profile import PHASES, profiled  # beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Megatron's bf16 (medium), but fp32 where bf16 matmuls are emulated: ~100x slower there.
@@ -55,6 +56,8 @@ WARMUP = 3
 # torch's FlopCounterMode: every op passes through Python while they count, so no timed step is
 # counted); the plan is fixed, so every step's counts are the same.
 COUNTED_STEP = WARMUP - 1
+# After the timed steps, this many steps run under torch.profiler for the per-phase profile.
+PROFILED_STEPS = 3
 
 
 def configs(world):
@@ -124,8 +127,10 @@ def measure(shape, parallel, steps):
     traffic = {mode: Traffic() for mode in modes}
     flops = {mode: FlopCounterMode(display=False) for mode in modes}
     train_times, step_times = {mode: [] for mode in modes}, {mode: [] for mode in modes}
+    phases = {mode: [] for mode in modes}
+    timed = range(WARMUP, WARMUP + steps)
     # The modes take turns step by step, so the machine's slow spells fall on all of them alike.
-    for step in range(WARMUP + steps):
+    for step in range(WARMUP + steps + PROFILED_STEPS):
         for mode, (model, optimizer, _) in built.items():
             start = time.perf_counter()
             optimizer.zero_grad()
@@ -140,17 +145,22 @@ def measure(shape, parallel, steps):
                 if step == COUNTED_STEP:
                     counting.enter_context(observed(traffic[mode]))
                     counting.enter_context(flops[mode])  # only Newton-Schulz multiplies matrices
-                optimizer.step()
+                if step >= timed.stop:
+                    phases[mode].append(profiled(optimizer.step))
+                else:
+                    optimizer.step()
             dist.barrier()
             end = time.perf_counter()
-            if step >= WARMUP:
+            if step in timed:
                 train_times[mode].append(end - start)
                 step_times[mode].append(end - step_start)
     figures = {mode: dict(
         step_s=statistics.median(step_times[mode]), train_step_s=statistics.median(train_times[mode]),
         received_bytes=traffic[mode].received_bytes, collectives=traffic[mode].collectives,
         ns_flops=flops[mode].get_total_flops(), state_bytes=optimizer_state_bytes(optimizer),
-        transient_bytes=traffic[mode].peak_buffer_bytes) for mode, (_, optimizer, _) in built.items()}
+        transient_bytes=traffic[mode].peak_buffer_bytes,
+        phase_s={phase: statistics.median(p[phase] for p in phases[mode]) for phase in PHASES})
+        for mode, (_, optimizer, _) in built.items()}
     figures["plan"] = plan_figures(*built["owner"])
     return figures
 
@@ -256,6 +266,7 @@ def summarize(world, per_rank):
             muon_step_s=max(f["step_s"] for f in figures),
             train_step_s=max(f["train_step_s"] for f in figures),
             peak_transient_bytes=max(f["transient_bytes"] for f in figures),
+            phase_s=max((f["phase_s"] for f in figures), key=lambda s: sum(s.values())),
             optimizer_state_bytes=max(f["state_bytes"] for f in figures))
     adam = [r["adam"] for r in per_rank]
     row["adam"] = dict(adam_step_s=max(f["step_s"] for f in adam),
@@ -324,6 +335,14 @@ def print_table(results):
                       f"{row[ours]['optimizer_state_bytes'] / 1e6:.2f} MB, DDP "
                       f"{row['ddp']['optimizer_state_bytes'] / 1e6:.2f}, layer-wise "
                       f"{row['layerwise']['optimizer_state_bytes'] / 1e6:.2f}")
+            if "layerwise" in row:
+                print(f"{'':9} the step by phase, ms (torch.profiler, its overhead included; "
+                      f"the slowest rank's; step_profile.py):")
+                print(f"{'':11}{'mode':12}" + "".join(f"{p:>11}" for p in PHASES) + f"{'total':>9}")
+                for mode in ("owner", ZERO1_MODE, "layerwise"):
+                    ms = {p: s * 1e3 for p, s in row[mode]["phase_s"].items()}
+                    print(f"{'':11}{mode:12}" + "".join(f"{ms[p]:>11.1f}" for p in PHASES)
+                          + f"{sum(ms.values()):>9.1f}")
             if "checked_step" in row:
                 c = row["checked_step"]
                 print(f"{'':9} a checked step (--muon-check-interval; every N-th): "

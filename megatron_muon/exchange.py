@@ -9,6 +9,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from . import upstream
 from .plan import Matrix, RowLayout, gather_moves, gather_segments, scatter_moves, scatter_segments
@@ -35,7 +36,7 @@ def all_gather_rows(local: torch.Tensor, layout: RowLayout, group) -> torch.Tens
     padded = local.new_zeros((layout.max_rows, *local.shape[1:]))
     padded[: local.shape[0]].copy_(local)
     gathered = local.new_empty((layout.ranks * layout.max_rows, *local.shape[1:]))
-    with _held(padded, gathered):
+    with _held(padded, gathered), record_function(GATHER):
         dist.all_gather_into_tensor(gathered, padded, group=group)
         gathered = gathered.view(layout.ranks, layout.max_rows, *local.shape[1:])
         return torch.cat([gathered[layout.holders(shard)[0], :rows]
@@ -101,6 +102,10 @@ def _all_to_all(route: Route, send: list[torch.Tensor], like: torch.Tensor, grou
     return received, payload, work
 
 
+# Profiler labels (torch.profiler): the bench's per-phase profile reads them.
+GATHER, SCATTER = "muon.gather", "muon.scatter"
+
+
 def owner_exchange(routes: OwnerRoutes, group, local: dict[int, torch.Tensor],
                    orthogonalize: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]],
                    apply: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
@@ -111,37 +116,29 @@ def owner_exchange(routes: OwnerRoutes, group, local: dict[int, torch.Tensor],
     matrices, `orthogonalize(owned, fulls)` each owned batch, and send the result rows back;
     finally `apply(i, rows)` for this rank's rows of every matrix (the rows are views into this
     exchange's buffers, which are freed when the generator ends)."""
-    received, payload, work = _all_to_all(
-        routes.gather, [local[i] for segments in routes.gather.sends for i, _, _ in segments],
-        local[routes.batch[0]], group)
+    with record_function(GATHER):
+        received, payload, work = _all_to_all(
+            routes.gather, [local[i] for segments in routes.gather.sends for i, _, _ in segments],
+            local[routes.batch[0]], group)
     with _held(received, payload):
         yield
-        if work is not None:
-            work.wait()
-        full = {}
-        for i in routes.owned:
-            layout = routes.matrices[i].layout
-            if layout.held(routes.rank) == layout.num_rows:
-                full[i] = local[i]  # held whole: nothing to assemble
-                continue
-            full[i] = local[i].new_empty(routes.matrices[i].shape)
-            start, stop = layout.row_range(routes.rank)
-            full[i][start:stop] = local[i]
-        for (i, start, stop), piece in routes.pieces(received, routes.gather.recvs):
-            full[i][start:stop] = piece
+        with record_function(GATHER):
+            full = _assembled(routes, local, received, work)
     results = {}
     with _held(*(full[i] for i in routes.owned if full[i] is not local[i])):
         for owned in routes.owned_batches:
             if owned:
                 results.update(zip(owned, orthogonalize(owned, [full[i] for i in owned])))
         del full
-    returned, payload, work = _all_to_all(
-        routes.scatter, [results[i][start:stop] for segments in routes.scatter.sends
-                         for i, start, stop in segments], local[routes.batch[0]], group)
+    with record_function(SCATTER):
+        returned, payload, work = _all_to_all(
+            routes.scatter, [results[i][start:stop] for segments in routes.scatter.sends
+                             for i, start, stop in segments], local[routes.batch[0]], group)
     with _held(returned, payload, *results.values()):
         yield
-        if work is not None:
-            work.wait()
+        with record_function(SCATTER):
+            if work is not None:
+                work.wait()
         rows = {}
         for i in routes.owned:
             start, stop = routes.matrices[i].layout.row_range(routes.rank)
@@ -150,6 +147,24 @@ def owner_exchange(routes: OwnerRoutes, group, local: dict[int, torch.Tensor],
             rows[i] = piece
         for i in routes.batch:
             apply(i, rows.get(i, local[i]))  # local[i]: this rank holds no rows of it
+
+
+def _assembled(routes: OwnerRoutes, local: dict, received: torch.Tensor, work) -> dict:
+    """The full matrices this rank owns, once the gather's rows have arrived."""
+    if work is not None:
+        work.wait()
+    full = {}
+    for i in routes.owned:
+        layout = routes.matrices[i].layout
+        if layout.held(routes.rank) == layout.num_rows:
+            full[i] = local[i]  # held whole: nothing to assemble
+            continue
+        full[i] = local[i].new_empty(routes.matrices[i].shape)
+        start, stop = layout.row_range(routes.rank)
+        full[i][start:stop] = local[i]
+    for (i, start, stop), piece in routes.pieces(received, routes.gather.recvs):
+        full[i][start:stop] = piece
+    return full
 
 
 def run_overlapped(exchanges: Iterable[Iterator[None]], in_flight: int = 2) -> None:
