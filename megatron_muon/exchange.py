@@ -191,7 +191,7 @@ class Observer:
     """What `observed(observer)` reports to; subclass it. `collective`: every collective this
     process issues through torch.distributed (the optimizer's, Megatron-FSDP's, megatron-core's),
     after it is issued; `buffers`: the bytes of the owner exchange's and all_gather_rows'
-    buffers alive now, whenever that changes."""
+    buffers alive now, whenever some are added."""
 
     def collective(self, call: "Collective") -> None:
         pass
@@ -282,9 +282,11 @@ def _received_bytes(name: str, args: dict, rank: int, size: int) -> int:
         return _nbytes([args["output_tensor"]]) - _nbytes([args["input_tensor"]])
     if name == "allgather_into_tensor_coalesced_":
         return _nbytes(args["outputs"]) - _nbytes(args["inputs"])
-    if name in ("allgather_", "allgather_coalesced_"):
-        lists = args.get("output_tensors", args.get("output_lists"))
-        return sum(_nbytes(t for j, t in enumerate(outputs) if j != rank) for outputs in lists)
+    if name == "allgather_":  # output_tensors[input][rank]
+        return sum(_nbytes(t for j, t in enumerate(outputs) if j != rank)
+                   for outputs in args["output_tensors"])
+    if name == "allgather_coalesced_":  # output_lists[rank][input]
+        return sum(_nbytes(outputs) for j, outputs in enumerate(args["output_lists"]) if j != rank)
     return 0
 
 

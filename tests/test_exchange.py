@@ -108,3 +108,22 @@ def test_run_overlapped_keeps_two_exchanges_in_flight():
     events.clear()
     run_overlapped([exchange(0)])
     assert events == ["gather0", "compute0", "apply0"]
+
+
+def _observed_collectives(rank, world_size):
+    with observed(Traffic()) as traffic:
+        dist.all_gather([torch.empty(3) for _ in range(world_size)], torch.ones(3))
+        dist.all_gather_into_tensor(torch.empty(4 * world_size), torch.ones(4))
+        dist.all_reduce(torch.ones(2))
+        dist.barrier()
+    assert traffic.by_name == {"allgather_": 1, "_allgather_base_": 1, "allreduce_": 1}
+    # From the other ranks: 3 floats each, 4 floats each; a reduction counts no bytes.
+    assert traffic.received_bytes == (world_size - 1) * (3 + 4) * 4
+    with observed(Traffic()) as alone:  # a one-rank group moves nothing and is not counted
+        dist.all_reduce(torch.ones(2), group=dist.new_group([rank], use_local_synchronization=True))
+    assert alone.collectives == 0
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_observed_sees_every_collective_with_the_bytes_it_receives(distributed, world_size):
+    distributed(_observed_collectives, world_size)
