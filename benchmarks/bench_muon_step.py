@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_muon.cpu import fast_newton_schulz_precision

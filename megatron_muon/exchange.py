@@ -258,7 +258,7 @@ def _held(*tensors):
     if not _observers:
         yield
         return
-    nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    nbytes = _nbytes(t for t in tensors if t is not None)
     _live_bytes += nbytes
     for observer in _observers:
         observer.buffers(_live_bytes)
@@ -293,17 +293,20 @@ def _received_bytes(name: str, args: dict, rank: int, size: int) -> int:
 class _CollectiveMode(upstream.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # Every other op of the observed block passes here too: c10d's data collectives only.
+        if func.namespace != "c10d" or func.name().startswith("c10d::barrier"):
+            return out
+        bound = dict(zip(upstream.op_argument_names(func), args), **(kwargs or {}))
+        if "process_group" not in bound:
+            return out
         name = func.name().removeprefix("c10d::")
-        if func.namespace == "c10d" and not name.startswith("barrier"):
-            bound = dict(zip(upstream.op_argument_names(func), args), **(kwargs or {}))
-            if "process_group" in bound:
-                group = dist.ProcessGroup.unbox(bound["process_group"])
-                rank, size = group.rank(), group.size()
-                tensors = tuple(t for value in bound.values() for t in _tensors(value))
-                call = Collective(name, size, rank, tensors,
-                                  _received_bytes(name, bound, rank, size))
-                for observer in list(_observers):
-                    observer.collective(call)
+        group = dist.ProcessGroup.unbox(bound["process_group"])
+        rank, size = group.rank(), group.size()
+        call = Collective(name, size, rank,
+                          tuple(t for value in bound.values() for t in _tensors(value)),
+                          _received_bytes(name, bound, rank, size))
+        for observer in list(_observers):
+            observer.collective(call)
         return out
 
 
