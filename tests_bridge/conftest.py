@@ -6,10 +6,9 @@ import sys
 from pathlib import Path
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 BRIDGE = Path(__file__).resolve().parent
+sys.path.insert(0, str(BRIDGE.parent / "tests"))
+sys.path.insert(0, str(BRIDGE))
 
 
 def pytest_configure(config):
