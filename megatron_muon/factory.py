@@ -143,6 +143,18 @@ def _muon_overrides(config, config_overrides):
     return overrides
 
 
+def _foreach_over_dtensors(optimizer) -> None:
+    """torch's Adam and AdamW steps, where the caller chose no implementation, as one foreach
+    call per op over all params, on every device: torch picks foreach for CUDA params only
+    (`_default_to_fused_or_foreach`), and its per-param loop on the DTensor main weights pays one
+    DTensor dispatch per op per param (on CPU a rank holding 35 small shards of the demo took 30 ms
+    where its peer took 2; bit-identical results)."""
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW too
+        for group in optimizer.param_groups:
+            if group.get("foreach") is None and not group.get("fused"):
+                group["foreach"] = True
+
+
 def _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
                  muon_dist_mode, muon_check_interval):
     tag_params(model_chunks)
@@ -190,6 +202,7 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
                 part = upstream.get_megatron_optimizer_based_on_param_groups(
                     config=scalar_config, model_chunks=model_chunks, param_groups=selected,
                     pg_collection=pg_collection)
+                _foreach_over_dtensors(part.optimizer)
             part.config = config  # ChainedOptimizer expects one config across its parts
             part.grad_stats_parallel_group = grad_stats_group
             part.tp_group = pg_collection.tp

@@ -47,6 +47,41 @@ def _assert_loss_falls(model, optimizer, rank):
     assert losses[-1] < losses[0], losses
 
 
+def _scalar_part_steps_foreach_exactly(rank, world_size):
+    """The scalar optimizer (AdamW) steps its DTensor shards in one foreach call per op
+    (factory._foreach_over_dtensors) and makes what torch's per-param loop makes on the full
+    tensors, bit for bit."""
+    from fsdp_models import full_tensor
+
+    init_parallel_state()
+    model = fsdp_gpt()
+    optimizer = get_megatron_optimizer(optimizer_config(clip_grad=0.0), [model])
+    adam = _part(optimizer, torch.optim.Adam)
+    assert all(group["foreach"] for group in adam.param_groups)
+    references = []
+    for group in adam.param_groups:
+        params = [torch.nn.Parameter(full_tensor(p, p)) for p in group["params"]]
+        per_param_loop = {**group, "params": params, "foreach": False}
+        references.append((group["params"], params, type(adam)([per_param_loop])))
+    optimizer.zero_grad()
+    lm_loss(model, 0, rank).backward()
+    model.finish_grad_sync()
+    for shards, params, _ in references:
+        for shard, param in zip(shards, params):
+            param.grad = full_tensor(shard.grad if shard.grad is not None else torch.zeros_like(shard),
+                                     shard)
+    optimizer.step()
+    for shards, params, reference in references:
+        reference.step()
+        for shard, param in zip(shards, params):
+            assert torch.equal(full_tensor(shard, shard), param.detach())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_scalar_part_steps_foreach_exactly(distributed, world_size):
+    distributed(_scalar_part_steps_foreach_exactly, world_size)
+
+
 def _falls_through(rank, world_size):
     init_parallel_state()
     adam_on_fsdp = get_megatron_optimizer(optimizer_config("adam"), [fsdp_gpt()])
