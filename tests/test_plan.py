@@ -1,9 +1,13 @@
 import pytest
 
 from megatron_muon.exchange import OwnerRoutes
-from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, choose_owners, exchange_batches,
-                                gather_segments, layout_min_bytes, ns_flops, owner_traffic,
-                                qkv_row_blocks, row_layouts, scatter_segments)
+import random
+
+from megatron_muon.plan import (Matrix, RowLayout, StepCost, batch_matrices, choose_owners,
+                                choose_owners_by_time, estimated_seconds, exchange_batches,
+                                gather_segments, layout_min_bytes, ns_flops, owner_plan,
+                                owner_traffic, qkv_row_blocks, row_layouts, scatter_segments,
+                                whole_matrix_owners)
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -50,6 +54,79 @@ def test_owner_is_the_rank_holding_most_rows_when_bytes_are_at_stake():
     assert owners == [1, 2, 0]
     moved = sum(m.bytes_to_owner(o, 4) for m, o in zip(matrices, owners))
     assert moved == layout_min_bytes(matrices, 4) == 2 * (2 + 0 + 1) * 8 * 4
+
+
+def _flop_time(bytes_per_second, flops_per_second=1e9):
+    """A StepCost whose Newton-Schulz time is FLOPs at one rate."""
+    return StepCost(lambda m, count: count * m.ns_flops(5) / flops_per_second, bytes_per_second)
+
+
+def _makespan(matrices, owners, cost):
+    return max(estimated_seconds(matrices, owners, batch_matrices(matrices, 1 << 30), 4, cost))
+
+
+def _moved(matrices, owners):
+    return sum(m.bytes_to_owner(o, 4) for m, o in zip(matrices, owners))
+
+
+def test_owners_by_time_move_work_off_the_rank_holding_it_only_when_bytes_are_cheap():
+    # Every matrix is held whole on rank 0: fewest bytes leaves rank 0 all Newton-Schulz work.
+    matrices = [_matrix((64, 0), cols=64) for _ in range(4)]
+    batches = batch_matrices(matrices, 1 << 30)
+    slow_network, fast_network = _flop_time(1e3), _flop_time(1e12)
+    assert choose_owners_by_time(matrices, batches, 4, slow_network) == [0, 0, 0, 0]
+    owners = choose_owners_by_time(matrices, batches, 4, fast_network)
+    assert sorted(owners) == [0, 0, 1, 1]
+    assert _makespan(matrices, owners, fast_network) < 0.6 * _makespan(matrices, [0] * 4, fast_network)
+
+
+def test_owners_by_time_keep_bytes_within_the_cap():
+    matrices = [_matrix((64, 0), cols=64) for _ in range(4)] + [_matrix((32, 32), cols=64)]
+    batches = batch_matrices(matrices, 1 << 30)
+    minimum = layout_min_bytes(matrices, 4)
+    for slack in (0.0, 0.5, 1.0, 2.0):
+        owners = choose_owners_by_time(matrices, batches, 4, _flop_time(1e12), byte_slack=slack)
+        assert _moved(matrices, owners) - minimum <= slack * minimum
+    assert owner_plan(matrices, 4, byte_slack=0.0, cost=_flop_time(1e12)).owners[:4] == [0] * 4
+
+
+def test_owners_by_time_are_never_slower_than_byte_first_or_whole_matrix_owners():
+    """On random uneven layouts (empty shards, replicas), networks and caps: the chosen owners'
+    estimated step is at most that of the byte-first owners and, where it fits the cap, of the
+    whole-matrix placement; and equal inputs give equal owners (ranks must agree)."""
+    rng = random.Random(0)
+    improved = 0
+    for _ in range(150):
+        world = rng.choice([2, 3, 4, 8, 24])
+        shard_of = tuple(r % (world // 2) for r in range(world)) if world % 2 == 0 and rng.random() < 0.3 else None
+        shards = len(set(shard_of)) if shard_of else world
+        matrices = []
+        for _ in range(rng.randint(1, 16)):
+            rows = [rng.choice([0, 0, 5, 17, 64]) for _ in range(shards)]
+            rows[0] += 0 if sum(rows) else 3
+            matrices.append(Matrix(RowLayout(tuple(rows), shard_of), rng.choice([16, 64, 128]),
+                                   rng.choice([None, "k"])))
+        batches = batch_matrices(matrices, 1 << 30)
+        cost = _flop_time(rng.choice([1e5, 1e7, 1e9, 1e11]))
+        slack = rng.choice([None, 0.0, 0.05, 1.0])
+        owners = choose_owners_by_time(matrices, batches, 4, cost, slack)
+        assert owners == choose_owners_by_time(matrices, batches, 4, cost, slack)
+        minimum = layout_min_bytes(matrices, 4)
+        assert slack is None or _moved(matrices, owners) - minimum <= slack * minimum
+        byte_first = choose_owners(matrices, 4, 0.05 if slack is None else min(slack, 0.05))
+        assert _makespan(matrices, owners, cost) <= _makespan(matrices, byte_first, cost)
+        whole = whole_matrix_owners(matrices)
+        if slack is None or _moved(matrices, whole) - minimum <= slack * minimum:
+            assert _makespan(matrices, owners, cost) <= _makespan(matrices, whole, cost)
+        improved += _makespan(matrices, owners, cost) < _makespan(matrices, byte_first, cost)
+    assert improved > 20  # the choice is not byte-first's everywhere
+
+
+def test_whole_matrix_owners_spread_elements_largest_first():
+    matrices = [_matrix((8, 0), cols=8), _matrix((4, 0), cols=8), _matrix((2, 2), cols=8),
+                _matrix((0, 3), cols=8)]
+    # 64, 32, 32, 24 elements; the last goes to rank 0 (tied on 64) though rank 1 holds it.
+    assert whole_matrix_owners(matrices) == [0, 1, 1, 0]
 
 
 def test_evenly_split_matrices_are_balanced_longest_first():
