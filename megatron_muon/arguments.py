@@ -8,7 +8,7 @@ what Megatron lacks.
 import argparse
 
 from . import rules, upstream
-from .zero_muon import DIST_MODES
+from .zero_muon import DIST_MODES, OWNER_CHOICES
 
 
 # What each --muon-fp32-matmul-prec does to Newton-Schulz (emerging_optimizers' newton_schulz
@@ -49,6 +49,11 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='How Muon orthogonalizes FSDP-sharded matrices: "owner" gathers each '
                        'matrix on one rank, which runs Newton-Schulz and scatters the result; '
                        '"allgather" gathers every matrix on every rank.')
+    group.add_argument('--muon-owner-choice', choices=OWNER_CHOICES, default='time',
+                       help='How "owner" mode picks each matrix\'s owner: "time" for the shortest '
+                       'estimated step (Newton-Schulz seconds and bytes at rates measured when the '
+                       'optimizer is built), "bytes" for the fewest bytes moved. Results are '
+                       'bit-identical either way.')
     group.add_argument('--muon-max-consecutive-skipped-steps', type=_at_least_0, default=10,
                        help='Stop with an error after this many optimizer steps in a row skipped '
                        'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '

@@ -28,7 +28,7 @@ import megatron.core.datasets.utils
 
 from . import checksums, cpu, factory, qk_clip, rules, upstream
 from .chained import find_megatron_fsdp
-from .zero_muon import DIST_MODES
+from .zero_muon import DIST_MODES, OWNER_CHOICES
 
 cpu.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
 upstream.import_bridge()
@@ -56,6 +56,10 @@ class MuonOptimizerConfig(OptimizerConfig):
     muon_dist_mode: str = "owner"
     """ZeROTensorParallelMuon's dist_mode: "owner" or "allgather" (--muon-dist-mode)."""
 
+    muon_owner_choice: str = "time"
+    """How owner mode picks owners: "time" (estimated step time, rates measured at
+    construction) or "bytes" (fewest bytes first) (--muon-owner-choice)."""
+
     muon_max_consecutive_skipped_steps: int = 10
     """Stop after this many steps in a row skipped for non-finite gradients; 0: never."""
 
@@ -69,7 +73,7 @@ class MuonOptimizerConfig(OptimizerConfig):
         return factory.get_megatron_optimizer(
             self, chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
-            muon_dist_mode=self.muon_dist_mode,
+            muon_dist_mode=self.muon_dist_mode, muon_owner_choice=self.muon_owner_choice,
             muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps,
             muon_check_interval=self.muon_check_interval)
 
@@ -119,10 +123,10 @@ def install(cfg) -> None:
     if muon_on_megatron_fsdp(cfg):
         rules.refuse(_reader(cfg), lambda section, field: f"cfg.{section}.{field}",
                      training_loop=True, what="Muon on Megatron-FSDP through Megatron-Bridge")
-        dist_mode = getattr(cfg.optimizer, "muon_dist_mode", "owner")
-        if dist_mode not in DIST_MODES:
-            raise ValueError(f"cfg.optimizer.muon_dist_mode {dist_mode!r}: choose from "
-                             f"{DIST_MODES}")
+        for field, choices in (("muon_dist_mode", DIST_MODES), ("muon_owner_choice", OWNER_CHOICES)):
+            value = getattr(cfg.optimizer, field, choices[0])
+            if value not in choices:
+                raise ValueError(f"cfg.optimizer.{field} {value!r}: choose from {choices}")
     if not isinstance(cfg.optimizer, MuonOptimizerConfig):
         cfg.optimizer = MuonOptimizerConfig(**{
             field.name: getattr(cfg.optimizer, field.name)

@@ -19,12 +19,13 @@ from .zero_muon import ZeROTensorParallelMuon
 def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
                            pg_collection=None, dump_param_to_param_group_map=None,
                            muon_dist_mode="owner", muon_max_consecutive_skipped_steps=10,
-                           muon_check_interval=0):
+                           muon_check_interval=0, muon_owner_choice="time"):
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` on Megatron-FSDP chunks.
 
-    `muon_dist_mode` and `muon_check_interval` are ZeROTensorParallelMuon's `dist_mode` ("owner"
-    or "allgather") and `check_interval`; `muon_max_consecutive_skipped_steps`
-    FSDPMuonChainedOptimizer's limit on skipped steps."""
+    `muon_dist_mode`, `muon_owner_choice` and `muon_check_interval` are ZeROTensorParallelMuon's
+    `dist_mode` ("owner" or "allgather"), `owner_choice` ("time" or "bytes") and
+    `check_interval`; `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on
+    skipped steps."""
     if config.optimizer != "muon" or not all(find_megatron_fsdp(c) for c in model_chunks):
         return _core_get_megatron_optimizer(
             config, model_chunks, config_overrides=config_overrides,
@@ -39,7 +40,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     _average_hfsdp_gradients(model_chunks)
     parts = _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
-                         muon_dist_mode, muon_check_interval)
+                         dict(dist_mode=muon_dist_mode, owner_choice=muon_owner_choice,
+                              check_interval=muon_check_interval))
     max_attention_logits = build_max_attention_logits(
         model_chunks, pg_collection.dp_cp, _held_rows_in(parts))
     return FSDPMuonChainedOptimizer(ChainedOptimizer(parts), model_chunks,
@@ -156,7 +158,7 @@ def _foreach_over_dtensors(optimizer) -> None:
 
 
 def _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
-                 muon_dist_mode, muon_check_interval):
+                 muon_settings):
     tag_params(model_chunks)
     groups = upstream.get_param_groups(model_chunks, config,
                                        _muon_overrides(config, config_overrides))
@@ -192,8 +194,7 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
                     raise ValueError(f"{first} and the other expert matrices need an expert "
                                      "data-parallel group, but pg_collection.expt_dp is None")
                 muon = ZeROTensorParallelMuon(
-                    selected, dp_group=dp_group, dist_mode=muon_dist_mode, param_names=names,
-                    check_interval=muon_check_interval,
+                    selected, dp_group=dp_group, param_names=names, **muon_settings,
                     **upstream.muon_config_to_kwargs(config, model_chunks, pg_collection))
                 part = FP32Optimizer(muon, part_config, upstream.eopt_init_state_fn)
             else:

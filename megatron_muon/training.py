@@ -122,6 +122,7 @@ def _get_megatron_optimizer(*args, **kwargs):
     flags = megatron.training.get_args()
     return factory.get_megatron_optimizer(
         *args, muon_dist_mode=getattr(flags, 'muon_dist_mode', 'owner'),
+        muon_owner_choice=getattr(flags, 'muon_owner_choice', 'time'),
         muon_max_consecutive_skipped_steps=getattr(flags, 'muon_max_consecutive_skipped_steps', 10),
         muon_check_interval=getattr(flags, 'muon_check_interval', 0),
         **kwargs)

@@ -3,6 +3,7 @@
 import inspect
 import math
 import typing
+from collections import Counter
 from typing import Any, Literal
 
 import torch
@@ -16,12 +17,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import upstream
 from .checks import CheckResult, MuonCheckError, agree_on_every_rank, data_parallel_dims
 from .exchange import OwnerRoutes, all_gather_ints, all_gather_rows, owner_exchange, run_overlapped
+from .measured_cost import measure
 from .muon_math import momentum_update_
-from .plan import (BYTE_SLACK, MAX_BATCH_BYTES, RowLayout, orthogonalization_key, owner_plan,
-                   qkv_row_blocks, row_layouts, split_matrices)
+from .plan import (MAX_BATCH_BYTES, Matrix, RowLayout, StepCost, batch_matrices, cost_key,
+                   orthogonalization_key, owner_plan, qkv_row_blocks, row_layouts, split_matrices)
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
+OwnerChoice = Literal["time", "bytes"]
+OWNER_CHOICES = typing.get_args(OwnerChoice)
 TP_MODES = typing.get_args(inspect.signature(TensorParallelMuon.__init__).parameters["tp_mode"].annotation)
 
 
@@ -54,16 +58,20 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
-def _check_settings(dist_mode, byte_slack, max_batch_bytes, check_interval, muon_kwargs) -> None:
+def _check_settings(dist_mode, owner_choice, byte_slack, max_batch_bytes, check_interval,
+                    muon_kwargs) -> None:
     """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
     after momentum has changed), naming Megatron's flag."""
     defaults = {name: parameter.default for name, parameter
                 in inspect.signature(TensorParallelMuon.__init__).parameters.items()}
-    given = {**defaults, **muon_kwargs, "dist_mode": dist_mode, "byte_slack": byte_slack,
-             "max_batch_bytes": max_batch_bytes, "check_interval": check_interval}
+    given = {**defaults, **muon_kwargs, "dist_mode": dist_mode, "owner_choice": owner_choice,
+             "byte_slack": byte_slack, "max_batch_bytes": max_batch_bytes,
+             "check_interval": check_interval}
     scale_modes = typing.get_args(MuonScaleT)
     rules = [  # (setting, Megatron flag, valid?, what it must be)
         ("dist_mode", "--muon-dist-mode", lambda v: v in DIST_MODES, f"one of {DIST_MODES}"),
+        ("owner_choice", "--muon-owner-choice", lambda v: v in OWNER_CHOICES,
+         f"one of {OWNER_CHOICES}"),
         ("tp_mode", "--muon-tp-mode", lambda v: v in TP_MODES, f"one of {TP_MODES}"),
         ("coefficient_type", "--muon-coefficient-type", lambda v: v in upstream.COEFFICIENT_SETS,
          f"one of {tuple(sorted(upstream.COEFFICIENT_SETS))}"),
@@ -71,7 +79,7 @@ def _check_settings(dist_mode, byte_slack, max_batch_bytes, check_interval, muon
         ("lr", "--lr", lambda v: v >= 0, "at least 0"),
         ("momentum", "--muon-momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
         ("weight_decay", "--weight-decay", lambda v: v >= 0, "at least 0"),
-        ("byte_slack", None, lambda v: v >= 0, "at least 0"),
+        ("byte_slack", None, lambda v: v is None or v >= 0, "None or at least 0"),
         ("max_batch_bytes", None, lambda v: v > 0, "positive"),
         ("check_interval", "--muon-check-interval", lambda v: v >= 0, "at least 0"),
     ]
@@ -119,11 +127,12 @@ class _ParamAttributes:
 class GroupPlan:
     """The matrices of one exchange group, fixed at construction: one per param, or one per
     expert of a stacked expert weight; where this rank's rows of each sit in its param's local
-    shard; their owners, and this rank's routes through the exchanges that carry their batches."""
+    shard; their owners, this rank's routes through the exchanges that carry their batches, and
+    the measured StepCost the owners were chosen by (None: byte-first, or no owners)."""
 
-    def __init__(self, params, matrices, pieces, owners, exchanges, group):
+    def __init__(self, params, matrices, pieces, owners, exchanges, group, cost=None):
         self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
-        self.group = group
+        self.group, self.cost = group, cost
         self.rank = dist.get_rank(group)
         self.routes = [OwnerRoutes(matrices, owners, batches, self.rank) for batches in exchanges]
 
@@ -154,8 +163,16 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             Newton-Schulz and sends the result rows to the ranks holding them (replicas too);
             "allgather" assembles every matrix on every rank (each rank repeats all
             Newton-Schulz work; kept as the reference).
-        byte_slack: owner mode may move up to this fraction more than the layout's minimum bytes
-            to balance Newton-Schulz work across ranks.
+        owner_choice: how owner mode picks each matrix's owner. "time" (default): for the
+            shortest estimated step, Newton-Schulz time and bytes over the bandwidth counted
+            (plan.choose_owners_by_time), with rates measured here at construction
+            (measured_cost: each shape's Newton-Schulz call as the step makes it, and one
+            all-to-all; the slowest rank's figures); "bytes": fewest bytes first, Newton-Schulz
+            FLOPs balanced within `byte_slack` (plan.choose_owners; what "time" falls back to
+            where it would not be faster). Owners change no result bit, only where work runs.
+        byte_slack: the cap on the bytes owner mode moves beyond the layout's minimum, as a
+            fraction of it (None, the default: no cap under "time", where bytes are priced at
+            the measured bandwidth; plan.BYTE_SLACK under "bytes").
         max_batch_bytes: same-shape matrices are orthogonalized together in batches of at most
             this size, and consecutive batches are exchanged together up to this size (one
             collective per direction); one exchange is gathered while the previous one computes.
@@ -174,13 +191,16 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     """
 
     def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
-                 byte_slack: float = BYTE_SLACK, max_batch_bytes: int = MAX_BATCH_BYTES,
-                 param_names: dict | None = None, check_interval: int = 0, **kwargs: Any):
-        _check_settings(dist_mode, byte_slack, max_batch_bytes, check_interval, kwargs)
+                 owner_choice: OwnerChoice = "time", byte_slack: float | None = None,
+                 max_batch_bytes: int = MAX_BATCH_BYTES, param_names: dict | None = None,
+                 check_interval: int = 0, **kwargs: Any):
+        _check_settings(dist_mode, owner_choice, byte_slack, max_batch_bytes, check_interval,
+                        kwargs)
         _check_hooks(type(self))
         super().__init__(params, **kwargs)
         self.dp_group = dp_group
         self.dist_mode = dist_mode
+        self.owner_choice = owner_choice
         self.check_interval = check_interval
         self.iteration = 0
         self.log_checks = True  # False: the caller logs `last_check`
@@ -190,10 +210,11 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._group_index = {p: index for index, group in enumerate(self.param_groups)
                              for p in group["params"]}
         self._validate_all()
+        # {(shape, batch key): whether same-shape matrices run in one batched call}
+        self.batched_newton_schulz: dict[tuple, bool] = {}
         # What this rank carries out each step, per exchange group (the bench and tests read it).
         self.plans = [self._plan_group(params, group, byte_slack, max_batch_bytes)
-                       for (group, _), params in self._exchange_groups().items()]
-        self.batched_newton_schulz = self._choose_batched_newton_schulz()
+                      for (group, _), params in self._exchange_groups().items()]
 
     def held_rows(self, p: DTensor) -> tuple[int, int, int]:
         """(start, stop, rows): this rank's shard of `p` holds rows [start, stop) of its
@@ -297,7 +318,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         return row_layouts([row[0] for row in table], [row[1:] for row in table],
                            [_tp_local_rows(p) for p in params])
 
-    def _plan_group(self, params: list, group, byte_slack: float,
+    def _plan_group(self, params: list, group, byte_slack: float | None,
                     max_batch_bytes: int) -> GroupPlan:
         layouts = self._learn_layouts(params, group)
         rank = dist.get_rank(group)
@@ -309,10 +330,54 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                                                 self._batch_key(p), self._row_blocks(p)):
                 matrices.append(matrix)
                 pieces.append((index, *layout.local_range(rank, start, start + matrix.shape[0])))
-        # TP ranks hold equally shaped TP-local matrices laid out alike, so they pick the same
-        # owners: TP Newton-Schulz then meets its TP peers on the same matrix.
-        plan = owner_plan(matrices, params[0].element_size(), byte_slack, max_batch_bytes)
-        return GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group)
+        representatives = {}  # a matrix and its param of each cost key, in plan order
+        for matrix, (index, _, _) in zip(matrices, pieces):
+            representatives.setdefault(cost_key(matrix), (matrix, params[index]))
+        batchable = self._batchable(matrices, representatives)
+        element_bytes = params[0].element_size()
+        cost = None
+        if self.dist_mode == "owner" and self.owner_choice == "time":
+            cost = self._measure_cost(matrices, representatives, batchable, group,
+                                      max_batch_bytes // element_bytes)
+        else:
+            self.batched_newton_schulz.update((key[:2], True) for key in batchable)
+        # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
+        # measured cost, so they pick the same owners: TP Newton-Schulz then meets its TP peers
+        # on the same matrix.
+        plan = owner_plan(matrices, element_bytes, byte_slack, max_batch_bytes, cost)
+        return GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group, cost)
+
+    @torch.no_grad()
+    def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,
+                      group, max_batch_elements: int) -> StepCost:
+        """The group's StepCost from measured_cost.measure: each shape's Newton-Schulz call on one
+        matrix, and, where batching is exact, on as many as an owner gets of its largest batch
+        spread over the group (at least 2); the faster way is the one `batched_newton_schulz`
+        then takes. One all-to-all gives the bandwidth."""
+        largest_batch: dict = {}
+        for batch in batch_matrices(matrices, max_batch_elements):
+            key = cost_key(matrices[batch[0]])
+            largest_batch[key] = max(largest_batch.get(key, 0), len(batch))
+        runs = []
+        for key, (matrix, p) in representatives.items():
+            count = max(2, math.ceil(largest_batch[key] / group.size())) if key in batchable else 1
+            device = p.to_local().device
+            sample = torch.randn((count, *matrix.shape), device=device,
+                                 generator=torch.Generator(device).manual_seed(0))
+            runs.append((1, lambda p=p, sample=sample: self._orthogonalize(p, sample[0])))
+            if key in batchable:
+                runs.append((count, lambda p=p, sample=sample: self._orthogonalize(p, sample)))
+        tp_group = self._tp_group(_ParamAttributes(next(iter(representatives.values()))[1]))
+        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
+            per_matrix, bytes_per_second = measure(runs, group, [tp_group], self._device())
+        figures, seconds = iter(per_matrix), {}
+        for key in representatives:
+            seconds[key] = next(figures)
+            if key in batchable:
+                batched = next(figures)
+                self.batched_newton_schulz[key[:2]] = batched < seconds[key]
+                seconds[key] = min(seconds[key], batched)
+        return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second)
 
     def _tp_group(self, attrs):
         # As TensorParallelMuon.orthogonalize chooses it.
@@ -506,26 +571,19 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         return results
 
     @torch.no_grad()
-    def _choose_batched_newton_schulz(self) -> dict[tuple, bool]:
-        """{(shape, batch key): whether this rank orthogonalizes its owned batches of that shape
-        in one batched call}, decided here, at construction, for the batches it owns. At fp32
-        `highest` only where batched Newton-Schulz reproduces the per-matrix bits on the params'
-        device (the backend may pick other kernels for 3-D input: seen on CPU for 7x13, not for
-        256x1024), tried on two random matrices; at `medium`/`low` (bf16/tf32 matmuls) always, the
-        batched kernels rounding differently by less than that precision's own error
-        (docs/design.md, "Library")."""
-        chosen = {}
-        for plan in self.plans:
-            for routes in plan.routes:
-                for owned in routes.owned_batches:
-                    matrix = plan.matrices[owned[0]] if len(owned) > 1 else None
-                    if matrix is None or matrix.batch_key is None:
-                        continue
-                    key = (matrix.shape, matrix.batch_key)
-                    if key not in chosen:
-                        chosen[key] = (self.fp32_matmul_prec != "highest"
-                                       or self._batched_is_exact(plan.param_of(owned[0]), key))
-        return chosen
+    def _batchable(self, matrices: list[Matrix], representatives: dict) -> set:
+        """The cost keys whose same-shape matrices an owner may orthogonalize in one batched call
+        (`batched_newton_schulz` says whether it does): shapes two of the group's matrices
+        share, that orthogonalize alike. At fp32 `highest` only where batched Newton-Schulz
+        reproduces the per-matrix bits on the params' device (the backend may pick other kernels
+        for 3-D input: seen on CPU for 7x13, not for 256x1024), tried on two random matrices; at
+        `medium`/`low` (bf16/tf32 matmuls) always, the batched kernels rounding differently by
+        less than that precision's own error (docs/design.md, "Library")."""
+        counts = Counter(cost_key(matrix) for matrix in matrices)
+        return {key for key, (matrix, p) in representatives.items()
+                if matrix.batch_key is not None and counts[key] > 1
+                and (self.fp32_matmul_prec != "highest"
+                     or self._batched_is_exact(p, (matrix.shape, matrix.batch_key)))}
 
     def _batched_is_exact(self, p, key: tuple) -> bool:
         device = p.to_local().device

@@ -82,6 +82,7 @@ def test_mismatched_meshes_inside_one_param_group():
     ("lr", -1.0, "--lr"),
     ("weight_decay", -0.1, "--weight-decay"),
     ("dist_mode", "everywhere", "--muon-dist-mode"),
+    ("owner_choice", "flops", "--muon-owner-choice"),
     ("byte_slack", -0.5, "byte_slack"),
     ("max_batch_bytes", 0, "max_batch_bytes"),
 ])
@@ -147,7 +148,8 @@ def test_orthogonalize_receives_its_param_groups_options():
 
     first, second = [matrix() for _ in range(2)], [matrix() for _ in range(2)]
     groups = [dict(params=first, tag="a", lr=0.1), dict(params=second, tag="b", lr=0.2)]
-    muon = Recording(groups, fp32_matmul_prec="medium")  # medium: batched calls, no probe
+    # medium, owners by bytes: batched calls, no probe, nothing measured
+    muon = Recording(groups, fp32_matmul_prec="medium", owner_choice="bytes")
     for p in first + second:
         p.grad = DTensor.from_local(torch.randn(6, 4), p.device_mesh, p.placements)
     muon.step()

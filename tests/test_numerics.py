@@ -206,11 +206,13 @@ def test_owner_mode_moves_exactly_the_layout_minimum(distributed, unit_modules):
 def _batching_under_bf16_matmuls(rank, world_size):
     """With `medium` (bf16 matmuls, Megatron's default) an owner's same-shape matrices go through
     one batched Newton-Schulz each batch, with no per-shape exactness check (docs/design.md,
-    "Library")."""
+    "Library"); owners by bytes, which batch wherever allowed (owners by time batch where the
+    measured batched call is faster: test_owner_choice)."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
     fsdp = fully_shard(module, "optim_grads_params", world_size, [torch.nn.Linear])
-    opt = ZeROTensorParallelMuon(list(fsdp.parameters()), **{**MUON_KWARGS, "fp32_matmul_prec": "medium"})
+    opt = ZeROTensorParallelMuon(list(fsdp.parameters()), owner_choice="bytes",
+                                 **{**MUON_KWARGS, "fp32_matmul_prec": "medium"})
     matrices_per_call = []
     orthogonalize = opt.orthogonalize
 

@@ -61,11 +61,12 @@ def _switch(rank, world_size, checkout):
     assert args.optimizer == "muon" and args.use_megatron_fsdp and args.muon_dist_mode == "owner"
     # Our flags reach the factory megatron.training calls.
     megatron.training.global_vars.set_args(_validate(
-        "--optimizer", "muon", "--muon-dist-mode", "allgather",
+        "--optimizer", "muon", "--muon-dist-mode", "allgather", "--muon-owner-choice", "bytes",
         "--muon-max-consecutive-skipped-steps", "3", "--muon-check-interval", "5"))
     with mock.patch.object(megatron_muon.factory, "get_megatron_optimizer") as factory:
         megatron.training.training.get_megatron_optimizer("config", ["chunk"])
     factory.assert_called_once_with("config", ["chunk"], muon_dist_mode="allgather",
+                                    muon_owner_choice="bytes",
                                     muon_max_consecutive_skipped_steps=3, muon_check_interval=5)
     assert _validate("--optimizer", "adam").optimizer == "adam"
     _refused("does not support: --fp16", "--optimizer", "muon", "--fp16")

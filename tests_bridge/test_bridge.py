@@ -138,6 +138,8 @@ def _config(**changes):
     ({"ddp.num_distributed_optimizer_instances": 2},
      "cfg.ddp.num_distributed_optimizer_instances > 1 without cfg.ddp.overlap_grad_reduce"),
     ({"optimizer.optimizer": "dist_muon"}, "cfg.optimizer.optimizer='dist_muon'"),
+    ({"optimizer.muon_dist_mode": "everywhere"}, "cfg.optimizer.muon_dist_mode 'everywhere'"),
+    ({"optimizer.muon_owner_choice": "flops"}, "cfg.optimizer.muon_owner_choice 'flops'"),
 ])
 def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refusal):
     import megatron_muon.bridge
@@ -170,7 +172,7 @@ def test_install_makes_the_optimizer_config_ours_keeping_every_setting():
     megatron_muon.bridge.install(cfg)
     assert isinstance(cfg.optimizer, megatron_muon.bridge.MuonOptimizerConfig)
     assert {k: v for k, v in dataclasses.asdict(cfg.optimizer).items() if k in given} == given
-    assert cfg.optimizer.muon_dist_mode == "owner"
+    assert cfg.optimizer.muon_dist_mode == "owner" and cfg.optimizer.muon_owner_choice == "time"
 
 
 def test_bridges_qk_clip_is_ours_for_megatron_fsdp_models_only():

@@ -1,0 +1,114 @@
+"""Owners by estimated time (ZeROTensorParallelMuon's default owner_choice="time"): the rates
+measured at construction (measured_cost.measure) are the same on every rank, decide which shapes
+run batched, and choose owners that move work but change no result bit."""
+
+import math
+import time
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_models import MUON_KWARGS, fully_shard
+from megatron_muon import ZeROTensorParallelMuon, measured_cost, zero_muon
+
+
+def _gathered(value):
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _measure_agrees_on_the_slowest(rank, world_size):
+    # Rank r's single-matrix call sleeps (r + 1) ms; the batched one 4 ms for 2 matrices.
+    runs = [(1, lambda: time.sleep(0.001 * (rank + 1))), (2, lambda: time.sleep(0.004))]
+    per_matrix, bytes_per_second = measured_cost.measure(runs, dist.group.WORLD, [None],
+                                                         torch.device("cpu"))
+    assert all(figures == (per_matrix, bytes_per_second)
+               for figures in _gathered((per_matrix, bytes_per_second)))
+    assert per_matrix[0] >= 0.001 * world_size  # the slowest rank's
+    assert per_matrix[1] >= 0.002  # per matrix: the call over its count
+    assert 0 < bytes_per_second < math.inf if world_size > 1 else bytes_per_second == math.inf
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_measured_figures_are_every_ranks_slowest(distributed, world_size):
+    distributed(_measure_agrees_on_the_slowest, world_size)
+
+
+def _measured(batched_seconds, bytes_per_second=1e9):
+    """A stand-in for measured_cost.measure that runs every call (as the real one does) and
+    reports 1 s per matrix alone and `batched_seconds` per matrix batched."""
+    def measure(runs, group, agree_over, device):
+        for _, run in runs:
+            run()
+        return [1.0 if count == 1 else batched_seconds for count, _ in runs], bytes_per_second
+    return measure
+
+
+def _batching_follows_the_measured_calls(rank, world_size, batched_faster):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
+    fsdp = fully_shard(module, "optim_grads_params", world_size, [torch.nn.Linear])
+    # bf16 matmuls: every same-shape batch may run batched (no bit-identity probe), so the
+    # measured figures alone decide.
+    with mock.patch.object(zero_muon, "measure", _measured(0.5 if batched_faster else 2.0)):
+        opt = ZeROTensorParallelMuon(list(fsdp.parameters()),
+                                     **{**MUON_KWARGS, "fp32_matmul_prec": "medium"})
+    assert list(opt.batched_newton_schulz.values()) == [batched_faster]
+    (plan,) = opt.plans
+    assert plan.cost.call_seconds(plan.matrices[0], 3) == 3 * (0.5 if batched_faster else 1.0)
+    matrices_per_call = []
+    orthogonalize = opt.orthogonalize
+
+    def counted(p, grad, **kwargs):
+        matrices_per_call.append(grad.shape[0] if grad.dim() == 3 else 1)
+        return orthogonalize(p, grad, **kwargs)
+
+    opt.orthogonalize = counted
+    fsdp(torch.randn(6, 16)).square().mean().backward()
+    fsdp.finish_grad_sync()
+    opt.step()
+    owned = sum(len(owned) for routes in plan.routes for owned in routes.owned_batches)
+    assert sum(matrices_per_call) == owned
+    assert (len(matrices_per_call) < owned) == (batched_faster and owned > 1)
+
+
+@pytest.mark.parametrize("batched_faster", [True, False])
+def test_batching_follows_the_measured_calls(distributed, batched_faster):
+    distributed(_batching_follows_the_measured_calls, 1, batched_faster)
+
+
+def _owners_move_work_but_no_bit(rank, world_size):
+    """One Megatron-FSDP unit: three of the four matrices sit (mostly) on one rank, which owners
+    by bytes leave all three; at a fast network owners by time move one off; the weights after
+    two steps are the same bits."""
+    params_after = {}
+    owners = {}
+    for choice in ("time", "bytes"):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(16, 64, bias=False),
+                                     torch.nn.Linear(64, 64, bias=False),
+                                     torch.nn.Linear(64, 64, bias=False),
+                                     torch.nn.Linear(64, 16, bias=False))
+        fsdp = fully_shard(module, "optim_grads_params", world_size, [torch.nn.Sequential])
+        with mock.patch.object(zero_muon, "measure", _measured(1.0, bytes_per_second=1e15)):
+            opt = ZeROTensorParallelMuon(list(fsdp.parameters()), owner_choice=choice, **MUON_KWARGS)
+        (plan,) = opt.plans
+        owners[choice] = plan.owners
+        for step in range(2):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(step)
+            fsdp(torch.randn(6, 16, generator=g)).square().mean().backward()
+            fsdp.finish_grad_sync()
+            opt.step()
+        params_after[choice] = [p.to_local().clone() for p in fsdp.parameters()]
+    # Per rank, matrices owned: by bytes 3 and 1, by time (each measured at 1 s) 2 and 2.
+    assert sorted(owners["bytes"].count(r) for r in range(2)) == [1, 3], owners
+    assert sorted(owners["time"].count(r) for r in range(2)) == [2, 2], owners
+    assert all(torch.equal(a, b) for a, b in zip(params_after["time"], params_after["bytes"]))
+
+
+def test_owners_by_time_move_work_but_no_result_bit(distributed):
+    distributed(_owners_move_work_but_no_bit, 2)
