@@ -7,7 +7,8 @@ op's own time on the calling thread, by phase:
   assembling; allgather mode's gathers too);
 - ns_matmul: Newton-Schulz's matrix multiplies, inside a Muon step;
 - scalar_opt: the scalar optimizer (torch.optim's `Optimizer.step#Adam.step` label);
-- param_sync: gathers and broadcasts of updated params (c10d ops outside the exchange);
+- param_sync: installing and gathering the updated params (chained.PARAM_SYNC's label: the
+  wait for the gather too), and gathers and broadcasts outside our exchange (megatron-core's);
 - other: the rest (the chained optimizer's glue, grad norm, Python).
 """
 
@@ -15,10 +16,11 @@ from collections import Counter
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from megatron_muon.chained import PARAM_SYNC
 from megatron_muon.exchange import GATHER, SCATTER
 
 PHASES = ("elementwise", "gather", "ns_matmul", "scatter", "scalar_opt", "param_sync", "other")
-LABELS = {GATHER: "gather", SCATTER: "scatter"}
+LABELS = {GATHER: "gather", SCATTER: "scatter", PARAM_SYNC: "param_sync"}
 STEP = "bench.optimizer_step"
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 SCALAR_OPTIMIZERS = ("Adam", "AdamW")
@@ -45,7 +47,7 @@ def _add(event, inherited: str, seconds: Counter) -> None:
 
 
 def _phase(name: str, inherited: str) -> str:
-    if inherited in ("scalar_opt", "gather", "scatter"):
+    if inherited in ("scalar_opt", "gather", "scatter", "param_sync"):
         return inherited
     if name.startswith("Optimizer.step#"):
         optimizer = name.removeprefix("Optimizer.step#").split(".")[0]

@@ -8,12 +8,16 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from .checks import (MuonCheckError, agree_on_every_rank, compute_weights_that_differ,
                      replicas_that_differ)
 from .zero_muon import ZeROTensorParallelMuon
 
 logger = logging.getLogger(__name__)
+
+# The profiler's label of the install and param sync (benchmarks/step_profile.py reads it).
+PARAM_SYNC = "muon.param_sync"
 
 
 def find_megatron_fsdp(chunk):
@@ -185,10 +189,11 @@ class FSDPMuonChainedOptimizer:
         the forward's hooks gather the others, the grad sync having dropped the old gathers;
         no_shard needs nothing). `force_sync` drops and redoes every gather now, as
         megatron.training's force_param_sync: for weights that changed outside a step."""
-        for fsdp in self._fsdp_models:
-            fsdp.install_optimized_model_weights()
-        for fsdp in self._fsdp_models:
-            fsdp.start_param_sync(force_sync=force_sync)
+        with record_function(PARAM_SYNC):
+            for fsdp in self._fsdp_models:
+                fsdp.install_optimized_model_weights()
+            for fsdp in self._fsdp_models:
+                fsdp.start_param_sync(force_sync=force_sync)
 
     def _any_rank_has_nonfinite_grads(self) -> bool:
         """Whether a NaN or Inf is in any rank's gradient shard. Reduced over every rank, so all
@@ -200,7 +205,7 @@ class FSDPMuonChainedOptimizer:
         device = torch.device("cpu")  # without params (stand-ins in tests)
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                device = p.to_local().device if isinstance(p, DTensor) else p.device
+                device = p.device  # a DTensor's is its local shard's
                 grad = p.grad if p.grad is not None else getattr(p, "main_grad", None)
                 if grad is not None:
                     grad = grad.to_local() if isinstance(grad, DTensor) else grad
