@@ -168,8 +168,8 @@ BYTE_SLACKS = (0.0, 0.05, 0.25, 1.0, 4.0)
 
 
 def owner_tradeoff(matrices, byte_slack):
-    """What choose_owners gives for a byte budget (from the plan alone): bytes over the layout
-    minimum, and the busiest rank's Newton-Schulz FLOPs over the mean."""
+    """What the byte-first choice (choose_owners) gives for a byte budget (from the plan alone):
+    bytes over the layout minimum, and the busiest rank's Newton-Schulz FLOPs over the mean."""
     from megatron_muon.plan import choose_owners, layout_min_bytes
 
     owners = choose_owners(matrices, 4, byte_slack)
@@ -349,7 +349,8 @@ def print_table(results):
                       f"{c['extra_collectives']:+d} collectives, "
                       f"{c['extra_bytes_per_rank'] / 1e6:+.3f} MB/rank")
             if row["world_size"] > 1:
-                print(f"{'':9} byte slack -> (bytes/bound, NS max/mean): " + ", ".join(
+                print(f"{'':9} byte-first owners (--muon-owner-choice bytes), byte slack -> "
+                      f"(bytes/bound, NS max/mean): " + ", ".join(
                     f"{t['byte_slack']:g} -> ({_fixed(t['comm_ratio_to_bound'])}, "
                     f"{_fixed(t['ns_max_over_mean'])})" for t in row["owner_tradeoff"]))
 

@@ -30,7 +30,9 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ELEMENT_BYTES = 4  # fp32 main weights, momentum and updates
-MODES = ("owner", "allgather", "whole-matrix-per-rank")
+# owner: ours (owners by estimated time); owner-by-bytes: byte-first owners (our choice before
+# owners by time, and its fallback); whole-matrix-per-rank: megatron-core's layer-wise placement.
+MODES = ("owner", "owner-by-bytes", "allgather", "whole-matrix-per-rank")
 
 # name -> (megatron-core TransformerConfig settings, GPTModel settings)
 MODELS = {
@@ -140,16 +142,6 @@ def muon_matrices(model, rows: dict):
     return dense, expert
 
 
-def lpt_by_elements(matrices, world: int) -> list[int]:
-    """megatron-core's LayerWiseDistributedOptimizer placement: whole matrices, largest first,
-    each to the rank holding the fewest elements so far; where the rows lie plays no part."""
-    load, owners = [0] * world, [0] * len(matrices)
-    for i in sorted(range(len(matrices)), key=lambda i: -math.prod(matrices[i].shape)):
-        owners[i] = min(range(world), key=lambda r: (load[r], r))
-        load[owners[i]] += math.prod(matrices[i].shape)
-    return owners
-
-
 class Rates:
     """Measured rates: Newton-Schulz TFLOP/s as a function of the FLOPs of one call (batched
     calls are one call), interpolated log-log between measured points and flat beyond them; a
@@ -235,49 +227,56 @@ def measure_rates(ns_steps: int) -> dict:
                 muon_elementwise_ns_per_element=muon_seconds / param.numel() * 1e9)
 
 
+def step_cost(rates: Rates, args):
+    """The planner's StepCost from the rates: a Newton-Schulz call's seconds at the rate of its
+    FLOPs (a batched call is one call), the network's bandwidth per rank."""
+    from megatron_muon.plan import StepCost
+
+    return StepCost(lambda matrix, count: rates.newton_schulz_seconds(
+        count * matrix.ns_flops(args.ns_steps)), args.bandwidth_gbps * 1e9)
+
+
 class Part:
     """One exchange group's Muon matrices (dense over dp_cp, or experts over expert data
-    parallelism) planned as ZeROTensorParallelMuon plans them (its defaults): owners, batches,
-    and how long one rank took to plan them."""
+    parallelism) planned as ZeROTensorParallelMuon plans them (its defaults, the rates standing
+    for what it measures): owners, batches, and how long one rank took to plan them; and the
+    owners of the other placements."""
 
-    def __init__(self, matrices, world):
+    def __init__(self, matrices, world, cost):
         from megatron_muon.exchange import OwnerRoutes
-        from megatron_muon.plan import owner_plan
+        from megatron_muon.plan import choose_owners, owner_plan, whole_matrix_owners
 
         self.matrices, self.world = matrices, world
         start = time.perf_counter()
-        plan = owner_plan(matrices, ELEMENT_BYTES)
-        self.owners, self.batches, self.exchanges = plan.owners, plan.batches, plan.exchanges
+        plan = owner_plan(matrices, ELEMENT_BYTES, cost=cost)
+        self.batches, self.exchanges = plan.batches, plan.exchanges
         # What one rank builds at construction besides: its routes through every exchange.
         for batches in self.exchanges:
-            OwnerRoutes(matrices, self.owners, batches, 0)
+            OwnerRoutes(matrices, plan.owners, batches, 0)
         self.plan_seconds = time.perf_counter() - start
+        self.owners = {"owner": plan.owners, "owner-by-bytes": choose_owners(matrices, ELEMENT_BYTES),
+                       "whole-matrix-per-rank": whole_matrix_owners(matrices)}
 
 
-def rank_figures(part: Part, mode: str, rates: Rates, ns_steps: int) -> list[dict]:
+def rank_figures(part: Part, mode: str, cost, ns_steps: int) -> list[dict]:
     """Per rank of `part`: Newton-Schulz FLOPs and seconds, bytes received and sent."""
-    from megatron_muon.plan import owner_traffic
+    from megatron_muon.plan import newton_schulz_seconds, owner_traffic
 
     world, matrices = part.world, part.matrices
     flops = [m.ns_flops(ns_steps) for m in matrices]
-    ns_flops, ns_seconds = [0] * world, [0.0] * world
     if mode == "allgather":  # every rank gathers every matrix (padded shards) and runs it alone
-        per_matrix = sum(rates.newton_schulz_seconds(f) for f in flops)
+        per_matrix = sum(cost.call_seconds(m, 1) for m in matrices)
         ns_flops, ns_seconds = [sum(flops)] * world, [per_matrix] * world
         moved = sum((m.layout.ranks - 1) * m.layout.max_rows * m.cols * ELEMENT_BYTES
                     for m in matrices if len(m.layout.rows) > 1)
         received = sent = [moved] * world
     else:
-        owners = part.owners if mode == "owner" else lpt_by_elements(matrices, world)
-        for batch in part.batches:  # an owner's matrices of one batch: one batched call
-            per_owner = {}
-            for i in batch:
-                per_owner.setdefault(owners[i], []).append(i)
-            for owner, owned in per_owner.items():
-                batched = len(owned) > 1 and matrices[owned[0]].batch_key is not None
-                calls = [[flops[i] for i in owned]] if batched else [[flops[i]] for i in owned]
-                ns_flops[owner] += sum(flops[i] for i in owned)
-                ns_seconds[owner] += sum(rates.newton_schulz_seconds(sum(call)) for call in calls)
+        owners = part.owners[mode]
+        ns_flops = [0] * world
+        for matrix_flops, owner in zip(flops, owners):
+            ns_flops[owner] += matrix_flops
+        # an owner's matrices of one batch: one batched call (plan.newton_schulz_seconds)
+        ns_seconds = newton_schulz_seconds(matrices, owners, part.batches, cost)
         received, sent = owner_traffic(matrices, owners, ELEMENT_BYTES)
     return [dict(ns_flops=ns_flops[r], ns_seconds=ns_seconds[r], received=received[r], sent=sent[r])
             for r in range(world)]
@@ -294,9 +293,10 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     dense, expert = muon_matrices(model, rows)
     # Rank r of dp_cp is rank r // EP of its expert data-parallel group (megatron-core's order:
     # expert parallelism varies fastest).
-    parts = [(Part(dense, world), lambda r: r)]
+    cost = step_cost(rates, args)
+    parts = [(Part(dense, world, cost), lambda r: r)]
     if expert:
-        parts.append((Part(expert, world // ep), lambda r: r // ep))
+        parts.append((Part(expert, world // ep, cost), lambda r: r // ep))
 
     muon_elements, adam_elements, all_elements = [0] * world, [0] * world, [0] * world
     active = 0
@@ -320,20 +320,23 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
                   muon_matrices=sum(len(part.matrices) for part, _ in parts),
                   layout_seconds=layout_seconds,
                   plan_seconds=sum(part.plan_seconds for part, _ in parts),
-                  owners=sum(len(set(part.owners)) for part, _ in parts),
+                  owners=sum(len(set(part.owners["owner"])) for part, _ in parts),
                   batches=sum(len(part.batches) for part, _ in parts),
                   adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3, modes={})
+    elementwise = max((muon_elements[r] * rates.muon_elementwise_ns_per_element
+                       + adam_elements[r] * rates.adam_ns_per_element) * 1e-9 for r in range(world))
     for mode in MODES:
         ranks = [dict(ns_flops=0, ns_seconds=0.0, received=0, sent=0) for _ in range(world)]
+        step = elementwise
         for part, rank_in_part in parts:
-            figures = rank_figures(part, mode, rates, args.ns_steps)
+            figures = rank_figures(part, mode, cost, args.ns_steps)
+            # The part's all-to-alls synchronize its ranks: its slowest one counts.
+            step += max(f["ns_seconds"] + max(f["received"], f["sent"]) / cost.bytes_per_second
+                        for f in figures)
             for r in range(world):
                 for key, value in figures[rank_in_part(r)].items():
                     ranks[r][key] += value
-        elementwise = [(muon_elements[r] * rates.muon_elementwise_ns_per_element
-                        + adam_elements[r] * rates.adam_ns_per_element) * 1e-9 for r in range(world)]
-        network = [max(f["received"], f["sent"]) / (args.bandwidth_gbps * 1e9) for f in ranks]
-        step = max(elementwise[r] + ranks[r]["ns_seconds"] + network[r] for r in range(world))
+        network = [max(f["received"], f["sent"]) / cost.bytes_per_second for f in ranks]
         result["modes"][mode] = dict(
             busiest_ns_gflop=max(f["ns_flops"] for f in ranks) / 1e9,
             ideal_ns_gflop=sum(f["ns_flops"] for f in ranks) / world / 1e9,
@@ -362,8 +365,10 @@ def assumptions(rates: Rates, args) -> list[str]:
         "fp32 main weights and updates (4 bytes/element); Newton-Schulz: "
         f"{args.ns_steps} steps, QKV split (Megatron's defaults), at --muon-fp32-matmul-prec "
         f"{rates.newton_schulz_precision} ({_matmul_dtype(rates)} matmuls)",
-        "Muon step = max over ranks of (elementwise + Newton-Schulz + network), nothing "
-        "overlapped (an upper bound: the exchange overlaps the next batch's gather with compute)",
+        "Muon step = the slowest rank's elementwise step, plus for each exchange group (dense "
+        "matrices over dp_cp, experts over expert data parallelism) its slowest rank's "
+        "Newton-Schulz + network (the group's all-to-alls synchronize it), nothing overlapped (an "
+        "upper bound: the exchange overlaps the next batch's gather with compute)",
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "
         "no communication)",
         f"forward-backward = 6 x active params (without the embedding lookup) x "

@@ -15,11 +15,11 @@ from megatron_muon.zero_muon import ZeROTensorParallelMuon
 SHAPE = GPTShape(layers=2, hidden=48, ffn=96, heads=4, vocab=72, seq=16)
 
 
-def _plans_what_the_run_planned(rank, world_size, expert_parallel):
+def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice):
     init_parallel_state(expert_parallel=expert_parallel)
     num_experts = 4 if expert_parallel > 1 else None
     model = fsdp_gpt(SHAPE, num_experts=num_experts)
-    optimizer = get_megatron_optimizer(optimizer_config(), [model])
+    optimizer = get_megatron_optimizer(optimizer_config(), [model], muon_owner_choice=owner_choice)
     reference = gpt(SHAPE, num_experts=num_experts)  # the same shapes, never sharded
     derived = scale_model.fsdp_rows(reference, world_size, world_size // expert_parallel)
     by_name = {name: derived[p] for name, p in reference.named_parameters()}
@@ -37,12 +37,16 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel):
              if isinstance(part.optimizer, ZeROTensorParallelMuon)]
     for muon, matrices in zip(muons, [dense, expert] if expert else [dense]):
         (plan,) = muon.plans
-        part = scale_model.Part(matrices, plan.matrices[0].layout.ranks)
+        # The run's measured rates stand in for the scale model's (StepCost), or none: by bytes.
+        assert (plan.cost is None) == (owner_choice == "bytes")
+        part = scale_model.Part(matrices, plan.matrices[0].layout.ranks, plan.cost)
+        mode = "owner" if owner_choice == "time" else "owner-by-bytes"
         assert sorted(zip(plan.matrices, plan.owners), key=repr) == sorted(
-            zip(part.matrices, part.owners), key=repr)
+            zip(part.matrices, part.owners[mode]), key=repr)
     assert len(muons) == (2 if expert else 1)
 
 
-@pytest.mark.parametrize("world_size, expert_parallel", [(4, 1), (4, 2)])
-def test_scale_model_plans_what_a_run_plans(distributed, world_size, expert_parallel):
-    distributed(_plans_what_the_run_planned, world_size, expert_parallel)
+@pytest.mark.parametrize("world_size, expert_parallel, owner_choice",
+                         [(4, 1, "time"), (4, 2, "time"), (4, 2, "bytes")])
+def test_scale_model_plans_what_a_run_plans(distributed, world_size, expert_parallel, owner_choice):
+    distributed(_plans_what_the_run_planned, world_size, expert_parallel, owner_choice)
