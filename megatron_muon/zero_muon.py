@@ -351,9 +351,11 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,
                       group, max_batch_elements: int) -> StepCost:
         """The group's StepCost from measured_cost.measure: each shape's Newton-Schulz call on one
-        matrix, and, where batching is exact, on as many as an owner gets of its largest batch
-        spread over the group (at least 2); the faster way is the one `batched_newton_schulz`
-        then takes. One all-to-all gives the bandwidth."""
+        matrix, and, where it may be batched, on as many as an owner gets of its largest batch
+        spread over the group (at least 2). At fp32 `highest`, where batching changes no bit, the
+        faster way is the one `batched_newton_schulz` takes; at bf16/tf32 same-shape matrices
+        stay batched, as with owners by bytes, so the rounding never follows a measurement. One
+        all-to-all gives the bandwidth."""
         largest_batch: dict = {}
         for batch in batch_matrices(matrices, max_batch_elements):
             key = cost_key(matrices[batch[0]])
@@ -375,8 +377,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             seconds[key] = next(figures)
             if key in batchable:
                 batched = next(figures)
-                self.batched_newton_schulz[key[:2]] = batched < seconds[key]
-                seconds[key] = min(seconds[key], batched)
+                chosen = batched < seconds[key] or self.fp32_matmul_prec != "highest"
+                self.batched_newton_schulz[key[:2]] = chosen
+                seconds[key] = batched if chosen else seconds[key]
         return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second)
 
     def _tp_group(self, attrs):

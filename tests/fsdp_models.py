@@ -114,6 +114,30 @@ def full_tensor(t: torch.Tensor, param: DTensor) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def same_shape_linears(world_size: int):
+    """Four 16x16 matrices on Megatron-FSDP (ZeRO-3), a unit each: every one crosses the shard
+    boundary."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
+    return fully_shard(module, "optim_grads_params", world_size, [torch.nn.Linear])
+
+
+def matrices_per_newton_schulz_call(fsdp, optimizer) -> list[int]:
+    """One step of `optimizer` on `fsdp`: how many matrices each Newton-Schulz call took."""
+    calls = []
+    orthogonalize = optimizer.orthogonalize
+
+    def counted(p, grad, **kwargs):
+        calls.append(grad.shape[0] if grad.dim() == 3 else 1)
+        return orthogonalize(p, grad, **kwargs)
+
+    optimizer.orthogonalize = counted
+    fsdp(torch.randn(6, 16)).square().mean().backward()
+    fsdp.finish_grad_sync()
+    optimizer.step()
+    return calls
+
+
 def split_params(module):
     named = list(module.named_parameters())
     return [p for _, p in named if p.dim() == 2], [p for _, p in named if p.dim() != 2]

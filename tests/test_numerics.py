@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_models import (MUON_KWARGS, QKV_SPLIT, STRATEGIES, batch, full_tensor, fully_shard,
-                         make_models, muon_param_groups, reference_optimizers, split_params)
+from fsdp_models import (MUON_KWARGS, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
+                         matrices_per_newton_schulz_call, muon_param_groups,
+                         reference_optimizers, same_shape_linears, split_params)
 from megatron_muon import ZeROTensorParallelMuon
 from megatron_muon.exchange import Traffic, observed
 
@@ -206,24 +207,11 @@ def test_owner_mode_moves_exactly_the_layout_minimum(distributed, unit_modules):
 def _batching_under_bf16_matmuls(rank, world_size):
     """With `medium` (bf16 matmuls, Megatron's default) an owner's same-shape matrices go through
     one batched Newton-Schulz each batch, with no per-shape exactness check (docs/design.md,
-    "Library"); owners by bytes, which batch wherever allowed (owners by time batch where the
-    measured batched call is faster: test_owner_choice)."""
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
-    fsdp = fully_shard(module, "optim_grads_params", world_size, [torch.nn.Linear])
+    "Library"); owners by bytes here, nothing measured (owners by time: test_owner_choice)."""
+    fsdp = same_shape_linears(world_size)
     opt = ZeROTensorParallelMuon(list(fsdp.parameters()), owner_choice="bytes",
                                  **{**MUON_KWARGS, "fp32_matmul_prec": "medium"})
-    matrices_per_call = []
-    orthogonalize = opt.orthogonalize
-
-    def counted(p, grad, **kwargs):
-        matrices_per_call.append(grad.shape[0] if grad.dim() == 3 else 1)
-        return orthogonalize(p, grad, **kwargs)
-
-    opt.orthogonalize = counted
-    fsdp(torch.randn(6, 16)).square().mean().backward()
-    fsdp.finish_grad_sync()
-    opt.step()
+    matrices_per_call = matrices_per_newton_schulz_call(fsdp, opt)
     owned_batches = sum(1 for plan in opt.plans for routes in plan.routes
                         for owned in routes.owned_batches if owned)
     assert len(matrices_per_call) == owned_batches, (matrices_per_call, owned_batches)

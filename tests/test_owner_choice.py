@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_models import MUON_KWARGS, fully_shard
+from fsdp_models import (MUON_KWARGS, fully_shard, matrices_per_newton_schulz_call,
+                         same_shape_linears)
 from megatron_muon import ZeROTensorParallelMuon, measured_cost, zero_muon
 
 
@@ -47,37 +48,30 @@ def _measured(batched_seconds, bytes_per_second=1e9):
     return measure
 
 
-def _batching_follows_the_measured_calls(rank, world_size, batched_faster):
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
-    fsdp = fully_shard(module, "optim_grads_params", world_size, [torch.nn.Linear])
-    # bf16 matmuls: every same-shape batch may run batched (no bit-identity probe), so the
-    # measured figures alone decide.
-    with mock.patch.object(zero_muon, "measure", _measured(0.5 if batched_faster else 2.0)):
+def _batching_follows_the_measured_calls(rank, world_size, batched_faster, precision):
+    """At fp32 `highest` (batching exact: the probe stubbed) the faster measured call decides;
+    at bf16 same-shape matrices stay batched whatever was measured, so the rounding never
+    follows a measurement."""
+    fsdp = same_shape_linears(world_size)
+    batched_seconds = 0.5 if batched_faster else 2.0
+    with mock.patch.object(zero_muon, "measure", _measured(batched_seconds)), \
+            mock.patch.object(ZeROTensorParallelMuon, "_batched_is_exact", return_value=True):
         opt = ZeROTensorParallelMuon(list(fsdp.parameters()),
-                                     **{**MUON_KWARGS, "fp32_matmul_prec": "medium"})
-    assert list(opt.batched_newton_schulz.values()) == [batched_faster]
+                                     **{**MUON_KWARGS, "fp32_matmul_prec": precision})
+    batched = batched_faster or precision == "medium"
+    assert list(opt.batched_newton_schulz.values()) == [batched]
     (plan,) = opt.plans
-    assert plan.cost.call_seconds(plan.matrices[0], 3) == 3 * (0.5 if batched_faster else 1.0)
-    matrices_per_call = []
-    orthogonalize = opt.orthogonalize
-
-    def counted(p, grad, **kwargs):
-        matrices_per_call.append(grad.shape[0] if grad.dim() == 3 else 1)
-        return orthogonalize(p, grad, **kwargs)
-
-    opt.orthogonalize = counted
-    fsdp(torch.randn(6, 16)).square().mean().backward()
-    fsdp.finish_grad_sync()
-    opt.step()
+    assert plan.cost.call_seconds(plan.matrices[0], 3) == 3 * (batched_seconds if batched else 1.0)
+    matrices_per_call = matrices_per_newton_schulz_call(fsdp, opt)
     owned = sum(len(owned) for routes in plan.routes for owned in routes.owned_batches)
     assert sum(matrices_per_call) == owned
-    assert (len(matrices_per_call) < owned) == (batched_faster and owned > 1)
+    assert (len(matrices_per_call) < owned) == (batched and owned > 1)
 
 
+@pytest.mark.parametrize("precision", ["highest", "medium"])
 @pytest.mark.parametrize("batched_faster", [True, False])
-def test_batching_follows_the_measured_calls(distributed, batched_faster):
-    distributed(_batching_follows_the_measured_calls, 1, batched_faster)
+def test_batching_follows_the_measured_calls_at_fp32_only(distributed, batched_faster, precision):
+    distributed(_batching_follows_the_measured_calls, 1, batched_faster, precision)
 
 
 def _owners_move_work_but_no_bit(rank, world_size):
