@@ -10,7 +10,9 @@ outer strategy no_shard or optim) and the demo GPT with MuonClip (--qk-clip, a t
 logits pass every step), and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
 Newton-Schulz FLOPs are counted from the calls a step really makes; times are medians of --steps
 steps after warm-up, every mode measured side by side in the same processes, the modes taking
-turns step by step. Beside megatron-core's modes runs ours on Megatron-FSDP's ZeRO-1
+turns step by step. Ours ("owner": owners by estimated time, the default) runs beside ours with
+byte-first owners ("owner_bytes": --muon-owner-choice bytes) on every config. Beside
+megatron-core's modes runs ours on Megatron-FSDP's ZeRO-1
 ("owner_zero1": weights unsharded in the forward, as Megatron DDP keeps them). Bytes and collectives
 are the optimizer step's (gradient reductions run before it, ZeRO-3's weight gathers in the
 forward). megatron-core's layer-wise optimizer cannot be built in fp32 (docs/reliability.md,
@@ -42,7 +44,10 @@ from step_profile import PHASES, profiled  # beside this script
 RESULTS = Path(__file__).resolve().parent / "results"
 # Megatron's bf16 (medium), but fp32 where bf16 matmuls are emulated: ~100x slower there.
 NEWTON_SCHULZ_PRECISION = fast_newton_schulz_precision()
-MODES = ("owner", "allgather", "adam")
+# "owner_bytes": ours with --muon-owner-choice bytes (byte-first owners: ours before owners by
+# time), beside "owner" (owners by time, the default), on every config.
+BYTES_MODE = "owner_bytes"
+MODES = ("owner", BYTES_MODE, "allgather", "adam")
 MEGATRON_CORE_MODES = ("ddp", "layerwise")  # on dense models without HSDP only
 # Beside them, ours on Megatron-FSDP's ZeRO-1 ("optim"): weights unsharded in the forward, as
 # Megatron DDP and the layer-wise optimizer keep them; "owner" is ZeRO-3.
@@ -110,6 +115,7 @@ def build(shape, parallel, mode):
                               muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION)
     optimizer = get_megatron_optimizer(config, [model],
                                        muon_dist_mode="allgather" if mode == "allgather" else "owner",
+                                       muon_owner_choice="bytes" if mode == BYTES_MODE else "time",
                                        muon_check_interval=1 if mode == CHECKED_MODE else 0)
     return model, optimizer, config
 
@@ -272,6 +278,7 @@ def summarize(world, per_rank):
                        train_step_s=max(f["train_step_s"] for f in adam),
                        optimizer_state_bytes=max(f["state_bytes"] for f in adam))
     row["owner_over_allgather"] = row["owner"]["muon_step_s"] / row["allgather"]["muon_step_s"]
+    row["time_over_bytes_owners"] = row["owner"]["muon_step_s"] / row[BYTES_MODE]["muon_step_s"]
     row["muon_over_adam_train_step"] = row["owner"]["train_step_s"] / row["adam"]["train_step_s"]
     for ours in ("owner", ZERO1_MODE):
         for mode in MEGATRON_CORE_MODES:
@@ -292,7 +299,7 @@ def summarize(world, per_rank):
 
 def _muon_modes(figures) -> list[str]:
     """The Muon modes a run measured: ours, then megatron-core's where the config has them."""
-    return [mode for mode in ("owner", "allgather", CHECKED_MODE) + SIDE_BY_SIDE_MODES
+    return [mode for mode in ("owner", BYTES_MODE, "allgather", CHECKED_MODE) + SIDE_BY_SIDE_MODES
             if mode in figures]
 
 
@@ -325,6 +332,12 @@ def print_table(results):
                   f"{row['owner_over_allgather']:.2f}, muon/adam train step "
                   f"{row['muon_over_adam_train_step']:.2f}, peak transient "
                   f"{row['owner']['peak_transient_bytes'] / row['largest_batch_bytes']:.2f}x largest batch")
+            print(f"{'':9} owners by time / by bytes (--muon-owner-choice): optimizer step "
+                  f"{row['time_over_bytes_owners']:.2f}, NS max/mean "
+                  f"{_fixed(row['owner']['ns_max_over_mean'])} vs "
+                  f"{_fixed(row[BYTES_MODE]['ns_max_over_mean'])}, bytes/bound "
+                  f"{_fixed(row['owner']['comm_ratio_to_bound'])} vs "
+                  f"{_fixed(row[BYTES_MODE]['comm_ratio_to_bound'])}")
             for ours in ("owner", ZERO1_MODE) if "ddp" in row else ():
                 print(f"{'':9} {ours} vs megatron-core: train step / Muon DDP "
                       f"{row[f'{ours}_over_ddp_train_step']:.2f}, / layer-wise "
