@@ -52,8 +52,9 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument('--muon-owner-choice', choices=OWNER_CHOICES, default='time',
                        help='How "owner" mode picks each matrix\'s owner: "time" for the shortest '
                        'estimated step (Newton-Schulz seconds and bytes at rates measured when the '
-                       'optimizer is built), "bytes" for the fewest bytes moved. Results are '
-                       'bit-identical either way.')
+                       'optimizer is built), "bytes" for the fewest bytes moved, from shapes '
+                       'alone. With fp32 Newton-Schulz (--muon-fp32-matmul-prec highest) results '
+                       'are bit-identical either way.')
     group.add_argument('--muon-max-consecutive-skipped-steps', type=_at_least_0, default=10,
                        help='Stop with an error after this many optimizer steps in a row skipped '
                        'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '

@@ -169,7 +169,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             (measured_cost: each shape's Newton-Schulz call as the step makes it, and one
             all-to-all; the slowest rank's figures); "bytes": fewest bytes first, Newton-Schulz
             FLOPs balanced within `byte_slack` (plan.choose_owners; what "time" falls back to
-            where it would not be faster). Owners change no result bit, only where work runs.
+            where it would not be faster). At fp32 `highest` owners change no result bit, only
+            where work runs (docs/design.md: what they mean at bf16).
         byte_slack: the cap on the bytes owner mode moves beyond the layout's minimum, as a
             fraction of it (None, the default: no cap under "time", where bytes are priced at
             the measured bandwidth; plan.BYTE_SLACK under "bytes").
