@@ -26,6 +26,11 @@ DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
 OwnerChoice = Literal["time", "bytes"]
 OWNER_CHOICES = typing.get_args(OwnerChoice)
+# Measured batched Newton-Schulz must take at most this share of the per-matrix calls' time to be
+# chosen at fp32 `highest`: a near tie is noise (on this project's CPU 256x1024 batched by 2 took
+# 1.02x the per-matrix calls' time in one measurement, and was measured faster in another), and
+# per-matrix calls are megatron-core's own.
+BATCHED_MUST_SAVE = 0.9
 TP_MODES = typing.get_args(inspect.signature(TensorParallelMuon.__init__).parameters["tp_mode"].annotation)
 
 
@@ -353,8 +358,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                       group, max_batch_elements: int) -> StepCost:
         """The group's StepCost from measured_cost.measure: each shape's Newton-Schulz call on one
         matrix, and, where it may be batched, on as many as an owner gets of its largest batch
-        spread over the group (at least 2). At fp32 `highest`, where batching changes no bit, the
-        faster way is the one `batched_newton_schulz` takes; at bf16/tf32 same-shape matrices
+        spread over the group (at least 2). At fp32 `highest`, where batching changes no bit,
+        `batched_newton_schulz` takes the batched call where it is clearly faster
+        (BATCHED_MUST_SAVE); at bf16/tf32 same-shape matrices
         stay batched, as with owners by bytes, so the rounding never follows a measurement. One
         all-to-all gives the bandwidth."""
         largest_batch: dict = {}
@@ -378,7 +384,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             seconds[key] = next(figures)
             if key in batchable:
                 batched = next(figures)
-                chosen = batched < seconds[key] or self.fp32_matmul_prec != "highest"
+                chosen = (batched < BATCHED_MUST_SAVE * seconds[key]
+                          or self.fp32_matmul_prec != "highest")
                 self.batched_newton_schulz[key[:2]] = chosen
                 seconds[key] = batched if chosen else seconds[key]
         return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second)
