@@ -360,21 +360,25 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         matrix, and, where it may be batched, on as many as an owner gets of its largest batch
         spread over the group (at least 2). At fp32 `highest`, where batching changes no bit,
         `batched_newton_schulz` takes the batched call where it is clearly faster
-        (BATCHED_MUST_SAVE); at bf16/tf32 same-shape matrices
-        stay batched, as with owners by bytes, so the rounding never follows a measurement. One
-        all-to-all gives the bandwidth."""
+        (BATCHED_MUST_SAVE); at bf16/tf32 same-shape matrices stay batched, as with owners by
+        bytes, so the rounding never follows a measurement. One all-to-all gives the
+        bandwidth."""
         largest_batch: dict = {}
         for batch in batch_matrices(matrices, max_batch_elements):
             key = cost_key(matrices[batch[0]])
             largest_batch[key] = max(largest_batch.get(key, 0), len(batch))
+        # Batched calls are timed only where a batch holds two matrices or more (a sample of at
+        # most max_batch_bytes then; a shape whose batches hold one never runs batched).
+        timed_batched = {key for key in batchable if largest_batch[key] > 1}
         runs = []
         for key, (matrix, p) in representatives.items():
-            count = max(2, math.ceil(largest_batch[key] / group.size())) if key in batchable else 1
+            count = (max(2, math.ceil(largest_batch[key] / group.size()))
+                     if key in timed_batched else 1)
             device = p.to_local().device
             sample = torch.randn((count, *matrix.shape), device=device,
                                  generator=torch.Generator(device).manual_seed(0))
             runs.append((1, lambda p=p, sample=sample: self._orthogonalize(p, sample[0])))
-            if key in batchable:
+            if key in timed_batched:
                 runs.append((count, lambda p=p, sample=sample: self._orthogonalize(p, sample)))
         tp_group = self._tp_group(_ParamAttributes(next(iter(representatives.values()))[1]))
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
@@ -382,12 +386,12 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         figures, seconds = iter(per_matrix), {}
         for key in representatives:
             seconds[key] = next(figures)
-            if key in batchable:
-                batched = next(figures)
-                chosen = (batched < BATCHED_MUST_SAVE * seconds[key]
+            if key in timed_batched:
+                batched_seconds = next(figures)
+                chosen = (batched_seconds < BATCHED_MUST_SAVE * seconds[key]
                           or self.fp32_matmul_prec != "highest")
                 self.batched_newton_schulz[key[:2]] = chosen
-                seconds[key] = batched if chosen else seconds[key]
+                seconds[key] = batched_seconds if chosen else seconds[key]
         return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second)
 
     def _tp_group(self, attrs):
