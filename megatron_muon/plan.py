@@ -182,6 +182,11 @@ class Matrix:
         rows_in = layout.num_rows - layout.held(owner)
         return (rows_in + held_elsewhere) * self.cols * element_bytes
 
+    def least_bytes(self, element_bytes: int) -> int:
+        """The fewest bytes any owner moves: bytes_to_owner of a rank holding the most rows."""
+        layout = self.layout
+        return (layout.num_rows + layout.held_by_all - 2 * layout.max_rows) * self.cols * element_bytes
+
 
 def cost_key(matrix: Matrix) -> tuple:
     """Matrices with equal keys take the same Newton-Schulz time (and may share a batch)."""
@@ -191,8 +196,7 @@ def cost_key(matrix: Matrix) -> tuple:
 def layout_min_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
     """The least any exact owner-compute exchange can move (all ranks together): every matrix
     owned by a rank holding most of its rows."""
-    return sum(min(m.bytes_to_owner(r, element_bytes) for r in range(m.layout.ranks))
-               for m in matrices)
+    return sum(m.least_bytes(element_bytes) for m in matrices)
 
 
 def matrix_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, list[int]]:
@@ -324,8 +328,7 @@ class _Loads:
         self.matrices, self.element_bytes, self.cost = matrices, element_bytes, cost
         self.world = matrices[0].layout.ranks
         self.single = [cost.call_seconds(m, 1) for m in matrices]
-        self.least_bytes = [min(m.bytes_to_owner(r, element_bytes) for r in range(self.world))
-                            for m in matrices]
+        self.least_bytes = [m.least_bytes(element_bytes) for m in matrices]
         self.busy = [0.0] * self.world
         self.received, self.sent = [0] * self.world, [0] * self.world
         self.owners: list[int | None] = [None] * len(matrices)

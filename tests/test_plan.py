@@ -107,6 +107,8 @@ def test_owners_by_time_are_never_slower_than_byte_first_or_whole_matrix_owners(
             matrices.append(Matrix(RowLayout(tuple(rows), shard_of), rng.choice([16, 64, 128]),
                                    rng.choice([None, "k"])))
         batches = batch_matrices(matrices, 1 << 30)
+        assert all(m.least_bytes(4) == min(m.bytes_to_owner(r, 4) for r in range(world))
+                   for m in matrices)
         cost = _flop_time(rng.choice([1e5, 1e7, 1e9, 1e11]))
         slack = rng.choice([None, 0.0, 0.05, 1.0])
         owners = choose_owners_by_time(matrices, batches, 4, cost, slack)
