@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import upstream
 from .checks import CheckResult, MuonCheckError, agree_on_every_rank, data_parallel_dims
 from .exchange import OwnerRoutes, all_gather_ints, all_gather_rows, owner_exchange, run_overlapped
-from .measured_cost import measure
+from .measured_cost import measure, seconds_beyond_noise
 from .muon_math import momentum_update_
 from .plan import (MAX_BATCH_BYTES, Matrix, RowLayout, StepCost, batch_matrices, cost_key,
                    orthogonalization_key, owner_plan, qkv_row_blocks, row_layouts, split_matrices)
@@ -172,7 +172,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             shortest estimated step, Newton-Schulz time and bytes over the bandwidth counted
             (plan.choose_owners_by_time), with rates measured here at construction
             (measured_cost: each shape's Newton-Schulz call as the step makes it, and one
-            all-to-all; the slowest rank's figures); "bytes": fewest bytes first, Newton-Schulz
+            all-to-all; the median of every rank's samples); "bytes": fewest bytes first, Newton-Schulz
             FLOPs balanced within `byte_slack` (plan.choose_owners; what "time" falls back to
             where it would not be faster). At fp32 `highest` owners change no result bit, only
             where work runs (docs/design.md: what they mean at bf16).
@@ -360,9 +360,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         matrix, and, where it may be batched, on as many as an owner gets of its largest batch
         spread over the group (at least 2). At fp32 `highest`, where batching changes no bit,
         `batched_newton_schulz` takes the batched call where it is clearly faster
-        (BATCHED_MUST_SAVE); at bf16/tf32 same-shape matrices stay batched, as with owners by
-        bytes, so the rounding never follows a measurement. One all-to-all gives the
-        bandwidth."""
+        (BATCHED_MUST_SAVE, and by more than the figures' spread); at bf16/tf32 same-shape
+        matrices stay batched, as with owners by bytes, so the rounding never follows a
+        measurement. A shape's seconds follow its FLOPs unless its own rate stands apart beyond
+        the noise (measured_cost.seconds_beyond_noise). One all-to-all gives the bandwidth."""
         largest_batch: dict = {}
         for batch in batch_matrices(matrices, max_batch_elements):
             key = cost_key(matrices[batch[0]])
@@ -383,15 +384,19 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         tp_group = self._tp_group(_ParamAttributes(next(iter(representatives.values()))[1]))
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
             per_matrix, bytes_per_second = measure(runs, group, [tp_group], self._device())
-        figures, seconds = iter(per_matrix), {}
+        figures, calls = iter(per_matrix), {}
         for key in representatives:
-            seconds[key] = next(figures)
+            calls[key] = next(figures)
             if key in timed_batched:
-                batched_seconds = next(figures)
-                chosen = (batched_seconds < BATCHED_MUST_SAVE * seconds[key]
+                single, batched = calls[key], next(figures)
+                # Batched only where it saves more than the figures' spread too.
+                must_save = min(BATCHED_MUST_SAVE, 1 - max(single.spread, batched.spread))
+                chosen = (batched.seconds < must_save * single.seconds
                           or self.fp32_matmul_prec != "highest")
                 self.batched_newton_schulz[key[:2]] = chosen
-                seconds[key] = batched_seconds if chosen else seconds[key]
+                calls[key] = batched if chosen else single
+        seconds = seconds_beyond_noise(  # FLOPs of one iteration: the step count scales all alike
+            {key: matrix.ns_flops(steps=1) for key, (matrix, _) in representatives.items()}, calls)
         return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second)
 
     def _tp_group(self, attrs):
