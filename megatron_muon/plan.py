@@ -284,9 +284,11 @@ class StepCost:
     """What owners chosen by estimated time weigh. `call_seconds(matrix, count)`: the seconds of
     one Newton-Schulz call on `count` matrices shaped and orthogonalized like `matrix` (one batched
     call where they share a batch key); `bytes_per_second`: what a rank sends or receives in the
-    owner exchange."""
+    owner exchange; `spread`: how far, as a fraction, the measured figures may be from another
+    run's (0 for rates given, not measured)."""
     call_seconds: Callable[[Matrix, int], float]
     bytes_per_second: float
+    spread: float = 0.0
 
 
 def newton_schulz_seconds(matrices: Sequence[Matrix], owners: Sequence[int],
@@ -451,9 +453,10 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     """One owner per matrix, for the shortest estimated step (`estimated_seconds`' busiest
     rank), among: the byte-first owners (choose_owners), whole matrices spread by size
     (whole_matrix_owners), and the byte-first and longest-processing-time-first owners each
-    improved by moves off the busiest rank (_improved). Extra bytes over the layout's minimum
-    stay within `byte_slack` times it (None: no cap; the byte-first owners always qualify); ties
-    go to fewer bytes."""
+    improved by moves off the busiest rank (_improved); the byte-first owners stay unless the
+    fastest is estimated faster by more than the rates' spread (a gain within it is noise).
+    Extra bytes over the layout's minimum stay within `byte_slack` times it (None: no cap; the
+    byte-first owners always qualify); ties go to fewer bytes."""
     if not matrices:
         return []
     minimum = layout_min_bytes(matrices, element_bytes)
@@ -467,9 +470,12 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     def moved(owners):
         return sum(m.bytes_to_owner(o, element_bytes) for m, o in zip(matrices, owners))
 
+    def makespan(owners):
+        return max(estimated_seconds(matrices, owners, batches, element_bytes, cost))
+
     allowed = [owners for owners in candidates if moved(owners) - minimum <= budget]
-    return min(allowed, key=lambda owners: (
-        max(estimated_seconds(matrices, owners, batches, element_bytes, cost)), moved(owners)))
+    fastest = min(allowed, key=lambda owners: (makespan(owners), moved(owners)))
+    return fastest if makespan(fastest) < (1 - cost.spread) * makespan(byte_first) else byte_first
 
 
 def batch_matrices(matrices: Sequence[Matrix], max_batch_elements: int) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
 import inspect
 import math
+import statistics
 import typing
 from collections import Counter
 from typing import Any, Literal
@@ -363,7 +364,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         (BATCHED_MUST_SAVE, and by more than the figures' spread); at bf16/tf32 same-shape
         matrices stay batched, as with owners by bytes, so the rounding never follows a
         measurement. A shape's seconds follow its FLOPs unless its own rate stands apart beyond
-        the noise (measured_cost.seconds_beyond_noise). One all-to-all gives the bandwidth."""
+        the noise (measured_cost.seconds_beyond_noise). One all-to-all gives the bandwidth. The
+        figures' median spread is the StepCost's: owners leave byte-first only for a gain beyond
+        it."""
         largest_batch: dict = {}
         for batch in batch_matrices(matrices, max_batch_elements):
             key = cost_key(matrices[batch[0]])
@@ -397,7 +400,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                 calls[key] = batched if chosen else single
         seconds = seconds_beyond_noise(  # FLOPs of one iteration: the step count scales all alike
             {key: matrix.ns_flops(steps=1) for key, (matrix, _) in representatives.items()}, calls)
-        return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second)
+        return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second,
+                        spread=statistics.median(m.spread for m in per_matrix))
 
     def _tp_group(self, attrs):
         # As TensorParallelMuon.orthogonalize chooses it.

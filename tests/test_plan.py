@@ -80,6 +80,18 @@ def test_owners_by_time_move_work_off_the_rank_holding_it_only_when_bytes_are_ch
     assert _makespan(matrices, owners, fast_network) < 0.6 * _makespan(matrices, [0] * 4, fast_network)
 
 
+def test_owners_by_time_leave_byte_first_only_for_a_gain_beyond_the_rates_spread():
+    # As above: moving half the matrices off rank 0 halves the estimated step (less the bytes).
+    matrices = [_matrix((64, 0), cols=64) for _ in range(4)]
+    batches = batch_matrices(matrices, 1 << 30)
+    gain = 1 - _makespan(matrices, [0, 0, 1, 1], _flop_time(1e12)) / _makespan(
+        matrices, [0] * 4, _flop_time(1e12))
+    assert 0.4 < gain < 0.6
+    for spread, owners in ((0.4, [0, 0, 1, 1]), (0.6, [0, 0, 0, 0])):
+        cost = StepCost(_flop_time(1e12).call_seconds, 1e12, spread)
+        assert sorted(choose_owners_by_time(matrices, batches, 4, cost)) == owners
+
+
 def test_owners_by_time_keep_bytes_within_the_cap():
     matrices = [_matrix((64, 0), cols=64) for _ in range(4)] + [_matrix((32, 32), cols=64)]
     batches = batch_matrices(matrices, 1 << 30)
