@@ -69,7 +69,8 @@ def measure(runs: list[tuple[int, Callable[[], object]]], group, agree_over: lis
     quartiles = torch.quantile(torch.cat(every, dim=1),
                                torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64, device=device),
                                dim=1)
-    agreed = torch.stack([quartiles[1], (quartiles[2] - quartiles[0]) / quartiles[1].clamp_min(1e-12)])
+    spread = (quartiles[2] - quartiles[0]) / quartiles[1].clamp_min(1e-12)
+    agreed = torch.stack([quartiles[1], spread])
     for other in agree_over:
         if other is not None and other.size() > 1:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=other)

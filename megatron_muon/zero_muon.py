@@ -173,9 +173,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             shortest estimated step, Newton-Schulz time and bytes over the bandwidth counted
             (plan.choose_owners_by_time), with rates measured here at construction
             (measured_cost: each shape's Newton-Schulz call as the step makes it, and one
-            all-to-all; the median of every rank's samples); "bytes": fewest bytes first, Newton-Schulz
-            FLOPs balanced within `byte_slack` (plan.choose_owners; what "time" falls back to
-            where it would not be faster). At fp32 `highest` owners change no result bit, only
+            all-to-all; the median of every rank's samples); "bytes": fewest bytes first,
+            Newton-Schulz FLOPs balanced within `byte_slack` (plan.choose_owners; what "time"
+            falls back to where it would not be faster by more than the measured figures'
+            spread). At fp32 `highest` owners change no result bit, only
             where work runs (docs/design.md: what they mean at bf16).
         byte_slack: the cap on the bytes owner mode moves beyond the layout's minimum, as a
             fraction of it (None, the default: no cap under "time", where bytes are priced at
