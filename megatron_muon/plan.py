@@ -470,12 +470,13 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     def moved(owners):
         return sum(m.bytes_to_owner(o, element_bytes) for m, o in zip(matrices, owners))
 
-    def makespan(owners):
-        return max(estimated_seconds(matrices, owners, batches, element_bytes, cost))
-
-    allowed = [owners for owners in candidates if moved(owners) - minimum <= budget]
-    fastest = min(allowed, key=lambda owners: (makespan(owners), moved(owners)))
-    return fastest if makespan(fastest) < (1 - cost.spread) * makespan(byte_first) else byte_first
+    # (estimated step, bytes, owners) of each candidate, each estimated once.
+    scored = [(max(estimated_seconds(matrices, owners, batches, element_bytes, cost)),
+               moved(owners), owners) for owners in candidates]
+    allowed = [score for score in scored if score[1] - minimum <= budget]
+    seconds, _, fastest = min(allowed, key=lambda score: score[:2])
+    byte_first_seconds = scored[0][0]
+    return fastest if seconds < (1 - cost.spread) * byte_first_seconds else byte_first
 
 
 def batch_matrices(matrices: Sequence[Matrix], max_batch_elements: int) -> list[list[int]]:
