@@ -10,9 +10,10 @@ outer strategy no_shard or optim) and the demo GPT with MuonClip (--qk-clip, a t
 logits pass every step), and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
 Newton-Schulz FLOPs are counted from the calls a step really makes; times are medians of --steps
 steps after warm-up, every mode measured side by side in the same processes, the modes taking
-turns step by step. Ours ("owner": owners by estimated time, the default) runs beside ours with
-byte-first owners ("owner_bytes": --muon-owner-choice bytes) on every config. Beside
-megatron-core's modes runs ours on Megatron-FSDP's ZeRO-1
+turns step by step; a ratio of two modes is the median of its rounds' ratios, printed with their
+quartiles [q1-q3] (a round's two steps ran a moment apart). Ours ("owner": owners by estimated
+time, the default) runs beside ours with byte-first owners ("owner_bytes": --muon-owner-choice
+bytes) on every config. Beside megatron-core's modes runs ours on Megatron-FSDP's ZeRO-1
 ("owner_zero1": weights unsharded in the forward, as Megatron DDP keeps them). Bytes and collectives
 are the optimizer step's (gradient reductions run before it, ZeRO-3's weight gathers in the
 forward). megatron-core's layer-wise optimizer cannot be built in fp32 (docs/reliability.md,
@@ -161,6 +162,7 @@ def measure(shape, parallel, steps):
                 step_times[mode].append(end - step_start)
     figures = {mode: dict(
         step_s=statistics.median(step_times[mode]), train_step_s=statistics.median(train_times[mode]),
+        step_times_s=step_times[mode], train_times_s=train_times[mode],
         received_bytes=traffic[mode].received_bytes, collectives=traffic[mode].collectives,
         ns_flops=flops[mode].get_total_flops(), state_bytes=optimizer_state_bytes(optimizer),
         transient_bytes=traffic[mode].peak_buffer_bytes,
@@ -269,6 +271,7 @@ def summarize(world, per_rank):
             collectives_per_step=max(f["collectives"] for f in figures),
             collectives_per_shape_batch=max(f["collectives"] for f in figures) / plan["batches"],
             muon_step_s=max(f["step_s"] for f in figures),
+            muon_step_rounds_s=rounds(per_rank, mode),
             train_step_s=max(f["train_step_s"] for f in figures),
             peak_transient_bytes=max(f["transient_bytes"] for f in figures),
             phase_s=max((f["phase_s"] for f in figures), key=lambda s: sum(s.values())),
@@ -277,24 +280,39 @@ def summarize(world, per_rank):
     row["adam"] = dict(adam_step_s=max(f["step_s"] for f in adam),
                        train_step_s=max(f["train_step_s"] for f in adam),
                        optimizer_state_bytes=max(f["state_bytes"] for f in adam))
-    row["owner_over_allgather"] = row["owner"]["muon_step_s"] / row["allgather"]["muon_step_s"]
-    row["time_over_bytes_owners"] = row["owner"]["muon_step_s"] / row[BYTES_MODE]["muon_step_s"]
-    row["muon_over_adam_train_step"] = row["owner"]["train_step_s"] / row["adam"]["train_step_s"]
+    row["owner_over_allgather"] = paired_ratio(per_rank, "owner", "allgather")
+    row["time_over_bytes_owners"] = paired_ratio(per_rank, "owner", BYTES_MODE)
+    row["muon_over_adam_train_step"] = paired_ratio(per_rank, "owner", "adam", "train_times_s")
     for ours in ("owner", ZERO1_MODE):
         for mode in MEGATRON_CORE_MODES:
             if mode in row:
-                row[f"{ours}_over_{mode}_train_step"] = row[ours]["train_step_s"] / row[mode]["train_step_s"]
-                row[f"{ours}_over_{mode}_muon_step"] = row[ours]["muon_step_s"] / row[mode]["muon_step_s"]
+                row[f"{ours}_over_{mode}_train_step"] = paired_ratio(per_rank, ours, mode,
+                                                                      "train_times_s")
+                row[f"{ours}_over_{mode}_muon_step"] = paired_ratio(per_rank, ours, mode)
     if CHECKED_MODE in row:
         checked, owner = row[CHECKED_MODE], row["owner"]
         row["checked_step"] = dict(
-            over_owner_muon_step=checked["muon_step_s"] / owner["muon_step_s"],
+            over_owner_muon_step=paired_ratio(per_rank, CHECKED_MODE, "owner"),
             extra_collectives=checked["collectives_per_step"] - owner["collectives_per_step"],
             extra_bytes_per_rank=checked["comm_bytes_per_rank"] - owner["comm_bytes_per_rank"])
     row["largest_batch_bytes"] = plan["largest_batch_bytes"]
     row["owner_tradeoff"] = plan["owner_tradeoff"]
     row["newton_schulz_precision"] = NEWTON_SCHULZ_PRECISION
     return row
+
+
+def rounds(per_rank, mode, times="step_times_s") -> list[float]:
+    """`mode`'s time in each timed round, its slowest rank's (barriers bound the step)."""
+    return [max(ranks) for ranks in zip(*(r[mode][times] for r in per_rank))]
+
+
+def paired_ratio(per_rank, mode, base, times="step_times_s") -> dict:
+    """`mode`'s time over `base`'s, round by round: the modes take turns, so a round's two steps
+    share the machine's speed of the moment, which wanders by more than the differences measured
+    here (docs/benchmarks.md). The median and quartiles of the rounds' ratios."""
+    ratios = [a / b for a, b in zip(rounds(per_rank, mode, times), rounds(per_rank, base, times))]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return dict(median=statistics.median(ratios), q1=q1, q3=q3)
 
 
 def _muon_modes(figures) -> list[str]:
@@ -306,6 +324,11 @@ def _muon_modes(figures) -> list[str]:
 def _fixed(value) -> str:
     """A ratio with two decimals, or "-" where it has no denominator (nothing to move)."""
     return "-" if value is None else f"{value:.2f}"
+
+
+def _paired(ratio) -> str:
+    """A paired ratio: the median of the rounds' ratios [their quartiles]."""
+    return f"{ratio['median']:.2f} [{ratio['q1']:.2f}-{ratio['q3']:.2f}]"
 
 
 def print_table(results):
@@ -329,21 +352,22 @@ def print_table(results):
                   f"{'':>5} {a['adam_step_s'] * 1e3:>8.1f} {a['train_step_s'] * 1e3:>9.1f}")
             print(f"{'':9} layout min {row['comm_bytes_layout_min'] / 1e6:.3f} MB/rank, generic bound "
                   f"{row['comm_bytes_generic_bound'] / 1e6:.3f} MB/rank, owner/allgather step "
-                  f"{row['owner_over_allgather']:.2f}, muon/adam train step "
-                  f"{row['muon_over_adam_train_step']:.2f}, peak transient "
+                  f"{_paired(row['owner_over_allgather'])}, muon/adam train step "
+                  f"{_paired(row['muon_over_adam_train_step'])}, peak transient "
                   f"{row['owner']['peak_transient_bytes'] / row['largest_batch_bytes']:.2f}x largest batch")
             print(f"{'':9} owners by time / by bytes (--muon-owner-choice): optimizer step "
-                  f"{row['time_over_bytes_owners']:.2f}, NS max/mean "
+                  f"{_paired(row['time_over_bytes_owners'])}, NS max/mean "
                   f"{_fixed(row['owner']['ns_max_over_mean'])} vs "
                   f"{_fixed(row[BYTES_MODE]['ns_max_over_mean'])}, bytes/bound "
                   f"{_fixed(row['owner']['comm_ratio_to_bound'])} vs "
                   f"{_fixed(row[BYTES_MODE]['comm_ratio_to_bound'])}")
             for ours in ("owner", ZERO1_MODE) if "ddp" in row else ():
                 print(f"{'':9} {ours} vs megatron-core: train step / Muon DDP "
-                      f"{row[f'{ours}_over_ddp_train_step']:.2f}, / layer-wise "
-                      f"{row[f'{ours}_over_layerwise_train_step']:.2f}; optimizer step / Muon DDP "
-                      f"{row[f'{ours}_over_ddp_muon_step']:.2f}, / layer-wise "
-                      f"{row[f'{ours}_over_layerwise_muon_step']:.2f}; state bytes {ours} "
+                      f"{_paired(row[f'{ours}_over_ddp_train_step'])}, / layer-wise "
+                      f"{_paired(row[f'{ours}_over_layerwise_train_step'])}; optimizer step "
+                      f"/ Muon DDP "
+                      f"{_paired(row[f'{ours}_over_ddp_muon_step'])}, / layer-wise "
+                      f"{_paired(row[f'{ours}_over_layerwise_muon_step'])}; state bytes {ours} "
                       f"{row[ours]['optimizer_state_bytes'] / 1e6:.2f} MB, DDP "
                       f"{row['ddp']['optimizer_state_bytes'] / 1e6:.2f}, layer-wise "
                       f"{row['layerwise']['optimizer_state_bytes'] / 1e6:.2f}")
@@ -358,7 +382,7 @@ def print_table(results):
             if "checked_step" in row:
                 c = row["checked_step"]
                 print(f"{'':9} a checked step (--muon-check-interval; every N-th): "
-                      f"{c['over_owner_muon_step']:.2f}x the owner step, "
+                      f"{_paired(c['over_owner_muon_step'])}x the owner step, "
                       f"{c['extra_collectives']:+d} collectives, "
                       f"{c['extra_bytes_per_rank'] / 1e6:+.3f} MB/rank")
             if row["world_size"] > 1:
