@@ -454,7 +454,7 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     rank), among: the byte-first owners (choose_owners), whole matrices spread by size
     (whole_matrix_owners), and the byte-first and longest-processing-time-first owners each
     improved by moves off the busiest rank (_improved); the byte-first owners stay unless the
-    fastest is estimated faster by more than the rates' spread (a gain within it is noise).
+    fastest stays faster with Newton-Schulz or bytes dearer by the rates' spread.
     Extra bytes over the layout's minimum stay within `byte_slack` times it (None: no cap; the
     byte-first owners always qualify); ties go to fewer bytes."""
     if not matrices:
@@ -474,9 +474,22 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     scored = [(max(estimated_seconds(matrices, owners, batches, element_bytes, cost)),
                moved(owners), owners) for owners in candidates]
     allowed = [score for score in scored if score[1] - minimum <= budget]
-    seconds, _, fastest = min(allowed, key=lambda score: score[:2])
-    byte_first_seconds = scored[0][0]
-    return fastest if seconds < (1 - cost.spread) * byte_first_seconds else byte_first
+    _, _, fastest = min(allowed, key=lambda score: score[:2])
+    # Measured figures may be off by their spread. Newton-Schulz seconds follow one rate (but
+    # for shapes apart beyond the noise: measured_cost.seconds_beyond_noise), so an error in it
+    # scales every placement's alike; what can reorder two placements is Newton-Schulz against
+    # bytes. With no spread (given rates) this is the fastest.
+    dearer = 1 + cost.spread
+    return fastest if all(
+        max(estimated_seconds(matrices, fastest, batches, element_bytes, weighed))
+        < max(estimated_seconds(matrices, byte_first, batches, element_bytes, weighed))
+        for weighed in (_weighed(cost, dearer, 1.0), _weighed(cost, 1.0, dearer))) else byte_first
+
+
+def _weighed(cost: StepCost, newton_schulz: float, transfer: float) -> StepCost:
+    """`cost` with Newton-Schulz `newton_schulz` times and the bytes `transfer` times as long."""
+    return StepCost(lambda matrix, count: newton_schulz * cost.call_seconds(matrix, count),
+                    cost.bytes_per_second / transfer)
 
 
 def batch_matrices(matrices: Sequence[Matrix], max_batch_elements: int) -> list[list[int]]:

@@ -80,16 +80,24 @@ def test_owners_by_time_move_work_off_the_rank_holding_it_only_when_bytes_are_ch
     assert _makespan(matrices, owners, fast_network) < 0.6 * _makespan(matrices, [0] * 4, fast_network)
 
 
-def test_owners_by_time_leave_byte_first_only_for_a_gain_beyond_the_rates_spread():
-    # As above: moving half the matrices off rank 0 halves the estimated step (less the bytes).
+def test_owners_by_time_leave_byte_first_only_for_a_gain_that_outlasts_the_rates_spread():
+    # As above: all four matrices on rank 0, or two of them moved to rank 1 (2 T of Newton-Schulz
+    # saved for 2 B of bytes over the bandwidth). With B = T / 1.5, the move gains with bytes up
+    # to 1.5 times dearer: kept at spread 0.4, not at 0.6. On a fast network the move is
+    # Newton-Schulz alone, which every placement's rate error scales alike: kept at any spread.
     matrices = [_matrix((64, 0), cols=64) for _ in range(4)]
     batches = batch_matrices(matrices, 1 << 30)
-    gain = 1 - _makespan(matrices, [0, 0, 1, 1], _flop_time(1e12)) / _makespan(
-        matrices, [0] * 4, _flop_time(1e12))
-    assert 0.4 < gain < 0.6
-    for spread, owners in ((0.4, [0, 0, 1, 1]), (0.6, [0, 0, 0, 0])):
-        cost = StepCost(_flop_time(1e12).call_seconds, 1e12, spread)
-        assert sorted(choose_owners_by_time(matrices, batches, 4, cost)) == owners
+    seconds = _flop_time(1e12).call_seconds(matrices[0], 1)  # T
+    per_matrix = 64 * 64 * 4
+    bandwidth = per_matrix * 1.5 / seconds
+    for spread, network, owners in ((0.4, bandwidth, [0, 0, 1, 1]), (0.6, bandwidth, [0] * 4),
+                                    (0.9, 1e15, [0, 0, 1, 1])):
+        cost = StepCost(_flop_time(1e12).call_seconds, network, spread)
+        assert sorted(choose_owners_by_time(matrices, batches, 4, cost)) == owners, spread
+    # Without the spread the move is estimated faster in all three cases.
+    for network in (bandwidth, 1e15):
+        moved = StepCost(_flop_time(1e12).call_seconds, network)
+        assert _makespan(matrices, [0, 0, 1, 1], moved) < _makespan(matrices, [0] * 4, moved)
 
 
 def test_owners_by_time_keep_bytes_within_the_cap():
