@@ -175,8 +175,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             (measured_cost: each shape's Newton-Schulz call as the step makes it, and one
             all-to-all; the median of every rank's samples); "bytes": fewest bytes first,
             Newton-Schulz FLOPs balanced within `byte_slack` (plan.choose_owners; what "time"
-            falls back to where it would not be faster by more than the measured figures'
-            spread). At fp32 `highest` owners change no result bit, only
+            falls back to where it would not stay faster with Newton-Schulz or bytes dearer by
+            the measured figures' spread). At fp32 `highest` owners change no result bit, only
             where work runs (docs/design.md: what they mean at bf16).
         byte_slack: the cap on the bytes owner mode moves beyond the layout's minimum, as a
             fraction of it (None, the default: no cap under "time", where bytes are priced at
@@ -366,8 +366,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         matrices stay batched, as with owners by bytes, so the rounding never follows a
         measurement. A shape's seconds follow its FLOPs unless its own rate stands apart beyond
         the noise (measured_cost.seconds_beyond_noise). One all-to-all gives the bandwidth. The
-        figures' median spread is the StepCost's: owners leave byte-first only for a gain beyond
-        it."""
+        figures' median spread is the StepCost's: owners leave byte-first only for a gain that
+        outlasts it (plan.choose_owners_by_time)."""
         largest_batch: dict = {}
         for batch in batch_matrices(matrices, max_batch_elements):
             key = cost_key(matrices[batch[0]])
