@@ -311,7 +311,7 @@ def paired_ratio(per_rank, mode, base, times="step_times_s") -> dict:
     share the machine's speed of the moment, which wanders by more than the differences measured
     here (docs/benchmarks.md). The median and quartiles of the rounds' ratios."""
     ratios = [a / b for a, b in zip(rounds(per_rank, mode, times), rounds(per_rank, base, times))]
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3  # --steps 1
     return dict(median=statistics.median(ratios), q1=q1, q3=q3)
 
 
