@@ -470,9 +470,11 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     def moved(owners):
         return sum(m.bytes_to_owner(o, element_bytes) for m, o in zip(matrices, owners))
 
+    def makespan(owners, weighed=cost):
+        return max(estimated_seconds(matrices, owners, batches, element_bytes, weighed))
+
     # (estimated step, bytes, owners) of each candidate, each estimated once.
-    scored = [(max(estimated_seconds(matrices, owners, batches, element_bytes, cost)),
-               moved(owners), owners) for owners in candidates]
+    scored = [(makespan(owners), moved(owners), owners) for owners in candidates]
     allowed = [score for score in scored if score[1] - minimum <= budget]
     _, _, fastest = min(allowed, key=lambda score: score[:2])
     # Measured figures may be off by their spread. Newton-Schulz seconds follow one rate (but
@@ -481,8 +483,7 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     # bytes. With no spread (given rates) this is the fastest.
     dearer = 1 + cost.spread
     return fastest if all(
-        max(estimated_seconds(matrices, fastest, batches, element_bytes, weighed))
-        < max(estimated_seconds(matrices, byte_first, batches, element_bytes, weighed))
+        makespan(fastest, weighed) < makespan(byte_first, weighed)
         for weighed in (_weighed(cost, dearer, 1.0), _weighed(cost, 1.0, dearer))) else byte_first
 
 

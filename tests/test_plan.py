@@ -94,7 +94,7 @@ def test_owners_by_time_leave_byte_first_only_for_a_gain_that_outlasts_the_rates
                                     (0.9, 1e15, [0, 0, 1, 1])):
         cost = StepCost(_flop_time(1e12).call_seconds, network, spread)
         assert sorted(choose_owners_by_time(matrices, batches, 4, cost)) == owners, spread
-    # Without the spread the move is estimated faster in all three cases.
+    # Without the spread the move is estimated faster on both networks.
     for network in (bandwidth, 1e15):
         moved = StepCost(_flop_time(1e12).call_seconds, network)
         assert _makespan(matrices, [0, 0, 1, 1], moved) < _makespan(matrices, [0] * 4, moved)
