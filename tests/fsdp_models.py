@@ -50,18 +50,22 @@ def batch(step: int, rank: int):
     return torch.randn(6, 16, generator=g), torch.randn(6, 5, generator=g)
 
 
-def make_models(strategy: str, world_size: int, unit_modules: bool = True, outer: str | None = None):
+def make_models(strategy: str, world_size: int, unit_modules: bool = True, outer: str | None = None,
+                main_params_dtype: torch.dtype | None = torch.float32):
     """(reference Net, Megatron-FSDP-wrapped copy) with identical initial weights; `outer`, if
-    given, is HSDP's outer strategy over 2 replicas."""
+    given, is HSDP's outer strategy over 2 replicas; `main_params_dtype` None: no main weight
+    buffer, the compute weights' buffer is the main weights (--megatron-fsdp-main-params-dtype
+    auto on this fp32 model)."""
     torch.manual_seed(0)
     ref = Net()
     unsharded = copy.deepcopy(ref)
     unsharded.qkv.weight.is_qkv = True  # deepcopy drops Parameter attributes
     units = [torch.nn.Linear] if unit_modules else [Net]
-    return ref, fully_shard(unsharded, strategy, world_size, units, outer)
+    return ref, fully_shard(unsharded, strategy, world_size, units, outer, main_params_dtype)
 
 
-def fully_shard(module, strategy: str, world_size: int, unit_modules, outer: str | None = None):
+def fully_shard(module, strategy: str, world_size: int, unit_modules, outer: str | None = None,
+                main_params_dtype: torch.dtype | None = torch.float32):
     """`module` wrapped by real Megatron-FSDP on CPU over all ranks (TP=1); with `outer`, HSDP:
     2 replicas (outer strategy `outer`) of world_size / 2 shards."""
     hsdp = {}
@@ -73,7 +77,9 @@ def fully_shard(module, strategy: str, world_size: int, unit_modules, outer: str
                     hybrid_fsdp_group=hybrid_group)
     return megatron_fsdp.fully_shard_model(
         module, device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp", zero_dp_strategy=strategy,
-        device=torch.device("cpu"), fsdp_unit_modules=unit_modules, **hsdp)
+        device=torch.device("cpu"), fsdp_unit_modules=unit_modules,
+        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype),
+        **hsdp)
 
 
 # One mesh per process and layout, as in training. With a second, equal mesh the ranks hung:

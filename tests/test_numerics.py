@@ -36,14 +36,19 @@ CASES = [_case(strategy, dist_mode, unit_modules, world_size) for world_size in 
          for strategy in STRATEGIES for dist_mode in DIST_MODES for unit_modules in UNITS]
 
 
-def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None):
+def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
+             main_params_dtype=torch.float32):
     """Megatron-FSDP buckets per Linear (unit_modules: every matrix crosses shard boundaries) or
     the whole model as one unit (most matrices sit whole on one rank); HSDP with `outer`."""
-    ref, fsdp = make_models(strategy, world_size, unit_modules, outer)
+    ref, fsdp = make_models(strategy, world_size, unit_modules, outer, main_params_dtype)
+    if main_params_dtype is None:  # the layout the case names
+        assert all(group.main_weight_buffer is None
+                   for group in fsdp.param_and_grad_buffer.parameter_groups)
     ref_opts = reference_optimizers(ref)
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
-    case = f"{strategy} outer={outer} {dist_mode} units={unit_modules} W={world_size}"
+    case = (f"{strategy} outer={outer} {dist_mode} units={unit_modules} W={world_size} "
+            f"main_params_dtype={main_params_dtype}")
     opts = [ZeROTensorParallelMuon(muon_param_groups(matrices), dist_mode=dist_mode, **MUON_KWARGS),
             torch.optim.Adam(vectors, lr=0.01, foreach=False)]
     names = {id(p): n for n, p in fsdp.named_parameters()}
@@ -89,6 +94,18 @@ def _inner_boundaries(p) -> set[int]:
 @pytest.mark.parametrize("strategy, dist_mode, unit_modules, world_size", CASES)
 def test_matches_single_device_muon(distributed, strategy, dist_mode, unit_modules, world_size):
     distributed(_compare, world_size, strategy, dist_mode, unit_modules)
+
+
+# --megatron-fsdp-main-params-dtype auto on a fp32 model: Megatron-FSDP keeps no main weight
+# buffer, the optimizer steps the compute weights' buffer (its shards: every rank's whole copy
+# under no_shard, ZeRO-1 and 2) and install_optimized_model_weights copies nothing.
+@pytest.mark.parametrize("strategy, world_size", [
+    pytest.param(strategy, world_size, id=f"{strategy}-W{world_size}")
+    for world_size, strategies in ((2, STRATEGIES), (4, ("optim", "optim_grads_params")))
+    for strategy in strategies])
+def test_compute_weights_as_main_weights_match_single_device_muon(distributed, strategy,
+                                                                   world_size):
+    distributed(_compare, world_size, strategy, "owner", True, None, None)
 
 
 def _qkv_boundaries_of_the_cases(rank, world_size):
