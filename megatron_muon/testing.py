@@ -76,10 +76,12 @@ def gpt(shape: GPTShape = TINY, num_experts=None, **settings):
 
 
 def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=None,
-             outer_strategy="no_shard", overlap=False, **settings):
+             outer_strategy="no_shard", overlap=False, main_params_dtype=torch.float32,
+             **settings):
     """The GPT in FullyShardedDataParallel; HSDP (with `outer_strategy` across the replicas) when
     init_parallel_state was given replicas; `overlap`: --overlap-grad-reduce and
-    --overlap-param-gather; `settings`: further TransformerConfig settings."""
+    --overlap-param-gather; `main_params_dtype`: --megatron-fsdp-main-params-dtype (None: no
+    main weight buffer); `settings`: further TransformerConfig settings."""
     model = gpt(shape, num_experts, **settings)
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True,
@@ -88,7 +90,8 @@ def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=
         num_distributed_optimizer_instances=parallel_state.get_data_parallel_world_size(
             with_context_parallel=True) // parallel_state.get_data_parallel_world_size(
             with_context_parallel=True, partial_data_parallel=True),
-        outer_dp_sharding_strategy=outer_strategy)
+        outer_dp_sharding_strategy=outer_strategy,
+        megatron_fsdp_main_params_dtype=main_params_dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return FullyShardedDataParallel(model.config, ddp_config, model, device=device)
 

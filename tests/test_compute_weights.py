@@ -5,6 +5,7 @@ only its own rows: without the param sync the other rows stay stale and training
 silently. (After a checkpoint load: test_checkpoint.)"""
 
 import pytest
+import torch
 from megatron.core import parallel_state
 
 from fsdp_models import STRATEGIES, ForwardReads
@@ -24,14 +25,19 @@ CASES = {
                 ("optim", None, 2, 1, False, True), ("optim_grads", None, 2, 1, True, False),
                 ("optim", None, 1, 2, False, False), ("optim_grads_params", None, 1, 2, True, True)],
 }
+# Without a main weight buffer (--megatron-fsdp-main-params-dtype auto on the fp32 GPT): the
+# optimizer steps the compute weights' buffer itself and the install copies nothing.
+WITHOUT_MAIN_BUFFER = {2: [("optim", None, 1, 1, False, False),
+                           ("optim_grads_params", None, 1, 1, True, True)], 4: []}
 
 
-def _forward_reads_main_weights(rank, world_size, case):
+def _forward_reads_main_weights(rank, world_size, case, main_params_dtype=torch.float32):
     strategy, outer, expert_parallel, tensor_parallel, overlap, finalize = case
     init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel,
                         replicas=2 if outer else 1)
     model = fsdp_gpt(strategy=strategy, outer_strategy=outer or "no_shard", overlap=overlap,
-                     num_experts=4 if expert_parallel > 1 else None)
+                     num_experts=4 if expert_parallel > 1 else None,
+                     main_params_dtype=main_params_dtype)
     reads = ForwardReads(find_megatron_fsdp(model))
     optimizer = get_megatron_optimizer(optimizer_config(), [model])
     for step in range(STEPS + 1):
@@ -40,7 +46,8 @@ def _forward_reads_main_weights(rank, world_size, case):
             pass
         # Tensor-parallel ranks read the same batch: the batch follows the data-parallel rank.
         loss = lm_loss(model, step, parallel_state.get_data_parallel_rank())
-        reads.assert_main_weights(f"{case} W={world_size} forward after {step} steps")
+        reads.assert_main_weights(f"{case} main_params_dtype={main_params_dtype} W={world_size} "
+                                  f"forward after {step} steps")
         if step == STEPS:
             return
         if step == SKIPPED_STEP and rank == world_size - 1:
@@ -54,6 +61,8 @@ def _forward_reads_main_weights(rank, world_size, case):
 def _every_case(rank, world_size):
     for case in CASES[world_size]:
         _forward_reads_main_weights(rank, world_size, case)
+    for case in WITHOUT_MAIN_BUFFER[world_size]:
+        _forward_reads_main_weights(rank, world_size, case, main_params_dtype=None)
 
 
 @pytest.mark.slow

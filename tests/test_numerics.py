@@ -97,8 +97,9 @@ def test_matches_single_device_muon(distributed, strategy, dist_mode, unit_modul
 
 
 # --megatron-fsdp-main-params-dtype auto on a fp32 model: Megatron-FSDP keeps no main weight
-# buffer, the optimizer steps the compute weights' buffer (its shards: every rank's whole copy
-# under no_shard, ZeRO-1 and 2) and install_optimized_model_weights copies nothing.
+# buffer, the optimizer steps its shards of the compute weights' buffer and
+# install_optimized_model_weights copies nothing (what the forward then reads:
+# test_compute_weights).
 @pytest.mark.parametrize("strategy, world_size", [
     pytest.param(strategy, world_size, id=f"{strategy}-W{world_size}")
     for world_size, strategies in ((2, STRATEGIES), (4, ("optim", "optim_grads_params")))
