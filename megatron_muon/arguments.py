@@ -75,7 +75,10 @@ def muon_on_megatron_fsdp(args: argparse.Namespace) -> bool:
 
 def validate_muon_args(args: argparse.Namespace) -> None:
     """Refuse, with a clear message naming the flags, what Muon on Megatron-FSDP does not
-    support (megatron_muon.rules)."""
+    support, and what Megatron-FSDP does not with any optimizer (megatron_muon.rules)."""
+    if args.use_megatron_fsdp and not muon_on_megatron_fsdp(args):
+        rules.refuse(lambda section, field: getattr(args, field), _flag, training_loop=True,
+                     what='--use-megatron-fsdp', muon=False)
     if not muon_on_megatron_fsdp(args):
         return
     if not hasattr(args, 'muon_dist_mode'):

@@ -21,6 +21,7 @@ Without CUDA it applies the CPU layer for Bridge (megatron_muon.cpu); with CUDA 
 """
 
 import dataclasses
+import os
 import warnings
 from pathlib import Path
 
@@ -105,24 +106,30 @@ class ChecksummedCheckpointManager(DefaultCheckpointManager):
         return super().load(ctx)
 
 
+def _megatron_fsdp(cfg) -> bool:
+    return cfg.ddp.use_megatron_fsdp or cfg.dist.use_megatron_fsdp
+
+
 def muon_on_megatron_fsdp(cfg) -> bool:
     """Whether a ConfigContainer asks for what megatron_muon provides."""
-    return cfg.optimizer.optimizer == "muon" and (cfg.ddp.use_megatron_fsdp
-                                                  or cfg.dist.use_megatron_fsdp)
+    return cfg.optimizer.optimizer == "muon" and _megatron_fsdp(cfg)
 
 
 def install(cfg) -> None:
     """Check `cfg` (a Bridge ConfigContainer) and have Bridge build Muon on Megatron-FSDP with
     megatron_muon; raise, naming each field, before anything is built. Call before pretrain()."""
-    if cfg.optimizer.optimizer == "dist_muon" and (cfg.ddp.use_megatron_fsdp
-                                                   or cfg.dist.use_megatron_fsdp):
-        raise ValueError("cfg.optimizer.optimizer='dist_muon' (megatron-core's layer-wise "
-                         "distributed Muon, for Megatron DDP) with cfg.ddp.use_megatron_fsdp: set "
-                         "cfg.optimizer.optimizer='muon'; on Megatron-FSDP, megatron-muon "
-                         "distributes Muon itself")
+    if cfg.optimizer.optimizer == "dist_muon" and _megatron_fsdp(cfg):
+        # Bridge's Kimi K2 and DeepSeek-V4 recipes name megatron-core's layer-wise distributed
+        # Muon, which is for Megatron DDP; on Megatron-FSDP ours distributes Muon.
+        cfg.optimizer.optimizer = "muon"
+        _log("cfg.optimizer.optimizer 'dist_muon' with Megatron-FSDP: megatron-muon's "
+             "distributed Muon (ZeROTensorParallelMuon) steps it")
+    if _megatron_fsdp(cfg) and not muon_on_megatron_fsdp(cfg):
+        rules.refuse(_reader(cfg), _field_name, training_loop=True,
+                     what="Megatron-FSDP through Megatron-Bridge", muon=False)
     if muon_on_megatron_fsdp(cfg):
-        rules.refuse(_reader(cfg), lambda section, field: f"cfg.{section}.{field}",
-                     training_loop=True, what="Muon on Megatron-FSDP through Megatron-Bridge")
+        rules.refuse(_reader(cfg), _field_name, training_loop=True,
+                     what="Muon on Megatron-FSDP through Megatron-Bridge")
         for field, choices in (("muon_dist_mode", DIST_MODES), ("muon_owner_choice", OWNER_CHOICES)):
             value = getattr(cfg.optimizer, field, choices[0])
             if value not in choices:
@@ -155,6 +162,16 @@ def _checksum_checkpoints(cfg) -> None:
         return
     register_allowed_target_prefix(f"{__name__}.")  # Bridge instantiates allow-listed names only
     cfg.checkpoint.custom_manager_class = ours
+
+
+def _field_name(section: str, field: str) -> str:
+    return f"cfg.{section}.{field}"
+
+
+def _log(message: str) -> None:
+    """One line from the first rank (install runs before Bridge starts the process group)."""
+    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+        print(f"megatron-muon: {message}", flush=True)
 
 
 def _reader(cfg):

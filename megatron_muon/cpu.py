@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import functools
 import importlib.util
+import math
 import time
 
 import torch
@@ -80,6 +81,23 @@ def _reduce_without_premul_sum(gradient_reduce_preprocessing, grad_data, scaling
     return gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config)
 
 
+def _local_attention_taking_mla_channels(init):
+    """megatron-core's local attention (DotProductAttention, the spec without TransformerEngine,
+    hence CPU's) with the k_channels/v_channels that MultiLatentAttention passes its core
+    attention: q.k over k_channels per head (scaled by MLA's softmax_scale, else
+    1/sqrt(k_channels)), a context of v_channels per head. Its forward takes both widths from
+    the tensors it gets; only the context's final view reads hidden_size_per_partition."""
+
+    def __init__(self, *args, k_channels=None, v_channels=None, softmax_scale=None, **kwargs):
+        if softmax_scale is None and k_channels is not None:
+            softmax_scale = 1.0 / math.sqrt(k_channels)
+        init(self, *args, softmax_scale=softmax_scale, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return __init__
+
+
 def apply_cpu_compat() -> bool:
     """Patch torch.cuda's stream/event API into no-ops when CUDA is absent; idempotent. Each
     patch is listed, and undone, in megatron_muon.upstream.
@@ -109,6 +127,8 @@ def apply_cpu_compat() -> bool:
         upstream.patch(f'{copy}.param_and_grad_buffer.gradient_reduce_preprocessing',
                        functools.partial(_reduce_without_premul_sum,
                                          buffers.gradient_reduce_preprocessing))
+    target = 'megatron.core.transformer.dot_product_attention.DotProductAttention.__init__'
+    upstream.patch(target, _local_attention_taking_mla_channels(upstream.current(target)))
     return True
 
 

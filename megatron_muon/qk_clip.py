@@ -4,28 +4,35 @@ Each self-attention layer's per-head maximum attention logit over a step's micro
 where TransformerEngine's attention (>= 2.9) keeps it, `core_attention.current_max_attn_logits`;
 on megatron-core's local attention a forward hook records it there. The optimizer's step reduces
 all layers' values over the data-parallel ranks in one all-reduce (megatron-core's `clip_qk`
-issues one per layer) and, after the update, scales the q and k rows of each query group whose
-logits passed the threshold in the sharded fp32 main weights, each rank its own rows, before
-Megatron-FSDP installs them for the next forward. Nothing is gathered.
+issues one per layer) and, after the update, scales the q and k rows of the heads whose logits
+passed the threshold in the sharded fp32 main weights, each rank its own rows, before
+Megatron-FSDP installs them for the next forward. Nothing is gathered. The rows are those
+megatron-core's clip scales: SelfAttention's fused q/k/v weight (per query group), and
+multi-latent attention's q projection and kv up projection (per head).
 """
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
 from . import upstream
 from .chained import named_main_weights
-from .muon_math import qk_clip_row_factors
+from .muon_math import mla_kv_row_factors, mla_q_row_factors, qk_clip_row_factors
 from .plan import QKVRows
 
+# The attentions megatron-core's clip_qk clips (megatron.core.optimizer.qk_clip's).
+CLIPPED_ATTENTIONS = (SelfAttention, MultiLatentAttention)
 
-def _self_attentions(model_chunks) -> list[tuple[int, str, SelfAttention]]:
+
+def _self_attentions(model_chunks) -> list[tuple[int, str, torch.nn.Module]]:
     return [(index, name, module) for index, chunk in enumerate(model_chunks)
-            for name, module in chunk.named_modules() if isinstance(module, SelfAttention)]
+            for name, module in chunk.named_modules() if isinstance(module, CLIPPED_ATTENTIONS)]
 
 
 def _core_attentions(model_chunks) -> list:
@@ -88,12 +95,16 @@ def _recorded(model_chunks) -> list:
             if getattr(a, "current_max_attn_logits", None) is not None]
 
 
-class _ClippedLayer(NamedTuple):
-    core_attention: torch.nn.Module
-    qkv: QKVRows  # of this tensor-parallel rank
-    main_weight: torch.Tensor  # linear_qkv's, a DTensor: this rank holds rows [start, stop)
+class _ClippedWeight(NamedTuple):
+    main_weight: torch.Tensor  # a DTensor: this rank holds rows [start, stop) of its TP-local rows
     start: int
     stop: int
+    row_factors: Callable  # (per-head max logits, threshold, alpha) -> a factor per TP-local row
+
+
+class _ClippedLayer(NamedTuple):
+    core_attention: torch.nn.Module
+    weights: tuple[_ClippedWeight, ...]
 
 
 class MaxAttentionLogits:
@@ -119,11 +130,13 @@ class MaxAttentionLogits:
             return  # no head passed the threshold: nothing changes (one host read per step)
         for layer in layers:
             max_logits = layer.core_attention.current_max_attn_logits
-            local = layer.main_weight.to_local()
-            if max_logits is None or local.numel() == 0:
+            if max_logits is None:
                 continue
-            factors = qk_clip_row_factors(max_logits, layer.qkv, threshold, alpha)
-            local.mul_(factors[layer.start:layer.stop].unsqueeze(1))
+            for weight in layer.weights:
+                local = weight.main_weight.to_local()
+                if local.numel():
+                    factors = weight.row_factors(max_logits, threshold, alpha)
+                    local.mul_(factors[weight.start:weight.stop].unsqueeze(1))
 
 
 def build_max_attention_logits(model_chunks, group, held_rows) -> MaxAttentionLogits | None:
@@ -140,8 +153,8 @@ def build_max_attention_logits(model_chunks, group, held_rows) -> MaxAttentionLo
     if not attentions:
         found = sorted({type(m).__name__ for chunk in model_chunks for m in chunk.modules()
                         if "Attention" in type(m).__name__})
-        raise ValueError(f"{flag} needs self-attention layers with fused q/k/v weights "
-                         f"(megatron-core's SelfAttention); this model has none"
+        raise ValueError(f"{flag} needs megatron-core's self-attention layers (SelfAttention, "
+                         f"or MultiLatentAttention's); this model has none"
                          + (f" (its attention: {', '.join(found)})" if found else ""))
     for _, name, attention in attentions:
         core = attention.core_attention
@@ -153,24 +166,46 @@ def build_max_attention_logits(model_chunks, group, held_rows) -> MaxAttentionLo
     clip = None
     if config.qk_clip:
         main_weights = [dict(named_main_weights(chunk)) for chunk in model_chunks]
-        layers = [_clipped_layer(name, attention,
-                                 main_weights[index][f"{name}.linear_qkv.weight"], held_rows)
-                  for index, name, attention in attentions]
+        layers = []
+        for index, name, attention in attentions:
+            weights = tuple(_clipped_weight(f"{name}.{weight}.weight",
+                                            main_weights[index][f"{name}.{weight}.weight"], rows,
+                                            factors, held_rows)
+                            for weight, rows, factors in _clipped_rows(attention))
+            layers.append(_ClippedLayer(attention.core_attention, weights))
         clip = (layers, config.qk_clip_threshold, config.qk_clip_alpha)
     observe_max_attention_logits(model_chunks)
     return MaxAttentionLogits(model_chunks, group, clip)
 
 
-def _clipped_layer(name: str, attention: SelfAttention, main_weight, held_rows) -> _ClippedLayer:
+def _clipped_rows(attention) -> list[tuple[str, int, Callable]]:
+    """The weights megatron-core's clip_qk scales in `attention`, each as (its name in the
+    layer, its TP-local rows, its rows' factors)."""
+    config = attention.config
+    if isinstance(attention, MultiLatentAttention):
+        heads = attention.num_attention_heads_per_partition
+        q_weight = "linear_q_proj" if config.q_lora_rank is None else "linear_q_up_proj"
+        nope, rope, v = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+        return [(q_weight, heads * (nope + rope),
+                 lambda logits, threshold, alpha: mla_q_row_factors(logits, nope, rope,
+                                                                    threshold, alpha)),
+                ("linear_kv_up_proj", heads * (nope + v),
+                 lambda logits, threshold, alpha: mla_kv_row_factors(logits, nope, v,
+                                                                     threshold, alpha))]
     groups = attention.num_query_groups_per_partition
-    q_rows, kv_rows, _ = upstream.get_qkv_split_shapes(attention.config)  # per group; no output gate
+    q_rows, kv_rows, _ = upstream.get_qkv_split_shapes(config)  # per group; no output gate
     qkv = QKVRows(groups, q_rows, kv_rows)
+    return [("linear_qkv", qkv.num_rows,
+             lambda logits, threshold, alpha: qk_clip_row_factors(logits, qkv, threshold, alpha))]
+
+
+def _clipped_weight(name: str, main_weight, rows: int, row_factors, held_rows) -> _ClippedWeight:
     try:
-        start, stop, rows = held_rows(main_weight)
+        start, stop, held = held_rows(main_weight)
     except KeyError:
-        raise ValueError(f"--qk-clip: {name}.linear_qkv.weight is not stepped by Muon (the "
-                         f"optimizer's overrides give it to another optimizer)") from None
-    if rows != qkv.num_rows:
-        raise ValueError(f"--qk-clip: {name}.linear_qkv.weight has {rows} rows per tensor-parallel "
-                         f"rank, not the {qkv.num_rows} of {groups} query groups of q, k and v")
-    return _ClippedLayer(attention.core_attention, qkv, main_weight, start, stop)
+        raise ValueError(f"--qk-clip: {name} is not stepped by Muon (the optimizer's overrides "
+                         f"give it to another optimizer)") from None
+    if held != rows:
+        raise ValueError(f"--qk-clip: {name} has {held} rows per tensor-parallel rank, not the "
+                         f"{rows} megatron-core's clip_qk scales")
+    return _ClippedWeight(main_weight, start, stop, row_factors)

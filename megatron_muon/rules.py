@@ -27,8 +27,9 @@ SECTIONS = {
     "qk_clip": "model",
     "qk_clip_alpha": "model",
     "qk_clip_threshold": "model",
-    "multi_latent_attention": "model",
+    "cache_mla_latents": "model",
     "attention_output_gate": "model",
+    "pipeline_model_parallel_size": "model",
     "use_torch_fsdp2": "dist",
 }
 
@@ -38,6 +39,7 @@ class Rule:
     refuses: Callable[[Any], bool]  # given the settings (attribute access by field name)
     says: str  # formatted with each field's name (`{qk_clip}`) and `value` (`{value.qk_clip}`)
     in_training_loops_only: bool = False  # megatron.training's and Bridge's, not the factory's
+    any_optimizer: bool = False  # megatron-core fails on it on Megatron-FSDP whatever the optimizer
 
 
 RULES = (
@@ -46,13 +48,21 @@ RULES = (
          "{qk_clip_alpha} {value.qk_clip_alpha} (must lie in (0, 1))"),
     Rule(lambda s: s.qk_clip and not s.qk_clip_threshold > 0,
          "{qk_clip_threshold} {value.qk_clip_threshold} (must be positive)"),
-    Rule(lambda s: s.qk_clip and s.multi_latent_attention,
-         "{qk_clip} with {multi_latent_attention} (MLA has no fused q/k/v weight; only "
-         "SelfAttention's is clipped)"),
+    # MultiLatentAttention.clip_qk refuses absorption (the kv up projection is gone).
+    Rule(lambda s: s.qk_clip and s.cache_mla_latents,
+         "{qk_clip} with {cache_mla_latents} (MLA's absorption mode has no kv up projection to "
+         "clip; megatron-core's clip_qk refuses it too)"),
     Rule(lambda s: s.qk_clip and s.attention_output_gate,
          "{qk_clip} with {attention_output_gate} (megatron-core's QK-clip does not define the "
          "gate rows)"),
     Rule(lambda s: s.use_torch_fsdp2, "{use_torch_fsdp2} (Muon supports Megatron-FSDP only)"),
+    # mcore_fsdp_adapter's _get_dp_tp_mesh lays the whole world out as (dp_cp ep tp): with
+    # pipeline stages the model wrap dies in einops.
+    Rule(lambda s: s.pipeline_model_parallel_size > 1,
+         "{pipeline_model_parallel_size} {value.pipeline_model_parallel_size} (megatron-core "
+         "0.19's Megatron-FSDP builds its device mesh over the data-, expert- and "
+         "tensor-parallel ranks only: pipeline parallelism fails at model wrap, with any "
+         "optimizer)", any_optimizer=True),
     Rule(lambda s: s.optimizer_cpu_offload, "{optimizer_cpu_offload}"),
     Rule(lambda s: s.use_precision_aware_optimizer, "{use_precision_aware_optimizer}"),
     # Megatron's training loops (megatron.training's and Bridge's setup) mark the last
@@ -78,10 +88,11 @@ class _Settings:
 
 
 def problems(read: Callable[[str, str], Any], name: Callable[[str, str], str],
-             training_loop: bool) -> list[str]:
+             training_loop: bool, muon: bool = True) -> list[str]:
     """What RULES refuse in one configuration. `read(section, field)` is a setting's value (raise
     AttributeError where this way in has none); `name(section, field)` is how its user spells
-    it; `training_loop`: whether the way in runs Megatron's training loop."""
+    it; `training_loop`: whether the way in runs Megatron's training loop; `muon`: whether it
+    asks for Muon (else only the rules for any optimizer on Megatron-FSDP apply)."""
 
     def read_or_skip(section, field):
         try:
@@ -93,7 +104,7 @@ def problems(read: Callable[[str, str], Any], name: Callable[[str, str], str],
     names = {field: name(section, field) for field, section in SECTIONS.items()}
     found = []
     for rule in RULES:
-        if rule.in_training_loops_only and not training_loop:
+        if (rule.in_training_loops_only and not training_loop) or not (muon or rule.any_optimizer):
             continue
         try:
             refused = rule.refuses(settings)
@@ -104,8 +115,8 @@ def problems(read: Callable[[str, str], Any], name: Callable[[str, str], str],
     return found
 
 
-def refuse(read, name, training_loop: bool, what: str) -> None:
+def refuse(read, name, training_loop: bool, what: str, muon: bool = True) -> None:
     """Raise one ValueError listing every problem, before anything is built."""
-    found = problems(read, name, training_loop)
+    found = problems(read, name, training_loop, muon)
     if found:
         raise ValueError(f"{what} does not support: " + "; ".join(found))

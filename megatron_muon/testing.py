@@ -8,10 +8,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                      get_gpt_layer_local_spec)
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.tensor_parallel import random as tp_random
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from megatron_muon.cpu import apply_megatron_training_compat
 
@@ -28,6 +29,22 @@ class GPTShape:
 
 
 TINY = GPTShape()
+
+# The flagship models' layers at TINY's size, as gpt() settings. Kimi K2's (DeepSeek-V3's)
+# multi-latent attention: q and kv through low-rank projections (each latent normalized) and a
+# rope part; DeepSeek-V2-Lite's, whose q has no low-rank projection (linear_q_proj; megatron-core's
+# local spec then refuses the latents' norms). Their widths differ, so that Megatron-FSDP's shards
+# cut them unevenly.
+MLA = dict(multi_latent_attention=True, q_lora_rank=20, kv_lora_rank=12, qk_head_dim=8,
+           qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="rope", normalization="RMSNorm",
+           qk_layernorm=True)
+MLA_WITHOUT_Q_LORA = {**MLA, "q_lora_rank": None, "qk_layernorm": False}
+# Their MoE (with num_experts): fine-grained routed experts (top-2) beside a shared expert, the
+# first layer dense.
+FINE_GRAINED_MOE = dict(moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=24,
+                        moe_layer_freq=[0, 1])
+KIMI_K2_LIKE = {**MLA, **FINE_GRAINED_MOE}
+DEEPSEEK_LIKE = {**MLA_WITHOUT_Q_LORA, **FINE_GRAINED_MOE}
 
 
 _parallel_layout = None  # the layout megatron-core's process groups were last built for
@@ -57,9 +74,12 @@ def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1, repl
 
 
 def gpt(shape: GPTShape = TINY, num_experts=None, **settings):
-    """`settings`: further TransformerConfig settings."""
+    """`settings`: further TransformerConfig settings (MLATransformerConfig's with
+    multi_latent_attention). Layers as megatron-core's local spec builds them, per layer where the
+    settings make layers differ (moe_layer_freq) or make them MLA (get_gpt_decoder_block_spec)."""
     torch.manual_seed(0)
-    config = TransformerConfig(
+    mla = settings.get("multi_latent_attention", False)
+    config = (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         ffn_hidden_size=shape.ffn,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -71,8 +91,12 @@ def gpt(shape: GPTShape = TINY, num_experts=None, **settings):
         use_cpu_initialization=True, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, **settings)
-    return GPTModel(config, get_gpt_layer_local_spec(num_experts=num_experts),
-                    vocab_size=shape.vocab, max_sequence_length=shape.seq)
+    if mla or "moe_layer_freq" in settings:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=config.normalization)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=num_experts)
+    return GPTModel(config, spec, vocab_size=shape.vocab, max_sequence_length=shape.seq)
 
 
 def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=None,

@@ -93,9 +93,9 @@ def _warn_if_newton_schulz_is_emulated(args) -> None:
 
 def _validate_args(args, defaults={}):
     _warn_if_newton_schulz_is_emulated(args)
+    validate_muon_args(args)
     if not muon_on_megatron_fsdp(args):
         return _megatron_validate_args(args, defaults)
-    validate_muon_args(args)
     print_args = upstream.current('megatron.training.arguments._print_args')
 
     def print_args_as_given(title, args_to_print):

@@ -164,6 +164,8 @@ PATCHES = {
            ("_coalescing_manager",
             "gloo's coalesced reduce-scatter corrupted the heap: one collective at a time"),
            ("gradient_reduce_preprocessing", "gloo has no PREMUL_SUM: scale, then sum"))},
+    "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__":
+        "megatron-core's local attention (CPU's) takes MLA's k_channels/v_channels",
     # CPU layer, megatron.training (megatron_muon.cpu.apply_megatron_training_compat).
     "torch.cuda.get_rng_state": "Megatron saves the CUDA RNG state every step: the CPU one",
     "torch.cuda.set_rng_state": "no CUDA generator to restore on CPU",

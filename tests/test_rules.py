@@ -13,8 +13,9 @@ from megatron_muon.factory import get_megatron_optimizer
 
 SUPPORTED = dict(fp16=False, optimizer_cpu_offload=False, use_precision_aware_optimizer=False,
                  num_distributed_optimizer_instances=1, overlap_grad_reduce=False, qk_clip=False,
-                 qk_clip_alpha=0.5, qk_clip_threshold=100.0, multi_latent_attention=False,
-                 attention_output_gate=False, use_torch_fsdp2=False)
+                 qk_clip_alpha=0.5, qk_clip_threshold=100.0, cache_mla_latents=False,
+                 attention_output_gate=False, use_torch_fsdp2=False,
+                 pipeline_model_parallel_size=1)
 # A refused configuration, what the command line says of it, and what the factory says (None: the
 # factory does not check it: a training-loop rule, or a setting it has no field for).
 REFUSED = [
@@ -25,11 +26,14 @@ REFUSED = [
      "TransformerConfig.qk_clip_alpha 0.0"),
     (dict(qk_clip=True, qk_clip_threshold=0.0), "--qk-clip-threshold 0.0 (must be positive)",
      "TransformerConfig.qk_clip_threshold 0.0 (must be positive)"),
-    (dict(qk_clip=True, multi_latent_attention=True), "--qk-clip with --multi-latent-attention",
-     "TransformerConfig.qk_clip with TransformerConfig.multi_latent_attention"),
+    (dict(qk_clip=True, cache_mla_latents=True), "--qk-clip with --cache-mla-latents",
+     "TransformerConfig.qk_clip with TransformerConfig.cache_mla_latents"),
     (dict(qk_clip=True, attention_output_gate=True), "--qk-clip with --attention-output-gate",
      "TransformerConfig.qk_clip with TransformerConfig.attention_output_gate"),
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2 (Muon supports Megatron-FSDP only)", None),
+    (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2 (megatron-core "
+     "0.19's Megatron-FSDP builds its device mesh over the data-, expert- and tensor-parallel "
+     "ranks only", "TransformerConfig.pipeline_model_parallel_size 2"),
     (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload",
      "OptimizerConfig.optimizer_cpu_offload"),
     (dict(use_precision_aware_optimizer=True), "--use-precision-aware-optimizer",
@@ -38,7 +42,7 @@ REFUSED = [
      "--num-distributed-optimizer-instances > 1 without --overlap-grad-reduce", None),
 ]
 # Next to each: the same setting, supported.
-ACCEPTED = [dict(qk_clip=False, qk_clip_alpha=1.0), dict(qk_clip=False, multi_latent_attention=True),
+ACCEPTED = [dict(qk_clip=False, qk_clip_alpha=1.0), dict(qk_clip=False, cache_mla_latents=True),
             dict(qk_clip=True, qk_clip_alpha=0.99, qk_clip_threshold=1e-3),
             dict(num_distributed_optimizer_instances=2, overlap_grad_reduce=True)]
 
@@ -97,6 +101,20 @@ def test_every_problem_is_named_in_one_error():
                               **{**SUPPORTED, "fp16": True, "optimizer_cpu_offload": True})
     with pytest.raises(ValueError, match="--fp16 .*; --optimizer-cpu-offload"):
         validate_muon_args(args)
+
+
+def test_megatron_fsdp_with_another_optimizer_is_refused_only_what_fails_for_any_optimizer():
+    refused = argparse.Namespace(optimizer="adam", use_megatron_fsdp=True,
+                                 **{**SUPPORTED, "fp16": True, "pipeline_model_parallel_size": 4})
+    with pytest.raises(ValueError) as raised:
+        validate_muon_args(refused)
+    assert str(raised.value) == (
+        "--use-megatron-fsdp does not support: --pipeline-model-parallel-size 4 (megatron-core "
+        "0.19's Megatron-FSDP builds its device mesh over the data-, expert- and "
+        "tensor-parallel ranks only: pipeline parallelism fails at model wrap, with any "
+        "optimizer)")
+    validate_muon_args(argparse.Namespace(optimizer="adam", use_megatron_fsdp=False, **{
+        **SUPPORTED, "pipeline_model_parallel_size": 4}))  # Megatron DDP: Megatron's to check
 
 
 def test_a_rule_whose_setting_a_way_in_lacks_is_skipped():

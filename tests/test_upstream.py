@@ -66,9 +66,15 @@ def test_uninstall_leaves_megatron_training_megatron_fsdp_and_torch_as_they_were
         import megatron_muon.training
         from megatron_muon import upstream
 
+        def resolve(owner):  # a module, or a class in one (torch.Tensor)
+            try:
+                return importlib.import_module(owner)
+            except ModuleNotFoundError:
+                module, _, name = owner.rpartition(".")
+                return getattr(importlib.import_module(module), name)
+
         owners = {target.rpartition(".")[0] for target in upstream.PATCHES} - {"torch.overrides"}
-        owners = {owner: torch.Tensor if owner == "torch.Tensor" else importlib.import_module(owner)
-                  for owner in owners if importlib.util.find_spec(owner.split(".")[0])
+        owners = {owner: resolve(owner) for owner in owners if importlib.util.find_spec(owner.split(".")[0])
                   and not owner.startswith("megatron.bridge.")}  # install() leaves Bridge alone
 
         def snapshot():
