@@ -5,6 +5,8 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_muon import FSDPMuonChainedOptimizer, ZeROTensorParallelMuon, get_megatron_optimizer, upstream
+from fsdp_models import STRATEGIES
+from megatron_muon import testing
 from megatron_muon.testing import fsdp_gpt, gpt, init_parallel_state, lm_loss, optimizer_config
 
 
@@ -134,11 +136,14 @@ def _tag_as_megatron_core(ref, name, model_param, config):
 
 
 def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, tp_mode, outer,
-                            dist_mode):
+                            dist_mode, strategy="optim_grads_params", flagship=None):
     """Every Muon matrix equals megatron-core's TensorParallelMuon run on the full (TP-local)
     matrices with the same gradients: dense matrices sharded over dp_cp, experts over expt_dp
     (expert TP 1, as MoE runs usually have it, also beside TP 2), TP Newton-Schulz over the tp
-    group, experts' over expt_tp; with `outer`, HSDP over 2 replicas."""
+    group, experts' over expt_tp; with `outer`, HSDP over 2 replicas; `flagship`, the name of a
+    megatron_muon.testing model's settings (MLA, shared experts, a dense first layer), with 4
+    experts. Returns whether some rank's shard of a Muon matrix is empty, and whether some
+    matrix's shards are uneven."""
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     from fsdp_models import full_tensor
@@ -146,8 +151,11 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
 
     init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel,
                         replicas=2 if outer else 1, expert_tensor_parallel=1)
-    model = fsdp_gpt(num_experts=4 if expert_parallel > 1 else None, outer_strategy=outer or "no_shard")
-    if tensor_parallel > 1 and expert_parallel > 1:
+    settings = getattr(testing, flagship) if flagship else {}
+    experts = 4 if expert_parallel > 1 or flagship else None
+    model = fsdp_gpt(num_experts=experts, outer_strategy=outer or "no_shard", strategy=strategy,
+                     **settings)
+    if tensor_parallel > 1 and experts:
         # megatron-core's MoE layer trains with TP only under sequence parallelism, which its
         # torch LayerNorm (no TE or apex) lacks. The gradients are this test's given, so eval
         # mode serves (no dropout here either way; only the router's aux loss is left out).
@@ -155,8 +163,9 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
     # No clipping: the reference gets the gradients unscaled.
     config = optimizer_config(muon_tp_mode=tp_mode, clip_grad=0.0)
     optimizer = get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode)
-    parts = [p.optimizer for p in optimizer.optimizer.chained_optimizers
-             if isinstance(p.optimizer, ZeROTensorParallelMuon)]
+    if flagship:
+        _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts)
+    parts = _parts(optimizer, ZeROTensorParallelMuon)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     names = {p: name for name, p in named_main_weights(model)}
     pairs, ref_groups = [], []
@@ -183,6 +192,17 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
         reference.step()
         worst = max((full_tensor(p, p) - ref).abs().max().item() for p, ref in pairs)
         assert worst == 0, f"step {step}: max |diff| {worst}"
+    return _empty_and_uneven_shards([p for p, _ in pairs])
+
+
+def _empty_and_uneven_shards(params) -> tuple[bool, bool]:
+    """Over all ranks: whether a non-empty matrix has an empty shard on some rank, and whether
+    some matrix's shards hold different numbers of rows."""
+    rows = torch.tensor([[p.to_local().shape[0] for p in params]], dtype=torch.float64)
+    every_rank = [torch.zeros_like(rows) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(every_rank, rows)
+    rows = torch.cat(every_rank)  # [rank, matrix]
+    return bool((rows == 0).any()), bool((rows.amax(dim=0) != rows.amin(dim=0)).any())
 
 
 @pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode, outer, dist_mode", [
@@ -196,6 +216,35 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
     # HSDP: 2 replicas x 2 shards (allgather under HSDP: test_numerics)
     (1, 2, "duplicated", "no_shard", "owner"), pytest.param(1, 1, "duplicated", "optim", "owner", marks=pytest.mark.slow),
 ])
+def _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts):
+    """The params Muon steps are those megatron-core's own Muon factory gives Muon on the
+    unsharded model (its own rules: 2-D, not embedding or output layer, not the router's...)."""
+    from megatron_muon.chained import named_main_weights
+
+    ours = {name.removeprefix("module.module.")
+            for part in _parts(optimizer, ZeROTensorParallelMuon)
+            for name, p in named_main_weights(model) if _steps(part, p)}
+    unsharded = gpt(num_experts=experts, **settings)
+    reference = get_megatron_optimizer(optimizer_config(use_distributed_optimizer=False),
+                                       [unsharded])
+    muon_params = {p for part in reference.chained_optimizers
+                   if type(part.optimizer).__name__ == "TensorParallelMuon"
+                   for group in part.optimizer.param_groups for p in group["params"]}
+    theirs = {name for name, p in unsharded.named_parameters() if p in muon_params}
+    assert ours == theirs, (ours ^ theirs)
+    assert any("linear_kv_up_proj" in name for name in ours), ours
+    assert any("shared_experts" in name for name in ours), ours
+
+
+def _parts(optimizer, cls):
+    return [p.optimizer for p in optimizer.optimizer.chained_optimizers
+            if isinstance(p.optimizer, cls)]
+
+
+def _steps(part, p) -> bool:
+    return any(p is q for group in part.param_groups for q in group["params"])
+
+
 def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, expert_parallel,
                                                  tp_mode, outer, dist_mode):
     # TP with experts in processes of their own: after another case's layout in the same
@@ -203,3 +252,40 @@ def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, e
     fresh = tensor_parallel > 1 and expert_parallel > 1
     distributed(_matches_reference_muon, 4, tensor_parallel, expert_parallel, tp_mode, outer,
                 dist_mode, fresh=fresh)
+
+
+# Kimi K2's and DeepSeek's layers (megatron_muon.testing: MLA with and without a q low rank, 4
+# routed experts top-2 beside a shared expert, the first layer dense), every sharding strategy,
+# experts over expert-parallel 2 (at EP=1 the reference's gathers of the experts' gradients,
+# fsdp_models.full_tensor, hang): (world size, strategy, model, expert parallel, tensor parallel).
+FLAGSHIP_CASES = [
+    *[(2, strategy, "KIMI_K2_LIKE", 2, 1) for strategy in STRATEGIES],
+    (2, "optim_grads_params", "DEEPSEEK_LIKE", 2, 1),
+    (4, "optim_grads_params", "KIMI_K2_LIKE", 2, 1), (4, "optim", "DEEPSEEK_LIKE", 2, 1),
+    (4, "optim_grads", "KIMI_K2_LIKE", 2, 1), (4, "no_shard", "DEEPSEEK_LIKE", 2, 1),
+    (4, "optim_grads_params", "KIMI_K2_LIKE", 2, 2),
+]
+
+
+def _flagship_cases(rank, world_size):
+    empty = uneven = False
+    for size, strategy, model, expert_parallel, tensor_parallel in FLAGSHIP_CASES:
+        if size == world_size and tensor_parallel == 1:
+            found = _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel,
+                                            "duplicated", None, "owner", strategy, model)
+            empty, uneven = empty or found[0], uneven or found[1]
+    assert uneven, "no case shards a Muon matrix unevenly"
+    if world_size == 4:
+        assert empty, "no case leaves a rank an empty shard of a Muon matrix"
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_kimi_k2_and_deepseek_like_mla_shared_experts_and_dense_first_layer_match_reference_muon(
+        distributed, world_size):
+    distributed(_flagship_cases, world_size)
+
+
+@pytest.mark.slow
+def test_kimi_k2_like_under_tensor_and_expert_parallel_matches_reference_muon(distributed):
+    distributed(_matches_reference_muon, 4, 2, 2, "duplicated", None, "owner",
+                "optim_grads_params", "KIMI_K2_LIKE", fresh=True)
