@@ -17,7 +17,8 @@ import megatron.training.training
 import torch
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                      get_gpt_layer_local_spec)
 from megatron.training import get_args, pretrain
 from megatron.training.argument_utils import (core_transformer_config_from_args,
                                               pretrain_cfg_container_from_args)
@@ -71,10 +72,18 @@ def add_demo_args(parser):
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None,
                    vp_stage=None):
     args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    if args.multi_latent_attention or args.moe_layer_freq != 1:
+        # Layers that differ (dense first layers) or are MLA: megatron-core's per-layer specs,
+        # as Megatron-LM's pretrain_gpt.py builds them.
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=args.normalization, vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts,
+                                        moe_grouped_gemm=args.moe_grouped_gemm)
     return GPTModel(
-        config=config or core_transformer_config_from_args(args),
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm),
+        config=config,
+        transformer_layer_spec=spec,
         vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process,
         position_embedding_type=args.position_embedding_type,
