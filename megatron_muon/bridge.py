@@ -118,22 +118,22 @@ def muon_on_megatron_fsdp(cfg) -> bool:
 def install(cfg) -> None:
     """Check `cfg` (a Bridge ConfigContainer) and have Bridge build Muon on Megatron-FSDP with
     megatron_muon; raise, naming each field, before anything is built. Call before pretrain()."""
-    if cfg.optimizer.optimizer == "dist_muon" and _megatron_fsdp(cfg):
-        # Bridge's Kimi K2 and DeepSeek-V4 recipes name megatron-core's layer-wise distributed
-        # Muon, which is for Megatron DDP; on Megatron-FSDP ours distributes Muon.
-        cfg.optimizer.optimizer = "muon"
-        _log("cfg.optimizer.optimizer 'dist_muon' with Megatron-FSDP: megatron-muon's "
-             "distributed Muon (ZeROTensorParallelMuon) steps it")
-    if _megatron_fsdp(cfg) and not muon_on_megatron_fsdp(cfg):
-        rules.refuse(_reader(cfg), _field_name, training_loop=True,
-                     what="Megatron-FSDP through Megatron-Bridge", muon=False)
-    if muon_on_megatron_fsdp(cfg):
-        rules.refuse(_reader(cfg), _field_name, training_loop=True,
-                     what="Muon on Megatron-FSDP through Megatron-Bridge")
+    # Bridge's Kimi K2 and DeepSeek-V4 recipes name megatron-core's layer-wise distributed Muon,
+    # which is for Megatron DDP; on Megatron-FSDP ours distributes Muon.
+    takes_dist_muon = cfg.optimizer.optimizer == "dist_muon" and _megatron_fsdp(cfg)
+    muon = takes_dist_muon or muon_on_megatron_fsdp(cfg)
+    if _megatron_fsdp(cfg):
+        rules.refuse(_reader(cfg), _field_name, training_loop=True, muon=muon,
+                     what=("Muon on " if muon else "") + "Megatron-FSDP through Megatron-Bridge")
+    if muon:
         for field, choices in (("muon_dist_mode", DIST_MODES), ("muon_owner_choice", OWNER_CHOICES)):
             value = getattr(cfg.optimizer, field, choices[0])
             if value not in choices:
                 raise ValueError(f"cfg.optimizer.{field} {value!r}: choose from {choices}")
+    if takes_dist_muon:
+        cfg.optimizer.optimizer = "muon"
+        _log("cfg.optimizer.optimizer 'dist_muon' with Megatron-FSDP: megatron-muon's "
+             "distributed Muon (ZeROTensorParallelMuon) steps it")
     if not isinstance(cfg.optimizer, MuonOptimizerConfig):
         cfg.optimizer = MuonOptimizerConfig(**{
             field.name: getattr(cfg.optimizer, field.name)

@@ -9,8 +9,8 @@ flag or value that Megatron refuses fails here, on CPU, and not at a user's firs
 - any other code span of flags (`--save DIR --save-interval N`, the flags after `pretrain_gpt.py`)
   parses; a flag named alone (`--lr`) exists.
 Each command line is also parsed as pretrain() parses it again, with Megatron's own flags only.
-Placeholders: a part in [brackets] is tried with and without, {a,b} each way, an upper-case word
-(DIR, N) is a value, and `...` stands for flags left out.
+Placeholders: a part in [brackets] (not a list of numbers) is tried with and without, {a,b} each
+way, an upper-case word (DIR, N) is a value, and `...` stands for flags left out.
 """
 
 import argparse
@@ -56,7 +56,8 @@ def code_spans(markdown: str) -> list[str]:
 
 def _variants(text: str) -> list[str]:
     """`text` with each [optional] part left out and kept, and each {a,b} as a and as b."""
-    choice = re.search(r"\[([^\]]*)\]|\{([^}]*)\}", text)
+    # A list of numbers ('--moe-layer-freq [0,1,1,1]') is a value, not an optional part.
+    choice = re.search(r"\[(?![\d,]+\])([^\]]*)\]|\{([^}]*)\}", text)
     if choice is None:
         return [text]
     options = ["", choice[1]] if choice[1] is not None else choice[2].split(",")

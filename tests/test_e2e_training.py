@@ -126,3 +126,39 @@ def test_megatron_cores_layer_wise_muon_is_refused_in_fp32_and_trains_in_bf16():
     assert 'SystemExit: pretrain_gpt.py: --optimizer muon --use-distributed-optimizer on Megatron DDP' in failure, failure
     losses = train(*flags, '--bf16', iterations=6)
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+# Kimi K2's layers at the SMALL GPT's size: multi-latent attention (q and kv low-rank projections,
+# a rope part), 4 routed experts top-2 beside a shared expert, the first layer dense.
+MLA = ('--multi-latent-attention', '--q-lora-rank', '32', '--kv-lora-rank', '32',
+       '--qk-head-dim', '16', '--qk-pos-emb-head-dim', '8', '--v-head-dim', '16')
+KIMI_K2_LIKE = (*MLA, '--num-experts', '4', '--moe-router-topk', '2', '--moe-ffn-hidden-size',
+                '64', '--moe-shared-expert-intermediate-size', '64', '--moe-layer-freq', '[0,1]',
+                '--expert-model-parallel-size', '2')
+MLA_CLIP_THRESHOLD = 0.008  # below the first iteration's max logit here (0.0103): the first step clips
+
+
+@pytest.mark.parametrize('processes, model', [
+    pytest.param(2, KIMI_K2_LIKE, id='Kimi-K2-like-W2'),
+    # megatron-core's MoE layer trains under TP only with sequence parallelism, which its torch
+    # LayerNorm (no TE or apex) lacks: TP=2 with MLA alone.
+    pytest.param(4, (*MLA, '--tensor-model-parallel-size', '2'), id='MLA-TP2-W4')])
+def test_muon_clip_on_multi_latent_attention_trains_and_clips(processes, model):
+    """MuonClip on MLA through megatron.training: every iteration logs its max attention logit,
+    the loss falls, and the run leaves the unclipped one after the first step, whose logits passed
+    the threshold (the clip happens; its values against megatron-core's
+    MultiLatentAttention.clip_qk: test_qk_clip.py). At these logits (~0.01) the clip moves the
+    next loss by less than fp32 resolves: the gradient norm shows it."""
+    logged = ('--log-max-attention-logit',)
+    clipped = training_log(*SMALL, *NO_DROPOUT, *model, *logged, '--qk-clip',
+                           '--qk-clip-threshold', str(MLA_CLIP_THRESHOLD), iterations=6,
+                           processes=processes)
+    unclipped = training_log(*SMALL, *NO_DROPOUT, *model, *logged, iterations=6,
+                             processes=processes)
+    logits = demo_log.exact_values(clipped, 'max attention logit')
+    assert sorted(logits) == list(range(1, 7)), clipped[-3000:]
+    assert logits[1] > MLA_CLIP_THRESHOLD, logits
+    losses = demo_log.losses(clipped, 1, 6)
+    assert losses[-1] < losses[0] - 0.1, losses
+    norms, unclipped_norms = (demo_log.exact_values(log, 'grad norm') for log in (clipped, unclipped))
+    assert norms[1] == unclipped_norms[1] and norms[2] != unclipped_norms[2], (norms, unclipped_norms)

@@ -79,11 +79,17 @@ def _switch(rank, world_size, checkout):
     assert _validate("--optimizer", "muon", "--log-max-attention-logit").log_max_attention_logit
     clip = _validate("--optimizer", "muon", "--qk-clip", "--qk-clip-threshold", "5")
     assert clip.qk_clip and clip.qk_clip_threshold == 5 and clip.transformer_impl == "local"
+    mla = ("--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32",
+           "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")
+    assert _validate("--optimizer", "muon", "--qk-clip", *mla).multi_latent_attention
+    # Megatron-FSDP's model wrap dies on pipeline stages, whatever the optimizer: said up front.
+    for optimizer in ("muon", "adam"):
+        _refused(r"--pipeline-model-parallel-size 2 \(megatron-core 0.19's Megatron-FSDP",
+                 "--optimizer", optimizer, "--pipeline-model-parallel-size", "2")
     for flags, refusal in [
             (["--qk-clip-alpha", "1"], r"--qk-clip-alpha 1.0 \(must lie in \(0, 1\)\)"),
             (["--qk-clip-alpha", "0"], r"--qk-clip-alpha 0.0 \(must lie in \(0, 1\)\)"),
             (["--qk-clip-threshold", "0"], r"--qk-clip-threshold 0.0 \(must be positive\)"),
-            (["--multi-latent-attention"], "--qk-clip with --multi-latent-attention"),
             (["--attention-output-gate"], "--qk-clip with --attention-output-gate")]:
         _refused(refusal, "--optimizer", "muon", "--qk-clip", *flags)
     # Without TransformerEngine its attention cannot report logits: Megatron's own check stands.

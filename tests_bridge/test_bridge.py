@@ -137,7 +137,16 @@ def _config(**changes):
      "cfg.optimizer.use_precision_aware_optimizer"),
     ({"ddp.num_distributed_optimizer_instances": 2},
      "cfg.ddp.num_distributed_optimizer_instances > 1 without cfg.ddp.overlap_grad_reduce"),
-    ({"optimizer.optimizer": "dist_muon"}, "cfg.optimizer.optimizer='dist_muon'"),
+    ({"model.qk_clip": True, "model.cache_mla_latents": True},
+     "cfg.model.qk_clip with cfg.model.cache_mla_latents"),
+    ({"model.pipeline_model_parallel_size": 2}, "cfg.model.pipeline_model_parallel_size 2 "
+     "(megatron-core 0.19's Megatron-FSDP builds its device mesh over the data-, expert- and "
+     "tensor-parallel ranks only"),
+    ({"optimizer.optimizer": "dist_muon", "optimizer.fp16": True},
+     "Muon on Megatron-FSDP through Megatron-Bridge does not support: cfg.optimizer.fp16"),
+    ({"optimizer.optimizer": "adam", "model.pipeline_model_parallel_size": 2},
+     "Megatron-FSDP through Megatron-Bridge does not support: "
+     "cfg.model.pipeline_model_parallel_size 2"),
     ({"optimizer.muon_dist_mode": "everywhere"}, "cfg.optimizer.muon_dist_mode 'everywhere'"),
     ({"optimizer.muon_owner_choice": "flops"}, "cfg.optimizer.muon_owner_choice 'flops'"),
 ])
@@ -151,6 +160,22 @@ def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refu
     assert refusal in str(refused.value)
     assert (dataclasses.asdict(cfg.optimizer), type(cfg.optimizer),
             cfg.dist.distributed_backend) == before
+
+
+def test_install_takes_the_recipes_dist_muon_on_megatron_fsdp_as_ours(capsys):
+    """Bridge's Kimi K2 and DeepSeek-V4 recipes name megatron-core's layer-wise Muon
+    ('dist_muon', for Megatron DDP): on Megatron-FSDP it means megatron-muon's, said once."""
+    import megatron_muon.bridge
+
+    cfg = _config(**{"optimizer.optimizer": "dist_muon"})
+    megatron_muon.bridge.install(cfg)
+    assert cfg.optimizer.optimizer == "muon"
+    assert isinstance(cfg.optimizer, megatron_muon.bridge.MuonOptimizerConfig)
+    assert capsys.readouterr().out.count("'dist_muon' with Megatron-FSDP") == 1
+    ddp = _config(**{"optimizer.optimizer": "dist_muon", "ddp.use_megatron_fsdp": False,
+                     "dist.use_megatron_fsdp": False})
+    megatron_muon.bridge.install(ddp)
+    assert ddp.optimizer.optimizer == "dist_muon"  # megatron-core's, on Megatron DDP
 
 
 def test_install_refuses_fp16_from_bridges_mixed_precision():
