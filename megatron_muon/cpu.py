@@ -98,6 +98,20 @@ def _local_attention_taking_mla_channels(init):
     return __init__
 
 
+def _split_sizes_as_numpy_on_cpu(move_tensor_to_cpu):
+    """megatron-core's alltoall MoE token dispatcher takes its all-to-all split sizes from
+    maybe_move_tensor_to_cpu(..., as_numpy=True), which makes a numpy array of a CUDA tensor but
+    leaves a CPU tensor a tensor, and gloo's all_to_all_single refuses tensor split sizes
+    (TypeError): on CPU, the numpy array it makes on CUDA."""
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy().copy()
+        return move_tensor_to_cpu(tensor, as_numpy, record_stream)
+
+    return move
+
+
 def apply_cpu_compat() -> bool:
     """Patch torch.cuda's stream/event API into no-ops when CUDA is absent; idempotent. Each
     patch is listed, and undone, in megatron_muon.upstream.
@@ -129,6 +143,8 @@ def apply_cpu_compat() -> bool:
                                          buffers.gradient_reduce_preprocessing))
     target = 'megatron.core.transformer.dot_product_attention.DotProductAttention.__init__'
     upstream.patch(target, _local_attention_taking_mla_channels(upstream.current(target)))
+    target = 'megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu'
+    upstream.patch(target, _split_sizes_as_numpy_on_cpu(upstream.current(target)))
     return True
 
 

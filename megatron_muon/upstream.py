@@ -166,6 +166,9 @@ PATCHES = {
            ("gradient_reduce_preprocessing", "gloo has no PREMUL_SUM: scale, then sum"))},
     "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__":
         "megatron-core's local attention (CPU's) takes MLA's k_channels/v_channels",
+    "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu":
+        "the alltoall MoE dispatcher's split sizes as numpy, as on CUDA: gloo's "
+        "all_to_all_single refuses tensors",
     # CPU layer, megatron.training (megatron_muon.cpu.apply_megatron_training_compat).
     "torch.cuda.get_rng_state": "Megatron saves the CUDA RNG state every step: the CPU one",
     "torch.cuda.set_rng_state": "no CUDA generator to restore on CPU",

@@ -18,6 +18,7 @@ import demo_log
 import tolerances
 
 SCRIPT = Path(__file__).resolve().parent / "bridge_pretrain.py"
+RECIPE_SCRIPT = SCRIPT.with_name("bridge_recipe_pretrain.py")
 ITERATIONS = 6
 CHECKED = ("--check-interval", "3")  # MuonOptimizerConfig.muon_check_interval
 CHECK_LINE = (r"^muon check at iteration (\d+): max \|owner - reference\| = 0\.000e\+00 over \d+ "
@@ -28,19 +29,20 @@ def _checked_iterations(log: str) -> list[int]:
     return [int(k) for k in re.findall(CHECK_LINE, log, re.MULTILINE)]
 
 
-def _run(*flags: str, nproc: int = 2, iterations: int = ITERATIONS) -> subprocess.CompletedProcess:
-    """A Bridge run of bridge_pretrain.py with `flags` at W=`nproc`."""
+def _run(*flags: str, nproc: int = 2, iterations: int = ITERATIONS,
+         script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    """A Bridge run of `script` with `flags` at W=`nproc`."""
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(nproc), str(SCRIPT), "--iters", str(iterations), *flags],
+         str(nproc), str(script), "--iters", str(iterations), *flags],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
 @functools.cache
-def _train(*flags: str, nproc: int = 2, iterations: int = ITERATIONS) -> str:
+def _train(*flags: str, nproc: int = 2, iterations: int = ITERATIONS, script: Path = SCRIPT) -> str:
     """The log of a successful _run."""
-    run = _run(*flags, nproc=nproc, iterations=iterations)
+    run = _run(*flags, nproc=nproc, iterations=iterations, script=script)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return run.stdout + run.stderr
 
@@ -52,6 +54,32 @@ def _assert_same_values(got_log: str, expected_log: str, rtol: float, what) -> N
         for iteration in expected:
             assert got[iteration] == pytest.approx(expected[iteration], rel=rtol, abs=0), (
                 what, key, iteration, got[iteration], expected[iteration])
+
+
+def _largest_relative_difference(got_log: str, expected_log: str) -> float:
+    return max(abs(got - expected) / abs(expected)
+               for key in ("lm loss", "grad norm")
+               for got, expected in zip(demo_log.exact_values(got_log, key).values(),
+                                        demo_log.exact_values(expected_log, key).values()))
+
+
+@pytest.mark.parametrize("recipe", ["kimi_k2", "deepseek_v3"])
+def test_the_flagship_recipes_train_on_megatron_fsdp_as_megatron_core_on_ddp(recipe):
+    """Bridge's own Kimi K2 (optimizer 'dist_muon') and DeepSeek-V3 recipe functions, shrunk in
+    place to a CPU size (bridge_recipe_pretrain.shrink: MLA, 4 routed experts top-2 beside a
+    shared expert over expert-parallel 2, the first layer dense), at W=2: ours on Megatron-FSDP
+    against megatron-core's Muon on Megatron DDP built by Bridge, within fp32 round-off or ten
+    times the reference's distance from itself with another DDP bucket size, if larger."""
+    ours = _train("--recipe", recipe, script=RECIPE_SCRIPT)
+    reference = _train("--recipe", recipe, "--ddp", script=RECIPE_SCRIPT)
+    rebucketed = _train("--recipe", recipe, "--ddp", "--bucket-size", "1000", script=RECIPE_SCRIPT)
+    assert "optimizer: FSDPMuonChainedOptimizer" in ours
+    assert ("'dist_muon' with Megatron-FSDP" in ours) == (recipe == "kimi_k2")
+    assert sorted(demo_log.exact_values(ours, "lm loss")) == list(range(1, ITERATIONS + 1))
+    noise = _largest_relative_difference(rebucketed, reference)
+    print(f"{recipe}: ours against the reference {_largest_relative_difference(ours, reference):.2e}"
+          f", the reference against itself {noise:.2e}")
+    _assert_same_values(ours, reference, max(tolerances.RTOL, 10 * noise), recipe)
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
