@@ -205,17 +205,6 @@ def _empty_and_uneven_shards(params) -> tuple[bool, bool]:
     return bool((rows == 0).any()), bool((rows.amax(dim=0) != rows.amin(dim=0)).any())
 
 
-@pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode, outer, dist_mode", [
-    # experts over expt_dp (2 ranks), dense over dp_cp (4 ranks)
-    (1, 2, "duplicated", None, "owner"), (1, 2, "duplicated", None, "allgather"),
-    # TP=2 x DP=2
-    (2, 1, "duplicated", None, "owner"), (2, 1, "duplicated", None, "allgather"),
-    (2, 1, "distributed", None, "owner"), (2, 1, "blockwise", None, "owner"),
-    # TP=2 for dense matrices, experts over EP=2 with expert TP 1
-    pytest.param(2, 2, "duplicated", None, "owner", marks=pytest.mark.slow),
-    # HSDP: 2 replicas x 2 shards (allgather under HSDP: test_numerics)
-    (1, 2, "duplicated", "no_shard", "owner"), pytest.param(1, 1, "duplicated", "optim", "owner", marks=pytest.mark.slow),
-])
 def _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts):
     """The params Muon steps are those megatron-core's own Muon factory gives Muon on the
     unsharded model (its own rules: 2-D, not embedding or output layer, not the router's...)."""
@@ -245,6 +234,17 @@ def _steps(part, p) -> bool:
     return any(p is q for group in part.param_groups for q in group["params"])
 
 
+@pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode, outer, dist_mode", [
+    # experts over expt_dp (2 ranks), dense over dp_cp (4 ranks)
+    (1, 2, "duplicated", None, "owner"), (1, 2, "duplicated", None, "allgather"),
+    # TP=2 x DP=2
+    (2, 1, "duplicated", None, "owner"), (2, 1, "duplicated", None, "allgather"),
+    (2, 1, "distributed", None, "owner"), (2, 1, "blockwise", None, "owner"),
+    # TP=2 for dense matrices, experts over EP=2 with expert TP 1
+    pytest.param(2, 2, "duplicated", None, "owner", marks=pytest.mark.slow),
+    # HSDP: 2 replicas x 2 shards (allgather under HSDP: test_numerics)
+    (1, 2, "duplicated", "no_shard", "owner"), pytest.param(1, 1, "duplicated", "optim", "owner", marks=pytest.mark.slow),
+])
 def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, expert_parallel,
                                                  tp_mode, outer, dist_mode):
     # TP with experts in processes of their own: after another case's layout in the same
@@ -282,5 +282,7 @@ def _flagship_cases(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_kimi_k2_and_deepseek_like_mla_shared_experts_and_dense_first_layer_match_reference_muon(
         distributed, world_size):
-    distributed(_flagship_cases, world_size)
+    # In processes of their own: after another layout in the same processes the reference's
+    # gathers of the experts' gradients hung (seen at torch 2.8 and megatron-core 0.19.0).
+    distributed(_flagship_cases, world_size, fresh=True)
 

@@ -11,7 +11,8 @@ from unittest import mock
 import megatron_muon.bridge  # first: on CPU, Bridge's GPU-only imports need its stand-ins
 import torch
 import transformers
-from bridge_pretrain import ExactValues
+from bridge_pretrain import ExactValues, _megatron_cores_clip_qk_in_fp32
+from megatron_muon import upstream
 
 from megatron.bridge import AutoBridge  # noqa: E402
 from megatron.bridge.recipes.deepseek.h100.deepseek_v3 import (  # noqa: E402
@@ -65,8 +66,8 @@ def config(args):
 def shrink(cfg, args) -> None:
     """The recipe's ConfigContainer, in place, at CPU size and in fp32, on local (non-TE) layers;
     what is left of it: the provider Bridge built from the model's config (MLA with its q low
-    rank, the router, RoPE scaling, norms), its MoE dispatcher, recompute settings, optimizer
-    (Kimi K2's dist_muon; DeepSeek-V3's Adam made Muon) and DDP settings."""
+    rank, the router, RoPE scaling, norms), its MoE dispatcher, optimizer (Kimi K2's dist_muon;
+    DeepSeek-V3's Adam made Muon) and DDP settings."""
     model = cfg.model
     for field, value in dict(
             num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
@@ -78,7 +79,7 @@ def shrink(cfg, args) -> None:
             moe_shared_expert_overlap=False, moe_flex_dispatcher_backend=None,
             seq_length=32, vocab_size=128, make_vocab_size_divisible_by=128,
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-            expert_model_parallel_size=args.ep, expert_tensor_parallel_size=1,
+            expert_model_parallel_size=2, expert_tensor_parallel_size=1,
             sequence_parallel=False, pipeline_dtype=None, pipeline_model_parallel_layout=None,
             mtp_num_layers=None, transformer_impl="local", cuda_graph_impl="none",
             gradient_accumulation_fusion=False, bias_activation_fusion=False,
@@ -90,12 +91,13 @@ def shrink(cfg, args) -> None:
     if model.moe_router_num_groups:  # DeepSeek-V3's group-limited routing: 2 groups, top-1 group
         model.moe_router_num_groups = min(model.moe_router_num_groups, 2)
         model.moe_router_group_topk = 1
-    if not args.recompute:
-        model.recompute_granularity = model.recompute_method = model.recompute_num_layers = None
+    # Selective recompute is not tried on CPU yet.
+    model.recompute_granularity = model.recompute_method = model.recompute_num_layers = None
     if model.moe_token_dispatcher_type == "flex":  # DeepSeek-V3's DeepEP: GPU-only
         model.moe_token_dispatcher_type = "alltoall"
-    if args.dispatcher:
-        model.moe_token_dispatcher_type = args.dispatcher
+    if args.qk_clip_threshold:
+        model.qk_clip = model.log_max_attention_logit = True
+        model.qk_clip_threshold, model.qk_clip_alpha = args.qk_clip_threshold, 0.5
     cfg.mixed_precision = None
     cfg.comm_overlap = None
     # One micro-batch per rank: megatron-core 0.19.2's Megatron-FSDP rescales an unsharded
@@ -135,14 +137,16 @@ def main():
     parser.add_argument("--strategy", default="optim_grads_params")
     parser.add_argument("--ddp", action="store_true", help="megatron-core's Muon on Megatron DDP")
     parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--ep", type=int, default=2, help="expert_model_parallel_size")
-    parser.add_argument("--dispatcher", help="moe_token_dispatcher_type; the recipe's if unset")
-    parser.add_argument("--recompute", action="store_true", help="keep the recipe's recompute")
     parser.add_argument("--bucket-size", type=int, help="cfg.ddp.bucket_size")
+    parser.add_argument("--qk-clip-threshold", type=float,
+                        help="MuonClip on MLA (cfg.model.qk_clip) at this threshold")
     args = parser.parse_args()
     cfg = config(args)
     megatron_muon.bridge.install(cfg)
-    pretrain(cfg, forward_step, callbacks=[ExactValues(observe_local_attention=False)])
+    if args.ddp and args.qk_clip_threshold:
+        upstream.patch("megatron.bridge.training.train.clip_qk", _megatron_cores_clip_qk_in_fp32)
+    pretrain(cfg, forward_step, callbacks=[ExactValues(
+        observe_local_attention=bool(args.ddp and args.qk_clip_threshold))])
 
 
 if __name__ == "__main__":

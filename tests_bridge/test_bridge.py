@@ -82,6 +82,27 @@ def test_the_flagship_recipes_train_on_megatron_fsdp_as_megatron_core_on_ddp(rec
     _assert_same_values(ours, reference, max(tolerances.RTOL, 10 * noise), recipe)
 
 
+RECIPE_MLA_CLIP_THRESHOLD = "0.1"  # below every iteration's max logit here: every step clips
+
+
+def test_muon_clip_on_the_kimi_k2_recipes_mla_clips_as_megatron_core_does_on_ddp():
+    """MuonClip on the shrunk Kimi K2 recipe's multi-latent attention (cfg.model.qk_clip on its
+    MLA provider): ours clips the sharded main weights inside the step and Bridge's clip only
+    logs; the reference is megatron-core's MultiLatentAttention.clip_qk on Megatron DDP after its
+    Muon's step. The printed max logits are equal, and the run leaves the unclipped one."""
+    clip = ("--recipe", "kimi_k2", "--qk-clip-threshold", RECIPE_MLA_CLIP_THRESHOLD)
+    ours = _train(*clip, script=RECIPE_SCRIPT)
+    reference = _train(*clip, "--ddp", script=RECIPE_SCRIPT)
+    _assert_same_values(ours, reference, tolerances.RTOL, "MuonClip on MLA")
+    logits = demo_log.printed_values(ours, "max attention logit")
+    assert len(logits) == ITERATIONS and logits == demo_log.printed_values(reference,
+                                                                          "max attention logit")
+    assert float(logits[1]) > float(RECIPE_MLA_CLIP_THRESHOLD), logits
+    unclipped = demo_log.exact_values(_train("--recipe", "kimi_k2", script=RECIPE_SCRIPT),
+                                      "lm loss")
+    assert demo_log.exact_values(ours, "lm loss")[ITERATIONS] != unclipped[ITERATIONS]
+
+
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
 def test_bridge_trains_muon_on_megatron_fsdp_as_megatron_core_on_ddp(strategy):
     ours, reference = _train("--strategy", strategy, *CHECKED), _train("--ddp")
