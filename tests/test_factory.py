@@ -11,9 +11,13 @@ from megatron_muon.testing import fsdp_gpt, gpt, init_parallel_state, lm_loss, o
 
 
 def _part(optimizer, cls):
-    (part,) = [p.optimizer for p in optimizer.optimizer.chained_optimizers
-               if isinstance(p.optimizer, cls)]
+    (part,) = _parts(optimizer, cls)
     return part
+
+
+def _parts(optimizer, cls):
+    return [p.optimizer for p in optimizer.optimizer.chained_optimizers
+            if isinstance(p.optimizer, cls)]
 
 
 def _routes_and_trains(rank, world_size):
@@ -223,11 +227,6 @@ def _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts
     assert ours == theirs, (ours ^ theirs)
     assert any("linear_kv_up_proj" in name for name in ours), ours
     assert any("shared_experts" in name for name in ours), ours
-
-
-def _parts(optimizer, cls):
-    return [p.optimizer for p in optimizer.optimizer.chained_optimizers
-            if isinstance(p.optimizer, cls)]
 
 
 def _steps(part, p) -> bool:

@@ -19,6 +19,7 @@ from megatron.core.transformer.multi_latent_attention import MultiLatentAttentio
 from fsdp_models import ForwardReads, full_tensor
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.chained import find_megatron_fsdp, named_main_weights
+from megatron_muon.factory import _held_rows_in
 from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron_muon.qk_clip import (_self_attentions, observe_max_attention_logits,
                                    take_max_attention_logit)
@@ -178,14 +179,10 @@ def _assert_only_passing_rows_changed(updated, clipped, passed, rows_that_clip, 
 def _cuts_a_group(optimizer, weights, unit_rows) -> bool:
     """Whether any rank's shard of a clipped weight starts or stops inside a query group's or a
     head's rows (`unit_rows`: each weight's rows per group or head)."""
-    held_rows = {}
-    for part in optimizer.chained_optimizers:
-        if hasattr(part.optimizer, "held_rows"):
-            held_rows.update({p: part.optimizer.held_rows(p) for group in part.param_groups
-                              for p in group["params"]})
+    held_rows = _held_rows_in(optimizer.chained_optimizers)
     cut = False
     for key, p in weights.items():
-        start, stop, _ = held_rows[p]
+        start, stop, _ = held_rows(p)
         cut |= any(row % unit_rows[key] for row in (start, stop))
     flag = torch.tensor([float(cut)])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
