@@ -1,7 +1,8 @@
 """Muon on Megatron-FSDP through Megatron-Bridge: Bridge's own pretrain(cfg, forward_step) trains
-a tiny GPT on its mock data with megatron_muon.bridge.install(cfg), at W=2 on gloo, as
-megatron-core's Muon on Megatron DDP trains it through Bridge without megatron-muon; install()
-refuses, naming Bridge's fields, what Muon on Megatron-FSDP does not support."""
+a tiny GPT, and Bridge's own Kimi K2 and DeepSeek-V3 recipes shrunk to CPU size, on its mock data
+with megatron_muon.bridge.install(cfg), at W=2 on gloo, as megatron-core's Muon on Megatron DDP
+trains them through Bridge without megatron-muon; install() refuses, naming Bridge's fields, what
+Muon on Megatron-FSDP does not support."""
 
 import argparse
 import dataclasses
