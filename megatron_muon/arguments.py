@@ -8,6 +8,7 @@ what Megatron lacks.
 import argparse
 
 from . import rules, upstream
+from .plan import MAX_EXCHANGE_BYTES
 from .zero_muon import DIST_MODES, OWNER_CHOICES
 
 
@@ -42,6 +43,13 @@ def _at_least_0(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f'{value} (must be positive)')
+    return value
+
+
 def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     offer_fp32_newton_schulz(parser)
     group = parser.add_argument_group(title='muon on megatron-fsdp')
@@ -55,6 +63,13 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        'optimizer is built), "bytes" for the fewest bytes moved, from shapes '
                        'alone. With fp32 Newton-Schulz (--muon-fp32-matmul-prec highest) results '
                        'are bit-identical either way.')
+    group.add_argument('--muon-max-exchange-bytes', type=_positive, default=MAX_EXCHANGE_BYTES,
+                       help='The most bytes "owner" mode\'s step holds at once on a rank beyond '
+                       'the weights, gradients and momentum: update rows, exchange buffers, '
+                       'assembled matrices, results and Newton-Schulz\'s working set of the two '
+                       'exchanges in flight (default 1 GiB). Smaller: more, smaller exchanges '
+                       'and Newton-Schulz batches; a matrix that alone needs more goes alone and '
+                       'the start-up log names the largest.')
     group.add_argument('--muon-max-consecutive-skipped-steps', type=_at_least_0, default=10,
                        help='Stop with an error after this many optimizer steps in a row skipped '
                        'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '

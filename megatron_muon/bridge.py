@@ -29,6 +29,7 @@ import megatron.core.datasets.utils
 
 from . import checksums, cpu, factory, qk_clip, rules, upstream
 from .chained import find_megatron_fsdp
+from .plan import MAX_EXCHANGE_BYTES
 from .zero_muon import DIST_MODES, OWNER_CHOICES
 
 cpu.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
@@ -68,6 +69,10 @@ class MuonOptimizerConfig(OptimizerConfig):
     """Every this many steps, compare each Muon update with the whole-matrix reference
     (ZeROTensorParallelMuon's check_interval); 0: never."""
 
+    muon_max_exchange_bytes: int = MAX_EXCHANGE_BYTES
+    """The most the owner step's working memory holds at once on a rank, in bytes
+    (--muon-max-exchange-bytes; ZeROTensorParallelMuon's max_exchange_bytes)."""
+
     def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False,
                 pg_collection=None):
         chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
@@ -76,7 +81,8 @@ class MuonOptimizerConfig(OptimizerConfig):
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
             muon_dist_mode=self.muon_dist_mode, muon_owner_choice=self.muon_owner_choice,
             muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps,
-            muon_check_interval=self.muon_check_interval)
+            muon_check_interval=self.muon_check_interval,
+            muon_max_exchange_bytes=self.muon_max_exchange_bytes)
 
 
 class ChecksummedCheckpointManager(DefaultCheckpointManager):
@@ -130,6 +136,10 @@ def install(cfg) -> None:
             value = getattr(cfg.optimizer, field, choices[0])
             if value not in choices:
                 raise ValueError(f"cfg.optimizer.{field} {value!r}: choose from {choices}")
+        budget = getattr(cfg.optimizer, "muon_max_exchange_bytes", MAX_EXCHANGE_BYTES)
+        if not isinstance(budget, int) or budget <= 0:
+            raise ValueError(f"cfg.optimizer.muon_max_exchange_bytes {budget!r}: a positive "
+                             f"number of bytes (--muon-max-exchange-bytes)")
     if takes_dist_muon:
         cfg.optimizer.optimizer = "muon"
         _log("cfg.optimizer.optimizer 'dist_muon' with Megatron-FSDP: megatron-muon's "

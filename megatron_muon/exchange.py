@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import upstream
-from .plan import Matrix, RowLayout, gather_moves, gather_segments, scatter_moves, scatter_segments
+from .plan import (IN_FLIGHT, Matrix, RowLayout, gather_moves, gather_segments, scatter_moves,
+                   scatter_segments)
 
 
 def all_gather_ints(values: list[int], group, device: torch.device) -> list[list[int]]:
@@ -124,12 +125,12 @@ def owner_exchange(routes: OwnerRoutes, group, local: dict[int, torch.Tensor],
         yield
         with record_function(GATHER):
             full = _assembled(routes, local, received, work)
+    del received, payload, work  # freed before Newton-Schulz runs (the work holds its tensors)
     results = {}
     with _held(*(full[i] for i in routes.owned if full[i] is not local[i])):
         for owned in routes.owned_batches:
-            if owned:
-                results.update(zip(owned, orthogonalize(owned, [full[i] for i in owned])))
-        del full
+            if owned:  # each batch's assembled matrices freed once it has its results
+                results.update(zip(owned, orthogonalize(owned, [full.pop(i) for i in owned])))
     with record_function(SCATTER):
         returned, payload, work = _all_to_all(
             routes.scatter, [results[i][start:stop] for segments in routes.scatter.sends
@@ -167,20 +168,24 @@ def _assembled(routes: OwnerRoutes, local: dict, received: torch.Tensor, work) -
     return full
 
 
-def run_overlapped(exchanges: Iterable[Iterator[None]], in_flight: int = 2) -> None:
+def run_overlapped(exchanges: Iterable[Iterator[None]], in_flight: int = IN_FLIGHT) -> None:
     """Carry out exchanges (generators yielding at each collective, as owner_exchange) in order,
     `in_flight` at a time: exchange k+1's gather is issued before exchange k computes, and
-    exchange k-1 is finished (its rows applied) first, so about `in_flight` exchanges' buffers
-    are alive at once. The order of collectives depends only on the plan, so every rank issues
-    the same ones."""
+    exchange k is finished (its rows applied) before exchange k+2 is taken from `exchanges`, so
+    at most `in_flight` exchanges hold buffers at once (plan.working_memory counts them). The
+    order of collectives depends only on the plan, so every rank issues the same ones."""
     running: deque = deque()
-    for exchange in exchanges:
-        next(exchange, None)
-        running.append(exchange)
-        if len(running) > in_flight:
-            deque(running.popleft(), maxlen=0)  # to its end
+    pending = iter(exchanges)
+    while True:
         if len(running) == in_flight:
-            next(running[0], None)
+            deque(running.popleft(), maxlen=0)  # to its end
+        exchange = next(pending, None)
+        if exchange is None:
+            break
+        next(exchange, None)  # its gather issued
+        running.append(exchange)
+        if len(running) == in_flight:
+            next(running[0], None)  # the oldest computes and issues its scatter
     for exchange in running:
         deque(exchange, maxlen=0)
 

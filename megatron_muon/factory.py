@@ -12,6 +12,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from . import rules, upstream
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
+from .plan import MAX_EXCHANGE_BYTES
 from .qk_clip import build_max_attention_logits
 from .zero_muon import ZeROTensorParallelMuon
 
@@ -19,12 +20,13 @@ from .zero_muon import ZeROTensorParallelMuon
 def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
                            pg_collection=None, dump_param_to_param_group_map=None,
                            muon_dist_mode="owner", muon_max_consecutive_skipped_steps=10,
-                           muon_check_interval=0, muon_owner_choice="time"):
+                           muon_check_interval=0, muon_owner_choice="time",
+                           muon_max_exchange_bytes=MAX_EXCHANGE_BYTES):
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` on Megatron-FSDP chunks.
 
-    `muon_dist_mode`, `muon_owner_choice` and `muon_check_interval` are ZeROTensorParallelMuon's
-    `dist_mode` ("owner" or "allgather"), `owner_choice` ("time" or "bytes") and
-    `check_interval`; `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on
+    `muon_dist_mode`, `muon_owner_choice`, `muon_check_interval` and `muon_max_exchange_bytes`
+    are ZeROTensorParallelMuon's `dist_mode` ("owner" or "allgather"), `owner_choice` ("time" or
+    "bytes"), `check_interval` and `max_exchange_bytes`; `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on
     skipped steps."""
     if config.optimizer != "muon" or not all(find_megatron_fsdp(c) for c in model_chunks):
         return _core_get_megatron_optimizer(
@@ -41,7 +43,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     _average_hfsdp_gradients(model_chunks)
     parts = _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
                          dict(dist_mode=muon_dist_mode, owner_choice=muon_owner_choice,
-                              check_interval=muon_check_interval))
+                              check_interval=muon_check_interval,
+                              max_exchange_bytes=muon_max_exchange_bytes))
     max_attention_logits = build_max_attention_logits(
         model_chunks, pg_collection.dp_cp, _held_rows_in(parts))
     return FSDPMuonChainedOptimizer(ChainedOptimizer(parts), model_chunks,

@@ -10,7 +10,16 @@ from typing import Callable, Sequence
 
 # ZeROTensorParallelMuon's defaults, which the scale model plans with too.
 BYTE_SLACK = 0.05  # byte-first owners may move this fraction more than the layout's minimum
-MAX_BATCH_BYTES = 64 << 20  # a batch of same-shape matrices, and an exchange, at most this size
+# The most the owner step's working memory (exchanges in flight, Newton-Schulz) holds at once on a
+# rank (--muon-max-exchange-bytes), unless one matrix alone needs more.
+MAX_EXCHANGE_BYTES = 1 << 30
+IN_FLIGHT = 2  # exchanges holding memory at once (exchange.run_overlapped)
+
+
+def per_exchange_bytes(max_exchange_bytes: int) -> int:
+    """What one batch, and one exchange, may hold of the working-memory budget: the exchanges in
+    flight share it."""
+    return max_exchange_bytes // IN_FLIGHT
 
 
 @dataclass(frozen=True)
@@ -199,20 +208,39 @@ def layout_min_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
     return sum(m.least_bytes(element_bytes) for m in matrices)
 
 
-def matrix_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, list[int]]:
-    """{rank: [bytes received, bytes sent]} of the ranks one matrix moves bytes for with `owner`:
-    the owner gets the rows it lacks, every shard from one holder (the one in its replica), and
-    sends the result rows to every other rank holding some."""
+def gather_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, list[int]]:
+    """{rank: [bytes received, bytes sent]} of assembling one matrix on `owner`: it gets the
+    rows it lacks, every shard from one holder (the one in its replica)."""
     layout, row_bytes = matrix.layout, matrix.cols * element_bytes
     traffic: dict[int, list[int]] = {}
     for shard, rows in layout.nonempty_shards:
         if shard != layout.shard_of[owner]:
             traffic.setdefault(layout.source(shard, owner), [0, 0])[1] += rows * row_bytes
             traffic.setdefault(owner, [0, 0])[0] += rows * row_bytes
+    return traffic
+
+
+def scatter_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, list[int]]:
+    """{rank: [bytes received, bytes sent]} of returning one matrix's result: the owner sends
+    every other rank holding rows (replicas too) its rows."""
+    layout, row_bytes = matrix.layout, matrix.cols * element_bytes
+    traffic: dict[int, list[int]] = {}
+    for shard, rows in layout.nonempty_shards:
         for rank in layout.holders(shard):
             if rank != owner:
                 traffic.setdefault(rank, [0, 0])[0] += rows * row_bytes
                 traffic.setdefault(owner, [0, 0])[1] += rows * row_bytes
+    return traffic
+
+
+def matrix_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, list[int]]:
+    """{rank: [bytes received, bytes sent]} of the ranks one matrix moves bytes for with `owner`:
+    gather_traffic and scatter_traffic together."""
+    traffic = gather_traffic(matrix, owner, element_bytes)
+    for rank, (into, out) in scatter_traffic(matrix, owner, element_bytes).items():
+        both = traffic.setdefault(rank, [0, 0])
+        both[0] += into
+        both[1] += out
     return traffic
 
 
@@ -493,35 +521,150 @@ def _weighed(cost: StepCost, newton_schulz: float, transfer: float) -> StepCost:
                     cost.bytes_per_second / transfer)
 
 
-def batch_matrices(matrices: Sequence[Matrix], max_batch_elements: int) -> list[list[int]]:
-    """Matrices of one batch key (same shape, same orthogonalization) in batches of at most
-    `max_batch_elements` elements (at least one matrix), in first-appearance order."""
+def newton_schulz_bytes(matrix: Matrix, element_bytes: int) -> int:
+    """What TensorParallelMuon.orthogonalize holds at once for one m x n matrix (m the smaller
+    side), its result included: at most 3mn + 2m^2 elements (emerging_optimizers' newton_schulz
+    keeps the iterate, X X^T, its polynomial and the next iterate; memory.AllocationTracker
+    measured 3mn + m^2 at fp32 on CPU, test_memory checks the bound)."""
+    m, n = sorted(matrix.shape)
+    return (3 * m * n + 2 * m * m) * element_bytes
+
+
+def owner_bytes(matrix: Matrix, element_bytes: int) -> int:
+    """The most an owner holds for one matrix of a batch it orthogonalizes: its rows of the
+    update, the assembled matrix, its copy in the batched call's input, and what
+    newton_schulz_bytes says (the result included)."""
+    return 3 * math.prod(matrix.shape) * element_bytes + newton_schulz_bytes(matrix, element_bytes)
+
+
+def batch_matrices(matrices: Sequence[Matrix], max_bytes: int, element_bytes: int) -> list[list[int]]:
+    """Matrices of one batch key (same shape, same orthogonalization) in batches whose owner_bytes
+    add up to at most `max_bytes` (at least one matrix each, whoever owns them), in
+    first-appearance order."""
     by_key: dict[tuple, list[list[int]]] = {}
     for i, matrix in enumerate(matrices):
         key = (matrix.shape, matrix.batch_key)
         batches = by_key.setdefault(key, [[]])
-        rows, cols = matrix.shape
-        if batches[-1] and (len(batches[-1]) + 1) * rows * cols > max_batch_elements:
+        if batches[-1] and (len(batches[-1]) + 1) * owner_bytes(matrix, element_bytes) > max_bytes:
             batches.append([])
         batches[-1].append(i)
     return [batch for batches in by_key.values() for batch in batches]
 
 
+_STAGES = ("local", "gathered", "assembled", "results", "computing", "scattered")
+
+
+class ExchangeMemory:
+    """Bytes each rank holds for one exchange as exchange.owner_exchange runs it, stage by stage:
+    its rows of the update (computed when the exchange starts) and the gather's send and receive
+    buffers (`started`); the matrices it owns assembled, beside the receive buffer; batch by
+    batch, the assembled matrices not yet orthogonalized and the results made so far (together
+    at most one full matrix per owned matrix: `results`) beside a batch's call (`computing`: its
+    Newton-Schulz, result included, and its batched input); the scatter's send and receive
+    buffers beside the results. Built one batch at a time (`add`); `largest`: the most any rank
+    holds."""
+
+    def __init__(self, matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int):
+        self.matrices, self.owners, self.element_bytes = matrices, owners, element_bytes
+        self.bytes = {stage: {} for stage in _STAGES}  # stage -> {rank: bytes}
+        self.largest = 0
+
+    def _added(self, batch: Sequence[int]) -> dict[str, dict[int, int]]:
+        """Each touched rank's bytes per stage with `batch` added."""
+        eb, added = self.element_bytes, {stage: {} for stage in _STAGES}
+
+        def add(stage, rank, nbytes):
+            added[stage][rank] = added[stage].get(rank, self.bytes[stage].get(rank, 0)) + nbytes
+
+        calls: dict[int, list[int]] = {}  # owner -> [Newton-Schulz bytes, input bytes, matrices]
+        for i in batch:
+            matrix, owner = self.matrices[i], self.owners[i]
+            layout, size = matrix.layout, math.prod(matrix.shape) * eb
+            for shard, rows in layout.nonempty_shards:
+                for rank in layout.holders(shard):
+                    add("local", rank, rows * matrix.cols * eb)
+            for stage, traffic in (("gathered", gather_traffic(matrix, owner, eb)),
+                                   ("scattered", scatter_traffic(matrix, owner, eb))):
+                for rank, (into, out) in traffic.items():
+                    add(stage, rank, into + out)
+            if layout.held(owner) < layout.num_rows:
+                add("assembled", owner, size)
+            add("results", owner, size)
+            call = calls.setdefault(owner, [0, 0, 0])
+            call[0] += newton_schulz_bytes(matrix, eb)
+            call[1] += size
+            call[2] += 1
+        for owner, (newton_schulz, stacked, count) in calls.items():
+            # One matrix runs alone; several are stacked into one batched input first.
+            call = newton_schulz + (stacked if count > 1 else 0)
+            added["computing"][owner] = max(self.bytes["computing"].get(owner, 0), call)
+        return added
+
+    def _largest_with(self, added: dict[str, dict[int, int]]) -> int:
+        touched = set().union(*added.values())
+        return max([self.largest] + [self.peak(rank, added) for rank in touched])
+
+    def grown(self, batch: Sequence[int]) -> int:
+        """`largest` were `batch` added."""
+        return self._largest_with(self._added(batch))
+
+    def add(self, batch: Sequence[int]) -> None:
+        added = self._added(batch)
+        self.largest = self._largest_with(added)
+        for stage, counts in added.items():
+            self.bytes[stage].update(counts)
+
+    def _get(self, stage: str, rank: int, added=None) -> int:
+        if added and rank in added[stage]:
+            return added[stage][rank]
+        return self.bytes[stage].get(rank, 0)
+
+    def ranks(self) -> set[int]:
+        """The ranks holding anything for this exchange."""
+        return set().union(*self.bytes.values())
+
+    def started(self, rank: int) -> int:
+        return self._get("local", rank) + self._get("gathered", rank)
+
+    def peak(self, rank: int, added=None) -> int:
+        local, gathered, assembled, results, computing, scattered = (
+            self._get(stage, rank, added) for stage in _STAGES)
+        return local + max(gathered + assembled, results + computing, results + scattered)
+
+
 def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]],
-                     max_elements: int) -> list[list[list[int]]]:
-    """Consecutive batches packed into exchanges of at most `max_elements` elements (at least
-    one batch each): an exchange carries all its batches' rows in one collective per direction,
-    whatever their shapes."""
-    exchanges, size = [], 0
+                     owners: Sequence[int], element_bytes: int,
+                     max_bytes: int) -> list[list[list[int]]]:
+    """Consecutive batches packed into exchanges, each holding at most `max_bytes` on any rank
+    (ExchangeMemory.largest; at least one batch each): an exchange carries all its batches'
+    rows in one collective per direction, whatever their shapes."""
+    exchanges: list[list[list[int]]] = []
+    memory = None
     for batch in batches:
-        elements = sum(matrices[i].shape[0] * matrices[i].cols for i in batch)
-        if exchanges and size + elements <= max_elements:
-            exchanges[-1].append(list(batch))
-            size += elements
-        else:
-            exchanges.append([list(batch)])
-            size = elements
+        if memory is None or memory.grown(batch) > max_bytes:
+            exchanges.append([])
+            memory = ExchangeMemory(matrices, owners, element_bytes)
+        exchanges[-1].append(list(batch))
+        memory.add(batch)
     return exchanges
+
+
+def working_memory(matrices: Sequence[Matrix], owners: Sequence[int],
+                   exchanges: Sequence[Sequence[Sequence[int]]], element_bytes: int) -> list[int]:
+    """Each rank's most bytes held at once by the owner step: an exchange at its peak beside the
+    next one started (exchange.run_overlapped keeps two in flight)."""
+    held = [0] * (matrices[0].layout.ranks if matrices else 0)
+    memories = []
+    for batches in exchanges:
+        memory = ExchangeMemory(matrices, owners, element_bytes)
+        for batch in batches:
+            memory.add(batch)
+        memories.append(memory)
+    for memory, following in zip(memories, memories[1:] + [None]):
+        for rank in memory.ranks() | (following.ranks() if following else set()):
+            held[rank] = max(held[rank], memory.peak(rank)
+                             + (following.started(rank) if following else 0))
+    return held
 
 
 def gather_segments(matrices: Sequence[Matrix], owners: Sequence[int], batch: Sequence[int],
@@ -589,16 +732,20 @@ class OwnerPlan:
 
 
 def owner_plan(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float | None = None,
-               max_batch_bytes: int = MAX_BATCH_BYTES, cost: StepCost | None = None) -> OwnerPlan:
+               max_exchange_bytes: int = MAX_EXCHANGE_BYTES,
+               cost: StepCost | None = None) -> OwnerPlan:
     """The owner plan ZeROTensorParallelMuon carries out, and the scale model estimates: owners
     by estimated time where `cost` is given (choose_owners_by_time; `byte_slack` caps the extra
     bytes, None: no cap), else fewest bytes first (choose_owners, balancing within `byte_slack`,
-    by default BYTE_SLACK)."""
-    max_elements = max_batch_bytes // element_bytes
-    batches = batch_matrices(matrices, max_elements)
+    by default BYTE_SLACK). Batches and exchanges keep the step's working memory within
+    `max_exchange_bytes` on every rank (working_memory; two exchanges in flight, each within
+    half), except where one matrix alone needs more: it goes alone."""
+    share = per_exchange_bytes(max_exchange_bytes)
+    batches = batch_matrices(matrices, share, element_bytes)
     if cost is None:
         owners = choose_owners(matrices, element_bytes,
                                BYTE_SLACK if byte_slack is None else byte_slack)
     else:
         owners = choose_owners_by_time(matrices, batches, element_bytes, cost, byte_slack)
-    return OwnerPlan(owners, batches, exchange_batches(matrices, batches, max_elements))
+    return OwnerPlan(owners, batches,
+                     exchange_batches(matrices, batches, owners, element_bytes, share))

@@ -50,6 +50,7 @@ from megatron_muon import checksums, cpu, factory, qk_clip, upstream
 from megatron_muon.arguments import (muon_on_megatron_fsdp, offer_fp32_newton_schulz,
                                      validate_muon_args)
 from megatron_muon.cpu import apply_megatron_training_compat
+from megatron_muon.plan import MAX_EXCHANGE_BYTES
 
 _megatron_add_arguments = megatron.training.arguments.add_megatron_arguments
 _megatron_validate_args = megatron.training.arguments.validate_args
@@ -125,6 +126,7 @@ def _get_megatron_optimizer(*args, **kwargs):
         muon_owner_choice=getattr(flags, 'muon_owner_choice', 'time'),
         muon_max_consecutive_skipped_steps=getattr(flags, 'muon_max_consecutive_skipped_steps', 10),
         muon_check_interval=getattr(flags, 'muon_check_interval', 0),
+        muon_max_exchange_bytes=getattr(flags, 'muon_max_exchange_bytes', MAX_EXCHANGE_BYTES),
         **kwargs)
 
 

@@ -5,6 +5,7 @@ import math
 import statistics
 import typing
 from collections import Counter
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -20,8 +21,9 @@ from .checks import CheckResult, MuonCheckError, agree_on_every_rank, data_paral
 from .exchange import OwnerRoutes, all_gather_ints, all_gather_rows, owner_exchange, run_overlapped
 from .measured_cost import measure, seconds_beyond_noise
 from .muon_math import momentum_update_
-from .plan import (MAX_BATCH_BYTES, Matrix, RowLayout, StepCost, batch_matrices, cost_key,
-                   orthogonalization_key, owner_plan, qkv_row_blocks, row_layouts, split_matrices)
+from .plan import (MAX_EXCHANGE_BYTES, Matrix, RowLayout, StepCost, batch_matrices, cost_key,
+                   orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
+                   qkv_row_blocks, row_layouts, split_matrices)
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -64,14 +66,14 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
-def _check_settings(dist_mode, owner_choice, byte_slack, max_batch_bytes, check_interval,
+def _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
                     muon_kwargs) -> None:
     """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
     after momentum has changed), naming Megatron's flag."""
     defaults = {name: parameter.default for name, parameter
                 in inspect.signature(TensorParallelMuon.__init__).parameters.items()}
     given = {**defaults, **muon_kwargs, "dist_mode": dist_mode, "owner_choice": owner_choice,
-             "byte_slack": byte_slack, "max_batch_bytes": max_batch_bytes,
+             "byte_slack": byte_slack, "max_exchange_bytes": max_exchange_bytes,
              "check_interval": check_interval}
     scale_modes = typing.get_args(MuonScaleT)
     rules = [  # (setting, Megatron flag, valid?, what it must be)
@@ -86,7 +88,7 @@ def _check_settings(dist_mode, owner_choice, byte_slack, max_batch_bytes, check_
         ("momentum", "--muon-momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
         ("weight_decay", "--weight-decay", lambda v: v >= 0, "at least 0"),
         ("byte_slack", None, lambda v: v is None or v >= 0, "None or at least 0"),
-        ("max_batch_bytes", None, lambda v: v > 0, "positive"),
+        ("max_exchange_bytes", "--muon-max-exchange-bytes", lambda v: v > 0, "positive"),
         ("check_interval", "--muon-check-interval", lambda v: v >= 0, "at least 0"),
     ]
     for name, flag, valid, expected in rules:
@@ -181,9 +183,14 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         byte_slack: the cap on the bytes owner mode moves beyond the layout's minimum, as a
             fraction of it (None, the default: no cap under "time", where bytes are priced at
             the measured bandwidth; plan.BYTE_SLACK under "bytes").
-        max_batch_bytes: same-shape matrices are orthogonalized together in batches of at most
-            this size, and consecutive batches are exchanged together up to this size (one
-            collective per direction); one exchange is gathered while the previous one computes.
+        max_exchange_bytes: the most the owner step's working memory may hold at once on a rank
+            (--muon-max-exchange-bytes): the update rows, exchange buffers, assembled matrices,
+            results and Newton-Schulz of the two exchanges in flight (one is gathered while the
+            previous one computes), as plan.working_memory counts them. Same-shape matrices are
+            orthogonalized together and consecutive batches exchanged together (one collective
+            per direction) within half of it each; a matrix that alone needs more goes alone,
+            and rank 0 says so once at construction. "allgather" mode and a checked step hold
+            every update at once, beyond it.
         param_names: {param: name}, for error messages.
         check_interval: every this many iterations (0: never), owner mode also computes every
             matrix's update as "allgather" does and compares what the owners sent back with it
@@ -200,9 +207,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
                  owner_choice: OwnerChoice = "time", byte_slack: float | None = None,
-                 max_batch_bytes: int = MAX_BATCH_BYTES, param_names: dict | None = None,
+                 max_exchange_bytes: int = MAX_EXCHANGE_BYTES, param_names: dict | None = None,
                  check_interval: int = 0, **kwargs: Any):
-        _check_settings(dist_mode, owner_choice, byte_slack, max_batch_bytes, check_interval,
+        _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
                         kwargs)
         _check_hooks(type(self))
         super().__init__(params, **kwargs)
@@ -221,8 +228,26 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         # {(shape, batch key): whether same-shape matrices run in one batched call}
         self.batched_newton_schulz: dict[tuple, bool] = {}
         # What this rank carries out each step, per exchange group (the bench and tests read it).
-        self.plans = [self._plan_group(params, group, byte_slack, max_batch_bytes)
+        self.plans = [self._plan_group(params, group, byte_slack, max_exchange_bytes)
                       for (group, _), params in self._exchange_groups().items()]
+        if dist.get_rank() == 0 and dist_mode == "owner":
+            self._say_which_go_alone(max_exchange_bytes)
+
+    def _say_which_go_alone(self, max_exchange_bytes: int) -> None:
+        """One line: the matrices that alone need more than half the working-memory budget
+        (each goes alone in its batch and exchange), the largest named with its size."""
+        needs = [(owner_bytes(matrix, plan.param_of(i).element_size()), plan, i)
+                 for plan in self.plans for i, matrix in enumerate(plan.matrices)]
+        alone = [need for need in needs if need[0] > per_exchange_bytes(max_exchange_bytes)]
+        if not alone:
+            return
+        needs, plan, i = max(alone, key=lambda item: item[0])
+        rows, cols = plan.matrices[i].shape
+        print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
+              f"--muon-max-exchange-bytes ({max_exchange_bytes / 2**20:.1f} MiB) and are "
+              f"orthogonalized alone; the largest, {self._name(plan.param_of(i))} ({rows}x{cols}, "
+              f"{rows * cols * plan.param_of(i).element_size() / 2**20:.1f} MiB), needs "
+              f"{needs / 2**20:.1f} MiB on its owner", flush=True)
 
     def held_rows(self, p: DTensor) -> tuple[int, int, int]:
         """(start, stop, rows): this rank's shard of `p` holds rows [start, stop) of its
@@ -327,7 +352,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                            [_tp_local_rows(p) for p in params])
 
     def _plan_group(self, params: list, group, byte_slack: float | None,
-                    max_batch_bytes: int) -> GroupPlan:
+                    max_exchange_bytes: int) -> GroupPlan:
         layouts = self._learn_layouts(params, group)
         rank = dist.get_rank(group)
         matrices, pieces = [], []
@@ -346,18 +371,18 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         cost = None
         if self.dist_mode == "owner" and self.owner_choice == "time":
             cost = self._measure_cost(matrices, representatives, batchable, group,
-                                      max_batch_bytes // element_bytes)
+                                      element_bytes, per_exchange_bytes(max_exchange_bytes))
         else:
             self.batched_newton_schulz.update((key[:2], True) for key in batchable)
         # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
         # measured cost, so they pick the same owners: TP Newton-Schulz then meets its TP peers
         # on the same matrix.
-        plan = owner_plan(matrices, element_bytes, byte_slack, max_batch_bytes, cost)
+        plan = owner_plan(matrices, element_bytes, byte_slack, max_exchange_bytes, cost)
         return GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group, cost)
 
     @torch.no_grad()
     def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,
-                      group, max_batch_elements: int) -> StepCost:
+                      group, element_bytes: int, max_batch_bytes: int) -> StepCost:
         """The group's StepCost from measured_cost.measure: each shape's Newton-Schulz call on one
         matrix, and, where it may be batched, on as many as an owner gets of its largest batch
         spread over the group (at least 2). At fp32 `highest`, where batching changes no bit,
@@ -369,11 +394,12 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         figures' median spread is the StepCost's: owners leave byte-first only for a gain that
         outlasts it (plan.choose_owners_by_time)."""
         largest_batch: dict = {}
-        for batch in batch_matrices(matrices, max_batch_elements):
+        for batch in batch_matrices(matrices, max_batch_bytes, element_bytes):
             key = cost_key(matrices[batch[0]])
             largest_batch[key] = max(largest_batch.get(key, 0), len(batch))
         # Batched calls are timed only where a batch holds two matrices or more (a sample of at
-        # most max_batch_bytes then; a shape whose batches hold one never runs batched).
+        # most max_batch_bytes of owner_bytes then; a shape whose batches hold one never runs
+        # batched).
         timed_batched = {key for key in batchable if largest_batch[key] > 1}
         runs = []
         for key, (matrix, p) in representatives.items():
@@ -448,12 +474,15 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """OrthogonalizedOptimizer.step's loop on this rank's rows: per param weight decay,
-        momentum and Nesterov (muon_math.momentum_update_, upstream's operations in its order);
-        then, in place of one orthogonalize call per param, the matrices of each exchange group
-        orthogonalized whole (on their owners, or on every rank in "allgather" mode); then
-        p -= lr * update on this rank's rows. The weight-update hooks around that update are
-        refused at construction (WEIGHT_UPDATE_HOOKS)."""
+        """OrthogonalizedOptimizer.step's loop on this rank's rows: per matrix weight decay,
+        momentum and Nesterov (muon_math.momentum_update_, upstream's operations in its order,
+        elementwise, so on a matrix's rows as on its whole param); then, in place of one
+        orthogonalize call per param, the matrices of each exchange group orthogonalized whole
+        (on their owners, or on every rank in "allgather" mode); then p -= lr * update on this
+        rank's rows. In owner mode each exchange computes its matrices' updates when it starts
+        and frees them when it ends, so the working memory stays within max_exchange_bytes. The
+        weight-update hooks around that update are refused at construction
+        (WEIGHT_UPDATE_HOOKS)."""
         if closure is not None:
             raise ValueError("closure is not supported")
         self.iteration += 1
@@ -462,39 +491,51 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for group in self.param_groups:
             self._init_group(group)
         restore = self._snapshot() if checking else None
-        updates, lrs = {}, {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                # Megatron-FSDP leaves grad=None where a rank's shard is empty.
-                local_param = p.to_local()
-                local_grad = p.grad.to_local() if p.grad is not None else torch.zeros_like(local_param)
-                updates[p] = momentum_update_(
-                    self, local_param, local_grad, self.state[p]["momentum_buffer"].to_local(), group)
-                lrs[p] = group["lr"]
 
         def apply(plan, i, rows):
             p = plan.param_of(i)
-            plan.rows_of(i, p.to_local()).add_(rows, alpha=-lrs[p])
-
-        results = {}
-
-        def keep(plan, i, rows):
-            results[plan, i] = rows
+            plan.rows_of(i, p.to_local()).add_(rows, alpha=-self._group_of(p)["lr"])
 
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-            locals_ = []
-            for plan in self.plans:
-                local = {i: plan.rows_of(i, updates[plan.param_of(i)]) for i in range(len(plan.matrices))}
-                locals_.append(local)
-                if self.dist_mode == "owner":
-                    self._owner_orthogonalize(plan, local, keep if checking else apply)
-                else:
-                    self._allgather_orthogonalize(plan, local, apply)
             if checking:
-                self._check_against_reference(locals_, results, restore)
-                for (plan, i), rows in results.items():
-                    apply(plan, i, rows)
+                self._checked_step(apply, restore)
+                return None
+            for plan in self.plans:
+                if self.dist_mode == "owner":
+                    self._owner_orthogonalize(plan, partial(self._update_rows, plan), apply)
+                else:
+                    self._allgather_orthogonalize(plan, self._all_update_rows(plan), apply)
         return None
+
+    def _checked_step(self, apply, restore) -> None:
+        """Owner mode's step with the check: every update computed at once (the reference needs
+        them all), the owners' results kept, compared with the reference, then applied."""
+        locals_ = [self._all_update_rows(plan) for plan in self.plans]
+        results = {}
+        for plan, local in zip(self.plans, locals_):
+            self._owner_orthogonalize(plan, local.__getitem__,
+                                      lambda plan, i, rows: results.update({(plan, i): rows}))
+        self._check_against_reference(locals_, results, restore)
+        for (plan, i), rows in results.items():
+            apply(plan, i, rows)
+
+    def _group_of(self, p) -> dict:
+        return self.param_groups[self._group_index[p]]
+
+    def _all_update_rows(self, plan: GroupPlan) -> dict[int, torch.Tensor]:
+        return {i: self._update_rows(plan, i) for i in range(len(plan.matrices))}
+
+    def _update_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
+        """Weight decay and momentum on this rank's rows of matrix i (in place), and the rows of
+        its update to orthogonalize (muon_math.momentum_update_)."""
+        p = plan.param_of(i)
+        param_rows = plan.rows_of(i, p.to_local())
+        # Megatron-FSDP leaves grad=None where a rank's shard is empty.
+        grad_rows = (plan.rows_of(i, p.grad.to_local()) if p.grad is not None
+                     else torch.zeros_like(param_rows))
+        return momentum_update_(self, param_rows, grad_rows,
+                                plan.rows_of(i, self.state[p]["momentum_buffer"].to_local()),
+                                self._group_of(p))
 
     def _snapshot(self):
         """What restores this rank's params and momentum to now."""
@@ -563,15 +604,16 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             start, stop = matrix.layout.row_range(plan.rank)
             apply(plan, i, self._orthogonalize(plan.param_of(i), full)[start:stop])
 
-    def _owner_orthogonalize(self, plan: GroupPlan, local: dict, apply) -> None:
+    def _owner_orthogonalize(self, plan: GroupPlan, local_rows, apply) -> None:
         """Each exchange's matrices gathered to their owners, orthogonalized there batch by
         batch, the rows sent back and `apply(plan, matrix, this rank's rows)`, two exchanges in
-        flight (exchange.run_overlapped)."""
+        flight (exchange.run_overlapped). `local_rows(i)`: this rank's rows of matrix i's update,
+        asked for when its exchange starts."""
         def orthogonalize(owned, fulls):
             return self.orthogonalize_owned([plan.param_of(i) for i in owned], fulls,
                                             plan.matrices[owned[0]].batch_key)
 
-        run_overlapped(owner_exchange(routes, plan.group, {i: local[i] for i in routes.batch},
+        run_overlapped(owner_exchange(routes, plan.group, {i: local_rows(i) for i in routes.batch},
                                       orthogonalize, lambda i, rows: apply(plan, i, rows))
                        for routes in plan.routes)
 

@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 from megatron_muon.exchange import (OwnerRoutes, Traffic, all_gather_ints, all_gather_rows, observed,
                                    owner_exchange, run_overlapped)
-from megatron_muon.plan import Matrix, batch_matrices, choose_owners, exchange_batches, row_layouts
+from megatron_muon.plan import (ExchangeMemory, Matrix, batch_matrices, choose_owners, exchange_batches,
+                                owner_bytes, row_layouts)
 
 ROWS = [[3, 0, 5], [0, 0, 1], [2, 4, 0], [0, 1, 1]]  # rows[rank][matrix]
 
@@ -47,8 +48,14 @@ def _owner_round_trip(rank, world_size, shard_of):
     layouts = row_layouts(shard_of, rows, [sum(col) for col in zip(*SHARD_ROWS[:max(shard_of) + 1])])
     matrices = [Matrix(layout, 3 + 2 * (i % 2)) for i, layout in enumerate(layouts)]
     owners = choose_owners(matrices, element_bytes=4)
-    exchanges = exchange_batches(matrices, batch_matrices(matrices, max_batch_elements=2 * 5 * 3),
-                                 max_elements=3 * 5 * 5)
+    # Batches of at most two matrices; the first exchange as large as all batches but the last
+    # need (it holds both widths), the last batch in one of its own where it would add to it.
+    batches = batch_matrices(matrices, 2 * owner_bytes(matrices[0], 4), 4)
+    all_but_last = ExchangeMemory(matrices, owners, 4)
+    for batch in batches[:-1]:
+        all_but_last.add(batch)
+    exchanges = exchange_batches(matrices, batches, owners, 4, all_but_last.largest)
+    assert exchanges[0] == batches[:-1] or exchanges == [batches], exchanges
     assert any(len({matrices[b[0]].cols for b in batches}) > 1 for batches in exchanges), exchanges
     routes = [OwnerRoutes(matrices, owners, batches, rank) for batches in exchanges]
     orthogonalized, returned = [], {}
@@ -91,8 +98,9 @@ def test_owner_exchange_round_trip_with_uneven_empty_and_replicated_shards(distr
 
 
 def test_run_overlapped_keeps_two_exchanges_in_flight():
-    """Exchange k+1's gather is issued before exchange k computes, and exchange k-1 is finished
-    first: the schedule the optimizer's double buffering relies on."""
+    """Exchange k+1's gather is issued before exchange k computes, and exchange k is finished
+    before exchange k+2 is taken (built, its update rows computed) and gathered: the schedule
+    the optimizer's double buffering and its working-memory bound rely on."""
     events = []
 
     def exchange(k):
@@ -102,9 +110,14 @@ def test_run_overlapped_keeps_two_exchanges_in_flight():
         yield
         events.append(f"apply{k}")
 
-    run_overlapped(exchange(k) for k in range(4))
-    assert events == ["gather0", "gather1", "compute0", "gather2", "apply0", "compute1",
-                      "gather3", "apply1", "compute2", "apply2", "compute3", "apply3"]
+    def take(k):
+        events.append(f"take{k}")
+        return exchange(k)
+
+    run_overlapped(take(k) for k in range(4))
+    assert events == ["take0", "gather0", "take1", "gather1", "compute0", "apply0", "take2",
+                      "gather2", "compute1", "apply1", "take3", "gather3", "compute2", "apply2",
+                      "compute3", "apply3"]
     events.clear()
     run_overlapped([exchange(0)])
     assert events == ["gather0", "compute0", "apply0"]

@@ -84,7 +84,7 @@ def test_mismatched_meshes_inside_one_param_group():
     ("dist_mode", "everywhere", "--muon-dist-mode"),
     ("owner_choice", "flops", "--muon-owner-choice"),
     ("byte_slack", -0.5, "byte_slack"),
-    ("max_batch_bytes", 0, "max_batch_bytes"),
+    ("max_exchange_bytes", 0, "max_exchange_bytes"),
 ])
 def test_an_unknown_or_out_of_range_setting(setting, value, flag):
     refused(ValueError, f"{setting}.*{flag}|{flag}.*{value!r}", [matrix()], **{setting: value})

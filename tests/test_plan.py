@@ -3,11 +3,12 @@ import pytest
 from megatron_muon.exchange import OwnerRoutes
 import random
 
-from megatron_muon.plan import (Matrix, RowLayout, StepCost, batch_matrices, choose_owners,
-                                choose_owners_by_time, estimated_seconds, exchange_batches,
-                                gather_segments, layout_min_bytes, ns_flops, owner_plan,
+from megatron_muon.plan import (ExchangeMemory, Matrix, RowLayout, StepCost, batch_matrices,
+                                choose_owners, choose_owners_by_time, estimated_seconds,
+                                exchange_batches, gather_segments, layout_min_bytes,
+                                newton_schulz_bytes, ns_flops, owner_bytes, owner_plan,
                                 owner_traffic, qkv_row_blocks, row_layouts, scatter_segments,
-                                whole_matrix_owners)
+                                whole_matrix_owners, working_memory)
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -62,7 +63,7 @@ def _flop_time(bytes_per_second, flops_per_second=1e9):
 
 
 def _makespan(matrices, owners, cost):
-    return max(estimated_seconds(matrices, owners, batch_matrices(matrices, 1 << 30), 4, cost))
+    return max(estimated_seconds(matrices, owners, batch_matrices(matrices, 1 << 30, 4), 4, cost))
 
 
 def _moved(matrices, owners):
@@ -72,7 +73,7 @@ def _moved(matrices, owners):
 def test_owners_by_time_move_work_off_the_rank_holding_it_only_when_bytes_are_cheap():
     # Every matrix is held whole on rank 0: fewest bytes leaves rank 0 all Newton-Schulz work.
     matrices = [_matrix((64, 0), cols=64) for _ in range(4)]
-    batches = batch_matrices(matrices, 1 << 30)
+    batches = batch_matrices(matrices, 1 << 30, 4)
     slow_network, fast_network = _flop_time(1e3), _flop_time(1e12)
     assert choose_owners_by_time(matrices, batches, 4, slow_network) == [0, 0, 0, 0]
     owners = choose_owners_by_time(matrices, batches, 4, fast_network)
@@ -86,7 +87,7 @@ def test_owners_by_time_leave_byte_first_only_for_a_gain_that_outlasts_the_rates
     # to 1.5 times dearer: kept at spread 0.4, not at 0.6. On a fast network the move is
     # Newton-Schulz alone, which every placement's rate error scales alike: kept at any spread.
     matrices = [_matrix((64, 0), cols=64) for _ in range(4)]
-    batches = batch_matrices(matrices, 1 << 30)
+    batches = batch_matrices(matrices, 1 << 30, 4)
     seconds = _flop_time(1e12).call_seconds(matrices[0], 1)  # T
     per_matrix = 64 * 64 * 4
     bandwidth = per_matrix * 1.5 / seconds
@@ -102,7 +103,7 @@ def test_owners_by_time_leave_byte_first_only_for_a_gain_that_outlasts_the_rates
 
 def test_owners_by_time_keep_bytes_within_the_cap():
     matrices = [_matrix((64, 0), cols=64) for _ in range(4)] + [_matrix((32, 32), cols=64)]
-    batches = batch_matrices(matrices, 1 << 30)
+    batches = batch_matrices(matrices, 1 << 30, 4)
     minimum = layout_min_bytes(matrices, 4)
     for slack in (0.0, 0.5, 1.0, 2.0):
         owners = choose_owners_by_time(matrices, batches, 4, _flop_time(1e12), byte_slack=slack)
@@ -126,7 +127,7 @@ def test_owners_by_time_are_never_slower_than_byte_first_or_whole_matrix_owners(
             rows[0] += 0 if sum(rows) else 3
             matrices.append(Matrix(RowLayout(tuple(rows), shard_of), rng.choice([16, 64, 128]),
                                    rng.choice([None, "k"])))
-        batches = batch_matrices(matrices, 1 << 30)
+        batches = batch_matrices(matrices, 1 << 30, 4)
         assert all(m.least_bytes(4) == min(m.bytes_to_owner(r, 4) for r in range(world))
                    for m in matrices)
         cost = _flop_time(rng.choice([1e5, 1e7, 1e9, 1e11]))
@@ -179,8 +180,53 @@ def test_ranks_can_own_nothing():
 def test_batches_group_same_shape_and_key_and_respect_the_size_bound():
     matrices = [_matrix((2, 2)), _matrix((1, 1)), _matrix((2, 2)), _matrix((2, 2), key="qkv"),
                 _matrix((2, 2))]
-    assert batch_matrices(matrices, max_batch_elements=1000) == [[0, 2, 4], [1], [3]]
-    assert batch_matrices(matrices, max_batch_elements=2 * 32) == [[0, 2], [4], [1], [3]]
+    assert batch_matrices(matrices, 1 << 30, element_bytes=4) == [[0, 2, 4], [1], [3]]
+    two = 2 * owner_bytes(matrices[0], 4)
+    assert batch_matrices(matrices, two, element_bytes=4) == [[0, 2], [4], [1], [3]]
+    assert batch_matrices(matrices, two - 1, element_bytes=4) == [[0], [2], [4], [1], [3]]
+
+
+def test_exchange_memory_counts_each_stage_of_an_owner_exchange():
+    # A 5x8 matrix, rows (2, 3, 0), owned by rank 1; 4-byte elements: 32 bytes a row.
+    matrix = Matrix(RowLayout((2, 3, 0)), 8)
+    memory = ExchangeMemory([matrix], [1], element_bytes=4)
+    memory.add([0])
+    newton_schulz = newton_schulz_bytes(matrix, 4)
+    assert newton_schulz == (3 * 5 * 8 + 2 * 5 * 5) * 4
+    # The owner: its 3 update rows, then the matrix assembled (the call's input), beside
+    # Newton-Schulz, result included (one matrix: no batched input).
+    assert memory.peak(1) == 3 * 32 + 160 + newton_schulz == memory.largest
+    # Rank 0: its 2 update rows, sent in the gather, then received back in the scatter.
+    assert memory.peak(0) == 2 * 32 + 2 * 32
+    assert memory.started(1) == 3 * 32 + 2 * 32
+    assert memory.peak(2) == memory.started(2) == 0
+    # Two such matrices in one batch on one owner are stacked into one batched input first.
+    pair = ExchangeMemory([matrix, matrix], [1, 1], element_bytes=4)
+    pair.add([0, 1])
+    assert pair.peak(1) == 2 * 3 * 32 + 2 * 160 + (2 * newton_schulz + 2 * 160)
+
+
+def test_exchanges_pack_consecutive_batches_within_the_bound():
+    matrices = [_matrix((2, 2)), _matrix((1, 1), cols=4), _matrix((2, 2), key="x")]
+    owners, batches = [0, 1, 0], [[0], [1], [2]]
+
+    def largest(*members):
+        memory = ExchangeMemory(matrices, owners, element_bytes=4)
+        for batch in members:
+            memory.add(batch)
+        return memory.largest
+
+    two, three = largest([0], [1]), largest([0], [1], [2])
+    assert two < three
+    assert exchange_batches(matrices, batches, owners, 4, max_bytes=two) == [[[0], [1]], [[2]]]
+    assert exchange_batches(matrices, batches, owners, 4, max_bytes=three) == [[[0], [1], [2]]]
+    # A batch over the bound still gets an exchange of its own.
+    assert exchange_batches(matrices, batches, owners, 4, max_bytes=1) == [[[0]], [[1]], [[2]]]
+    # Two exchanges in flight: the first at its peak beside the second started.
+    first, second = ExchangeMemory(matrices, owners, 4), ExchangeMemory(matrices, owners, 4)
+    first.add([0]), first.add([1]), second.add([2])
+    assert working_memory(matrices, owners, [[[0], [1]], [[2]]], 4) == [
+        max(first.peak(rank) + second.started(rank), second.peak(rank)) for rank in range(2)]
 
 
 def test_gather_segments_list_the_rows_a_rank_sends_each_owner():
@@ -256,10 +302,3 @@ def test_owner_traffic_is_what_each_rank_routes(layouts, owners):
     assert not OwnerRoutes(alone, [1], [[0]], 0).scatter.moves
 
 
-def test_exchanges_pack_consecutive_batches_of_any_shape_up_to_the_bound():
-    matrices = [_matrix((2, 2)), _matrix((1, 1), cols=4), _matrix((2, 2), key="x")]  # 32, 8, 32
-    batches = [[0], [1], [2]]
-    assert exchange_batches(matrices, batches, max_elements=40) == [[[0], [1]], [[2]]]
-    assert exchange_batches(matrices, batches, max_elements=72) == [[[0], [1], [2]]]
-    # A batch larger than the bound still gets an exchange of its own.
-    assert exchange_batches(matrices, batches, max_elements=8) == [[[0]], [[1]], [[2]]]

@@ -199,6 +199,7 @@ def _config(**changes):
      "cfg.model.pipeline_model_parallel_size 2"),
     ({"optimizer.muon_dist_mode": "everywhere"}, "cfg.optimizer.muon_dist_mode 'everywhere'"),
     ({"optimizer.muon_owner_choice": "flops"}, "cfg.optimizer.muon_owner_choice 'flops'"),
+    ({"optimizer.muon_max_exchange_bytes": 0}, "cfg.optimizer.muon_max_exchange_bytes 0"),
 ])
 def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refusal):
     import megatron_muon.bridge
