@@ -80,6 +80,9 @@ TorchDispatchMode = _borrow(
     "torch.utils._python_dispatch.TorchDispatchMode",
     "exchange.observed sees every collective a step issues (at its c10d op) without patching "
     "torch.distributed (torch's own CommDebugMode is built on it)")
+_borrow("torch.autograd._KinetoEvent.nbytes",
+        "the profiler's allocation records ([memory] events, with their bytes and times), which "
+        "memory.AllocationTracker reads on CPU from profile.kineto_results")
 is_mkldnn_bf16_supported = _borrow(
     "torch.ops.mkldnn._is_mkldnn_bf16_supported",
     "whether this CPU has native bf16 matmuls (else Newton-Schulz runs in fp32 on CPU)")
@@ -135,6 +138,12 @@ def op_argument_names(op) -> list[str]:
 def parser_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """The arguments a parser has (argparse has no public way to change one once added)."""
     return parser._actions
+
+
+def profiler_events(prof) -> list:
+    """A finished torch.profiler.profile's raw events (kineto's), allocation records included
+    (the public EventList folds them into the ops that allocated)."""
+    return prof.profiler.kineto_results.events()
 
 
 def mesh_shard_order(mesh) -> Any:
