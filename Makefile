@@ -3,10 +3,12 @@
 # the last line: CI reads it; `make test-gpu`: the GPU tests alone); `make test-fast` runs the gloo
 # suite without the tests marked e2e (the demo, torchrun, Megatron-LM-style scripts) or slow (5 s
 # or more on 2 cores), in under 3 minutes on 2 cores;
-# `make bench` measures the optimizer step (benchmarks/results/latest.json and .png); `make
+# `make bench` measures the optimizer step (benchmarks/results/latest.json and .png) and each
+# rank's peak memory in a train step (benchmarks/results/memory.json and .png); `make
 # bench-demo` times the demo's iterations as megatron.training does, ours beside megatron-core's
 # Muon on DDP and Adam (benchmarks/results/demo.json); `make scale`
-# estimates it for 8B/70B/DeepSeek-V3 shapes at W=8..1024 from the real planning code and rates
+# estimates it, and the memory per rank, for 8B/70B/DeepSeek-V3/Kimi K2 shapes at W=8..1024 from
+# the real planning code and rates
 # measured here (SCALE_ARGS="--rates benchmarks/rates/h100.json" for the H100's).
 # Both create or refresh .venv (Python >= 3.12) whenever setup.py, the ranges
 # (megatron_muon/supported_versions.py) or constraints/newest.txt change, at the newest release
@@ -86,6 +88,7 @@ test-gpu: venv
 
 bench: venv
 	$(PY) benchmarks/bench_muon_step.py
+	$(PY) benchmarks/bench_memory.py
 
 bench-demo: venv
 	$(PY) benchmarks/bench_demo.py

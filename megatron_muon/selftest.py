@@ -8,7 +8,9 @@ matrix's update from the owner exchange is compared with the update of the whole
 (megatron-core's TensorParallelMuon, as single-device Muon computes it from the same momentum),
 then replicas and compute weights with the main weights. Rank 0 prints one row per configuration
 (the largest |owner - reference|, pass or fail, the median optimizer step of the unchecked
-iterations, Newton-Schulz TFLOP/s, bytes received per rank per step, from the plan) and the exit
+iterations, Newton-Schulz TFLOP/s, bytes received per rank per step, from the plan, and the
+largest rank's peak memory in two more, unchecked, train steps: at rest plus the most its forward-
+backward or optimizer step adds, megatron_muon.memory.measure_train_step) and the exit
 status is 0 only when every configuration passed; 1 when one failed; 2 when one ran past
 --time-limit (it is named: a hang in a collective). NCCL on GPUs, gloo on CPU.
 """
@@ -79,6 +81,7 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
     from megatron.core import parallel_state
 
     from . import get_megatron_optimizer
+    from .memory import measure_train_step
     from .testing import GPTShape, fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 
     init_parallel_state(expert_parallel=config.get("expert_parallel", 1),
@@ -95,12 +98,16 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
     if corrupt:
         _corrupt_one_owner_result(optimizer.muon_optimizers[0])
     step_seconds, worst = [], 0.0
-    for iteration in range(1, ITERATIONS + 1):
+
+    def forward_backward(iteration):
         optimizer.zero_grad()
         with model.no_sync():  # as Megatron's schedules mark the last micro-batch
             pass
         lm_loss(model, iteration, parallel_state.get_data_parallel_rank(), shape).backward()
         _synchronize()
+
+    for iteration in range(1, ITERATIONS + 1):
+        forward_backward(iteration)
         before = [(clock.flops, clock.seconds) for clock in clocks]
         start = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):  # the checks' own lines
@@ -113,14 +120,20 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
             for clock, (flops, seconds) in zip(clocks, before):
                 clock.flops, clock.seconds = flops, seconds
     device = next(model.parameters()).device
+    for muon in optimizer.muon_optimizers:  # memory as a run between checks holds it
+        muon.check_interval = 0
+    with contextlib.redirect_stdout(io.StringIO()):
+        memory = measure_train_step([model], optimizer, lambda: forward_backward(ITERATIONS + 1),
+                                    device)
     received = sum(muon.bytes_received_per_step() for muon in optimizer.muon_optimizers)
-    figures = torch.tensor([statistics.median(step_seconds), received], dtype=torch.float64,
-                           device=device)
+    figures = torch.tensor([statistics.median(step_seconds), received, memory.peak],
+                           dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     work = torch.tensor([sum(c.flops for c in clocks), sum(c.seconds for c in clocks)],
                         dtype=torch.float64, device=device)
     dist.all_reduce(work)
     return dict(worst=worst, step_ms=figures[0].item() * 1e3, bytes=int(figures[1].item()),
+                peak_mib=figures[2].item() / 2**20,
                 tflops=work[0].item() / work[1].item() / 1e12 if work[1] else 0.0)
 
 
@@ -197,7 +210,7 @@ def main(argv=None) -> int:
         f"--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec}; GPT hidden {args.hidden}, "
         f"seq {args.seq}; {ITERATIONS} iterations, checked at every {CHECK_INTERVAL}nd", flush=True)
     header = (f"{'configuration':<30} {'max |diff|':>10}  {'result':<6} {'step ms':>9} "
-              f"{'NS TFLOP/s':>10} {'bytes recv/rank':>15}")
+              f"{'NS TFLOP/s':>10} {'bytes recv/rank':>15} {'peak MiB':>9}")
     say(header + "\n" + "=" * len(header), flush=True)
     failed = []
     for index, config in enumerate(configurations(world_size)):
@@ -209,7 +222,7 @@ def main(argv=None) -> int:
                 say(f"{config['name']:<30} {'-':>10}  {'FAIL':<6}\n{error}", flush=True)
                 continue
         say(f"{config['name']:<30} {row['worst']:>10.3e}  {'pass':<6} {row['step_ms']:>9.1f} "
-            f"{row['tflops']:>10.4f} {row['bytes']:>15,}", flush=True)
+            f"{row['tflops']:>10.4f} {row['bytes']:>15,} {row['peak_mib']:>9.1f}", flush=True)
     say(f"self-test {'FAILED: ' + ', '.join(failed) if failed else 'passed'}", flush=True)
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -1,6 +1,6 @@
 """`python -m megatron_muon.selftest` as a user runs it on a cluster (here torchrun on gloo): a
 table with every configuration the world size allows, each exact (0 with fp32 Newton-Schulz) and
-passed, exit status 0; a corrupted owner result makes its configuration fail and the run exit 1;
+passed, with its peak memory, exit status 0; a corrupted owner result makes its configuration fail and the run exit 1;
 a configuration past the time limit stops the run with status 2, named."""
 
 import re
@@ -41,9 +41,10 @@ def test_every_configuration_is_exact_and_passes(world_size):
     assert list(table) == CONFIGURATIONS[world_size], run.stdout
     for name, row in table.items():
         assert row["result"] == "pass" and float(row["diff"]) == 0.0, (name, row[0])
-        step_ms, tflops, received = row["figures"].split()
+        step_ms, tflops, received, peak_mib = row["figures"].split()
         assert float(step_ms) > 0 and float(tflops) > 0, (name, row[0])
         assert int(received.replace(",", "")) >= 0, (name, row[0])
+        assert float(peak_mib) > 0, (name, row[0])
     assert run.stdout.rstrip().endswith("self-test passed"), run.stdout
 
 

@@ -1,0 +1,204 @@
+"""Each rank's peak memory in a whole train step (forward, backward, gradient sync, optimizer step),
+split into what holds it: ours (Muon on Megatron-FSDP's ZeRO-3, ZeRO-2, ZeRO-1), Adam on each of
+those layouts (megatron-core's optimizer), and megatron-core's Muon on Megatron DDP and its
+layer-wise distributed optimizer (dense models).
+
+    python benchmarks/bench_memory.py [--world-sizes 2 4]
+
+Runs itself under torchrun once per world size (gloo on CPU, NCCL on GPUs) on bench_muon_step's
+demo, wide and MoE GPTs. Each (optimizer, layout) is built alone, trained two steps, then one step
+is measured with megatron_muon.memory.measure_train_step: the bytes at rest counted from the
+tensors (model weights, main weights, gradients, optimizer state; each storage once), and the most
+each phase adds above them from torch's allocator (on CUDA its peak statistics; on CPU the
+profiler's allocation records). A figure is its largest rank's (the one that runs out first).
+Beside them: what Muon's state saves against Adam's on the same layout (their optimizer-state
+bytes apart, on that rank; 4 bytes per Muon element over W where the shards are even) and how much
+of it the peak keeps (Adam's peak minus ours, over the saving). Writes
+benchmarks/results/memory.json and memory.png; prints the Newton-Schulz precision and W beside
+every figure. Counted bytes, not times: two runs on one machine give the same figures.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bench_muon_step import MEGATRON_CORE_MODES, NEWTON_SCHULZ_PRECISION, build, configs  # beside this script
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = ("demo", "wide", "moe")
+LAYOUTS = {"ZeRO-3": "optim_grads_params", "ZeRO-2": "optim_grads", "ZeRO-1": "optim"}
+WARMUP = 2
+MIB = 1 << 20
+
+
+def runs(parallel) -> list[tuple[str, str]]:
+    """(optimizer, layout) pairs measured: ours and Adam on every Megatron-FSDP layout, and
+    megatron-core's Muon modes on the dense models."""
+    pairs = [(optimizer, layout) for layout in LAYOUTS for optimizer in ("muon", "adam")]
+    if not parallel:
+        pairs += [("muon", mode) for mode in MEGATRON_CORE_MODES]
+    return pairs
+
+
+def built(shape, parallel, optimizer, layout):
+    from megatron_muon import get_megatron_optimizer
+    from megatron_muon.testing import fsdp_gpt, optimizer_config
+
+    if layout in MEGATRON_CORE_MODES:
+        model, opt, _ = build(shape, parallel, layout)
+        return model, opt
+    model = fsdp_gpt(shape, strategy=LAYOUTS[layout], num_experts=parallel.get("num_experts"),
+                     **parallel.get("model", {}))
+    config = optimizer_config(optimizer, muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION)
+    return model, get_megatron_optimizer(config, [model])
+
+
+def measure(shape, parallel) -> dict:
+    """This rank's StepMemory of every run, as dicts."""
+    from megatron_muon.memory import measure_train_step
+    from megatron_muon.testing import init_parallel_state, lm_loss
+
+    init_parallel_state(expert_parallel=parallel.get("expert_parallel", 1))
+    rank, device = dist.get_rank(), _device()
+    figures = {}
+    for optimizer_name, layout in runs(parallel):
+        model, optimizer = built(shape, parallel, optimizer_name, layout)
+
+        def forward_backward(step):
+            optimizer.zero_grad()
+            lm_loss(model, step, rank, shape).backward()
+            model.finish_grad_sync()
+
+        for step in range(WARMUP):
+            forward_backward(step)
+            optimizer.step()
+        memory = measure_train_step([model], optimizer, lambda: forward_backward(WARMUP), device)
+        figures[f"{optimizer_name} {layout}"] = dict(at_rest=memory.at_rest, phases=memory.phases,
+                                                    peak=memory.peak)
+        del model, optimizer
+    return figures
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def worker(args):
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    out = {}
+    for name, (shape, parallel) in configs(dist.get_world_size()).items():
+        if name in CONFIGS:
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, measure(shape, parallel))
+            out[name] = per_rank
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def summarize(world, per_rank) -> dict:
+    """Per-rank figures of one (config, W) → the reported row: each run's largest rank, and per
+    layout what Muon saves against Adam and how much of it the peak keeps."""
+    row = dict(world_size=world, newton_schulz_precision=NEWTON_SCHULZ_PRECISION, runs={})
+    for run in per_rank[0]:
+        largest = max(per_rank, key=lambda figures: figures[run]["peak"])[run]
+        row["runs"][run] = largest
+    for layout in LAYOUTS:
+        muon, adam = [[r[f"{name} {layout}"] for r in per_rank] for name in ("muon", "adam")]
+        saved = max(a["at_rest"]["optimizer state"] - m["at_rest"]["optimizer state"]
+                    for m, a in zip(muon, adam))
+        kept = (max(a["peak"] for a in adam) - max(m["peak"] for m in muon))
+        row[layout] = dict(state_saved_bytes=saved, peak_saved_bytes=kept,
+                           peak_keeps=kept / saved if saved else None)
+    return row
+
+
+def print_table(results):
+    kinds = ("model weights", "main weights", "gradients", "optimizer state")
+    print(f"Per-rank peak of a train step, MiB (the largest rank's), Newton-Schulz at "
+          f"--muon-fp32-matmul-prec {NEWTON_SCHULZ_PRECISION}")
+    print(f"{'config':6} {'W':>2} {'run':18} " + "".join(f"{k[:12]:>13}" for k in kinds)
+          + f"{'fwd-bwd':>9}{'opt step':>9}{'peak':>9}")
+    for name, rows in results.items():
+        for row in rows:
+            for run, figures in row["runs"].items():
+                rest = figures["at_rest"]
+                phases = figures["phases"]
+                print(f"{name:6} {row['world_size']:>2} {run:18} "
+                      + "".join(f"{rest.get(k, 0) / MIB:>13.2f}" for k in kinds)
+                      + f"{phases['forward-backward'] / MIB:>9.2f}"
+                      + f"{phases['optimizer step'] / MIB:>9.2f}{figures['peak'] / MIB:>9.2f}")
+            for layout in LAYOUTS:
+                s = row[layout]
+                keeps = "-" if s["peak_keeps"] is None else f"{s['peak_keeps']:.2f}"
+                print(f"{'':9} {layout}: Muon's state saves {s['state_saved_bytes'] / MIB:.2f} MiB "
+                      f"against Adam's; Adam's peak minus Muon's {s['peak_saved_bytes'] / MIB:.2f} "
+                      f"MiB: {keeps} of it kept (W={row['world_size']}, "
+                      f"{row['newton_schulz_precision']})")
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = ("model weights", "main weights", "gradients", "optimizer state")
+    panels = [(name, row) for name, rows in results.items() for row in rows]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)
+    for (name, row), (ax,) in zip(panels, axes):
+        labels = list(row["runs"])
+        bottom = [0.0] * len(labels)
+        for kind in kinds + ("the most a phase adds",):
+            values = [(row["runs"][r]["at_rest"].get(kind, 0) if kind in kinds
+                       else max(row["runs"][r]["phases"].values())) / MIB for r in labels]
+            ax.bar(labels, values, bottom=bottom, label=kind)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set(title=f"{name}, W={row['world_size']}: per-rank peak of a train step "
+                     f"(Newton-Schulz {row['newton_schulz_precision']})", ylabel="MiB")
+        ax.tick_params(axis="x", labelrotation=20)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    per_world = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.world_sizes:
+            out = Path(tmp) / f"w{world}.json"
+            subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(world), __file__,
+                            "--worker", "--out", str(out)],
+                           check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            per_world[world] = json.loads(out.read_text())
+    results = {name: [summarize(w, per_world[w][name]) for w in args.world_sizes]
+               for name in CONFIGS}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "memory.json").write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / "memory.png")
+    print_table(results)
+    print(f"wrote {RESULTS / 'memory.json'} and {RESULTS / 'memory.png'}")
+
+
+if __name__ == "__main__":
+    main()
