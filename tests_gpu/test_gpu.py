@@ -7,7 +7,9 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
   error (docs/design.md, "Library": the contract);
 - W=1 on NCCL: the demo trains, in fp32 and bf16, and Muon on Megatron-FSDP ZeRO-3 matches
   megatron-core's own Muon on Megatron DDP over the first iterations (fp32 Newton-Schulz);
-- with two GPUs or more, the same comparison at W=2.
+- with two GPUs or more, the same comparison at W=2;
+- memory.AllocationTracker reads CUDA's allocator: each phase's peak, and Newton-Schulz within
+  what the plan counts for it (plan.newton_schulz_bytes), as on CPU (tests/test_memory.py).
 
 The demo's command lines are data (DEMO_RUNS): tests/test_command_lines.py parses each of them
 with megatron.training's parser on CPU, so that a flag or value it refuses fails there first."""
@@ -27,7 +29,10 @@ import fake_paths  # noqa: E402
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz  # noqa: E402
 from emerging_optimizers.utils import fp32_matmul_precision  # noqa: E402
 from fake_ranks import run_fake_ranks  # noqa: E402
+from test_memory import newton_schulz_held  # noqa: E402
 from tolerances import RTOL  # noqa: E402
+
+from megatron_muon.memory import AllocationTracker  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (this machine has none)")
@@ -64,6 +69,27 @@ def test_batched_bf16_newton_schulz_is_within_bf16s_own_error(shape):
     bf16_error = (per_matrix - orthogonalized("highest", batched=False)).abs().max().item()
     print(f"{shape}: |batched - per-matrix| {batching_gap:.2e}, |bf16 - fp32| {bf16_error:.2e}")
     assert batching_gap <= bf16_error, (batching_gap, bf16_error)
+
+
+def test_the_allocation_tracker_gives_each_cuda_phase_its_peak():
+    mib = 1 << 20
+    with AllocationTracker(torch.device("cuda")) as tracker:
+        with tracker.phase("a"):
+            x, y = torch.empty(mib, device="cuda"), torch.empty(2 * mib, device="cuda")
+            del x
+        with tracker.phase("b"):
+            z = torch.empty(mib // 2, device="cuda")
+            del z
+    assert tracker.peaks == {"a": 12 * mib, "b": 10 * mib}, tracker.peaks
+    assert tracker.starts == {"a": 0, "b": 8 * mib}, tracker.starts
+    del y
+
+
+@pytest.mark.parametrize("shape", [(1024, 4096), (4096, 1024), (4, 1024, 1024)])
+def test_newton_schulz_holds_at_most_what_the_plan_counts_on_cuda(shape):
+    held, planned = newton_schulz_held(shape, torch.device("cuda"))
+    print(f"{shape}: Newton-Schulz held {held} bytes, the plan counts {planned}")
+    assert held <= planned, (held, planned)
 
 
 def demo_losses(name: str, iterations: int, processes: int = 1) -> list[float]:
