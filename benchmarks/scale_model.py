@@ -47,8 +47,22 @@ MODELS = {
                          moe_router_topk=8, moe_ffn_hidden_size=2048,
                          moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] * 3 + [1] * 58),
                     dict(vocab_size=129280)),
+    # Kimi K2: DeepSeek-V3's layout with 64 heads, 384 routed experts (top-8) + 1 shared, one
+    # dense first layer, a 163840-token vocabulary.
+    "kimi-k2": (dict(num_layers=61, hidden_size=7168, num_attention_heads=64,
+                     ffn_hidden_size=18432, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                     qk_pos_emb_head_dim=64, v_head_dim=128, num_moe_experts=384,
+                     moe_router_topk=8, moe_ffn_hidden_size=2048,
+                     moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] + [1] * 60),
+                dict(vocab_size=163840)),
 }
 MAX_EXPERT_PARALLEL = 64
+# The memory column: bytes per element of each rank's shard at rest (Megatron-FSDP ZeRO-3 with
+# bf16 compute weights: the bf16 weight and its fp32 main weight, an fp32 gradient; Adam's two fp32
+# moments, Muon's one fp32 momentum), and the working-memory budget that keeps Muon's transient
+# under this share of an 80 GB GPU.
+WEIGHT_BYTES, GRADIENT_BYTES, ADAM_STATE_BYTES, MUON_STATE_BYTES = 2 + 4, 4, 8, 4
+GPU_BYTES, TRANSIENT_SHARE = 80e9, 0.05
 
 
 def expert_parallel(model: str, world: int) -> int:
@@ -313,6 +327,7 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
             active += p.numel() * (ep * settings["moe_router_topk"] / settings["num_moe_experts"]
                                    if experts else 1)
 
+    result_memory = memory_figures(parts, world, all_elements, muon_elements, adam_elements)
     adam_step = max(all_elements) * rates.adam_ns_per_element * 1e-9
     fwd_bwd = 6 * active * args.tokens_per_step / world / (
         rates.matmul_tflops * 1e12 * args.fwd_bwd_efficiency)
@@ -322,7 +337,8 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
                   plan_seconds=sum(part.plan_seconds for part, _ in parts),
                   owners=sum(len(set(part.owners["owner"])) for part, _ in parts),
                   batches=sum(len(part.batches) for part, _ in parts),
-                  adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3, modes={})
+                  adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3,
+                  memory_gb=result_memory, modes={})
     elementwise = max((muon_elements[r] * rates.muon_elementwise_ns_per_element
                        + adam_elements[r] * rates.adam_ns_per_element) * 1e-9 for r in range(world))
     for mode in MODES:
@@ -345,6 +361,46 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
             step_ms=step * 1e3,
             overhead=(step - adam_step) / (fwd_bwd + adam_step))
     return result
+
+
+def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> dict:
+    """GB per rank (the largest rank's of each figure): at rest, and Muon's working memory as
+    the plan counts it (plan.working_memory: two exchanges in flight) with the default budget and
+    with the one that keeps it under TRANSIENT_SHARE of an 80 GB GPU (the parts run one after
+    the other); the most one matrix exchanged alone holds, which no budget goes below."""
+    from megatron_muon.plan import (ExchangeMemory, batch_matrices, exchange_batches,
+                                    per_exchange_bytes, working_memory)
+
+    budget = int(TRANSIENT_SHARE * GPU_BYTES)
+    share = per_exchange_bytes(budget)
+    working, at_budget, alone = [0] * world, [0] * world, 0
+    for part, rank_in_part in parts:
+        owners = part.owners["owner"]
+        batches = batch_matrices(part.matrices, share, ELEMENT_BYTES)
+        by_plan = working_memory(part.matrices, owners, part.exchanges, ELEMENT_BYTES)
+        by_budget = working_memory(part.matrices, owners, exchange_batches(
+            part.matrices, batches, owners, ELEMENT_BYTES, share), ELEMENT_BYTES)
+        for r in range(world):
+            working[r] = max(working[r], by_plan[rank_in_part(r)])
+            at_budget[r] = max(at_budget[r], by_budget[rank_in_part(r)])
+        for i in range(len(part.matrices)):
+            memory = ExchangeMemory(part.matrices, owners, ELEMENT_BYTES)
+            memory.add([i])
+            alone = max(alone, memory.largest)
+    muon_state = [m * MUON_STATE_BYTES + a * ADAM_STATE_BYTES
+                  for m, a in zip(muon_elements, adam_elements)]
+    saved = [e * ADAM_STATE_BYTES - s for e, s in zip(all_elements, muon_state)]
+    # A train step peaks at rest + the larger of what forward-backward adds (activations,
+    # ZeRO-3's gathered weights) and what the optimizer step adds (Adam's: taken as 0). Muon's
+    # peak is at most Adam's where forward-backward adds at least its working memory less the
+    # state it saves, on every rank.
+    return dict(weights=max(all_elements) * WEIGHT_BYTES / 1e9,
+                gradients=max(all_elements) * GRADIENT_BYTES / 1e9,
+                adam_state=max(all_elements) * ADAM_STATE_BYTES / 1e9,
+                muon_state=max(muon_state) / 1e9,
+                muon_working=max(working) / 1e9, muon_working_at_budget=max(at_budget) / 1e9,
+                budget=budget / 1e9, largest_alone=alone / 1e9,
+                break_even=max(0, max(w - s for w, s in zip(working, saved))) / 1e9)
 
 
 def _matmul_dtype(rates: Rates) -> str:
@@ -375,6 +431,15 @@ def assumptions(rates: Rates, args) -> list[str]:
         f"{args.tokens_per_step} tokens / W / (matmul rate x {args.fwd_bwd_efficiency:g}); "
         "attention's own FLOPs left out",
         "overhead = (Muon step - Adam step) / (forward-backward + Adam step)",
+        f"memory per rank, GB: weights {WEIGHT_BYTES} bytes/element (bf16 compute weight + fp32 "
+        f"main weight), gradients {GRADIENT_BYTES} (fp32), state Adam {ADAM_STATE_BYTES} (two "
+        f"fp32 moments), Muon {MUON_STATE_BYTES} per Muon element (one fp32 momentum) and Adam's "
+        f"on the rest; Muon's working memory as the plan counts it (plan.working_memory: update "
+        f"rows, exchange buffers, assembled matrices, results, fp32 Newton-Schulz's 3mn + 2m^2, "
+        f"two exchanges in flight) at --muon-max-exchange-bytes' default and at "
+        f"{TRANSIENT_SHARE:.0%} of an {GPU_BYTES / 1e9:g} GB GPU; Adam's working memory taken as "
+        "0 (fused multi-tensor Adam works in small chunks); activations, ZeRO-3's gathered "
+        "weights and communication buffers not counted (the same for both)",
     ]
 
 
@@ -400,6 +465,25 @@ def print_table(results, notes):
                         f"{m['ideal_ns_gflop']:.0f}", f"{m['max_received_mb']:.0f}",
                         f"{m['ns_ms']:.4g}", f"{m['network_ms']:.4g}", f"{m['step_ms']:.4g}",
                         f"{r['adam_step_ms']:.4g}", f"{r['fwd_bwd_ms']:.4g}", f"{m['overhead']:.1%}"]))
+
+
+def print_memory_table(results):
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("weights", 8, ">"),
+               ("grads", 7, ">"), ("Adam state", 11, ">"), ("Muon state", 11, ">"),
+               ("Muon work", 10, ">"), ("at 5% budget", 13, ">"), ("one alone", 10, ">"),
+               ("Muon <= Adam if fwd-bwd adds", 29, ">")]
+
+    def line(values):
+        return " ".join(f"{v:{align}{width}}" for v, (_, width, align) in zip(values, columns))
+
+    header = line([name for name, _, _ in columns])
+    print("\nMemory per rank, GB (the largest rank's of each figure; activations not counted):")
+    print(header + "\n" + "-" * len(header))
+    for r in results:
+        m = r["memory_gb"]
+        print(line([r["model"], r["world"], r["expert_parallel"]] + [f"{m[key]:.2f}" for key in (
+            "weights", "gradients", "adam_state", "muon_state", "muon_working",
+            "muon_working_at_budget", "largest_alone", "break_even")]))
 
 
 def plot(results, path, caption):
@@ -473,6 +557,7 @@ def main():
                   flush=True)
     notes = assumptions(rates, args)
     print_table(results, notes)
+    print_memory_table(results)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scale.json").write_text(json.dumps(dict(assumptions=notes, rates=table,
                                                         results=results), indent=1))
