@@ -6,35 +6,35 @@ layer-wise distributed optimizer (dense models).
     python benchmarks/bench_memory.py [--world-sizes 2 4]
 
 Runs itself under torchrun once per world size (gloo on CPU, NCCL on GPUs) on bench_muon_step's
-demo, wide and MoE GPTs. Each (optimizer, layout) is built alone, trained two steps, then one step
-is measured with megatron_muon.memory.measure_train_step: the bytes at rest counted from the
+demo, wide and MoE GPTs. Each (optimizer, layout) is built alone and trained two steps, then three
+steps are measured with megatron_muon.memory.measure_train_step: the bytes at rest counted from the
 tensors (model weights, main weights, gradients, optimizer state; each storage once), and the most
-each phase adds above them from torch's allocator (on CUDA its peak statistics; on CPU the
-profiler's allocation records). A figure is its largest rank's (the one that runs out first).
-Beside them: what Muon's state saves against Adam's on the same layout (their optimizer-state
-bytes apart, on that rank; 4 bytes per Muon element over W where the shards are even) and how much
-of it the peak keeps (Adam's peak minus ours, over the saving). Writes
-benchmarks/results/memory.json and memory.png; prints the Newton-Schulz precision and W beside
-every figure. Counted bytes, not times: two runs on one machine give the same figures.
+each phase adds above what was alive when its step began, from torch's allocator (on CUDA its peak
+statistics; on CPU the profiler's allocation records), the most over the three steps. A figure is
+its largest rank's (the one that runs out first). Beside them: what Muon's state saves against
+Adam's on the same layout, per rank on average (their optimizer-state bytes apart, summed over the
+ranks, over W: 4 bytes per Muon element over W), and how much of it the peak keeps (the largest
+rank's peak, Adam's minus ours, over the saving). Writes benchmarks/results/memory.json and
+memory.png; prints the Newton-Schulz precision and W beside every figure. Bytes are counted, not
+timed; still, two runs can differ: owners by time follow rates measured at construction, and
+which of Megatron-FSDP's buffers are alive together can depend on when asynchronous work ends.
 """
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench_muon_step import MEGATRON_CORE_MODES, NEWTON_SCHULZ_PRECISION, build, configs  # beside this script
+import per_world_size  # beside this script
+from bench_muon_step import MEGATRON_CORE_MODES, NEWTON_SCHULZ_PRECISION, build, configs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("demo", "wide", "moe")
 LAYOUTS = {"ZeRO-3": "optim_grads_params", "ZeRO-2": "optim_grads", "ZeRO-1": "optim"}
 WARMUP = 2
+MEASURED_STEPS = 3  # each phase's figure: its most over them
 MIB = 1 << 20
 
 
@@ -79,10 +79,10 @@ def measure(shape, parallel) -> dict:
         for step in range(WARMUP):
             forward_backward(step)
             optimizer.step()
-        memory = measure_train_step([model], optimizer, lambda: forward_backward(WARMUP), device)
+        memory = measure_train_step([model], optimizer, lambda: forward_backward(WARMUP), device,
+                                    steps=MEASURED_STEPS)
         figures[f"{optimizer_name} {layout}"] = dict(at_rest=memory.at_rest, phases=memory.phases,
                                                     peak=memory.peak)
-        del model, optimizer
     return figures
 
 
@@ -93,9 +93,7 @@ def _device() -> torch.device:
 
 
 def worker(args):
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    per_world_size.init_worker()
     out = {}
     for name, (shape, parallel) in configs(dist.get_world_size()).items():
         if name in CONFIGS:
@@ -109,15 +107,15 @@ def worker(args):
 
 def summarize(world, per_rank) -> dict:
     """Per-rank figures of one (config, W) → the reported row: each run's largest rank, and per
-    layout what Muon saves against Adam and how much of it the peak keeps."""
+    layout what Muon saves against Adam per rank on average and how much of it the peak keeps."""
     row = dict(world_size=world, newton_schulz_precision=NEWTON_SCHULZ_PRECISION, runs={})
     for run in per_rank[0]:
         largest = max(per_rank, key=lambda figures: figures[run]["peak"])[run]
         row["runs"][run] = largest
     for layout in LAYOUTS:
         muon, adam = [[r[f"{name} {layout}"] for r in per_rank] for name in ("muon", "adam")]
-        saved = max(a["at_rest"]["optimizer state"] - m["at_rest"]["optimizer state"]
-                    for m, a in zip(muon, adam))
+        saved = sum(a["at_rest"]["optimizer state"] - m["at_rest"]["optimizer state"]
+                    for m, a in zip(muon, adam)) / world
         kept = (max(a["peak"] for a in adam) - max(m["peak"] for m in muon))
         row[layout] = dict(state_saved_bytes=saved, peak_saved_bytes=kept,
                            peak_keeps=kept / saved if saved else None)
@@ -143,7 +141,8 @@ def print_table(results):
                 s = row[layout]
                 keeps = "-" if s["peak_keeps"] is None else f"{s['peak_keeps']:.2f}"
                 print(f"{'':9} {layout}: Muon's state saves {s['state_saved_bytes'] / MIB:.2f} MiB "
-                      f"against Adam's; Adam's peak minus Muon's {s['peak_saved_bytes'] / MIB:.2f} "
+                      f"a rank against Adam's; Adam's peak minus Muon's "
+                      f"{s['peak_saved_bytes'] / MIB:.2f} "
                       f"MiB: {keeps} of it kept (W={row['world_size']}, "
                       f"{row['newton_schulz_precision']})")
 
@@ -182,15 +181,7 @@ def main():
     if args.worker:
         return worker(args)
 
-    torchrun = Path(sys.executable).with_name("torchrun")
-    per_world = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in args.world_sizes:
-            out = Path(tmp) / f"w{world}.json"
-            subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(world), __file__,
-                            "--worker", "--out", str(out)],
-                           check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            per_world[world] = json.loads(out.read_text())
+    per_world = per_world_size.run(__file__, args.world_sizes)
     results = {name: [summarize(w, per_world[w][name]) for w in args.world_sizes]
                for name in CONFIGS}
     RESULTS.mkdir(exist_ok=True)

@@ -27,9 +27,6 @@ import io
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from contextlib import ExitStack, redirect_stdout
 from pathlib import Path
@@ -40,7 +37,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_muon.cpu import fast_newton_schulz_precision
 from megatron_muon.exchange import Traffic, observed
-from step_profile import PHASES, profiled  # beside this script
+import per_world_size  # beside this script
+from step_profile import PHASES, profiled
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Megatron's bf16 (medium), but fp32 where bf16 matmuls are emulated: ~100x slower there.
@@ -230,9 +228,7 @@ def plan_figures(model, optimizer, config):
 
 
 def worker(args):
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    per_world_size.init_worker()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     out = {}
     for name, (shape, parallel) in configs(dist.get_world_size()).items():
@@ -427,15 +423,7 @@ def main():
     if args.worker:
         return worker(args)
 
-    torchrun = Path(sys.executable).with_name("torchrun")
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in args.world_sizes:
-            out = Path(tmp) / f"w{world}.json"
-            subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(world), __file__,
-                            "--worker", "--steps", str(args.steps), "--out", str(out)],
-                           check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            runs[world] = json.loads(out.read_text())
+    runs = per_world_size.run(__file__, args.world_sizes, "--steps", str(args.steps))
     results = {name: [summarize(w, runs[w][name]) for w in args.world_sizes if name in runs[w]]
                for name in configs(max(args.world_sizes))}
     RESULTS.mkdir(exist_ok=True)

@@ -173,21 +173,28 @@ class StepMemory:
                     f"{phase} {n / mib:.1f}" for phase, n in self.phases.items()) + ")")
 
 
+PHASES = ("forward-backward", "optimizer step")
+
+
 def measure_train_step(model_chunks, optimizer, forward_backward: Callable[[], None],
-                       device: torch.device) -> StepMemory:
-    """Run two train steps (`forward_backward()`, which leaves the gradients synced, then
-    `optimizer.step()`) and measure the second. The first, tracked but not measured, makes
-    every buffer a step frees one the tracker saw allocated (on CPU a free of memory allocated
-    before it started goes uncounted) and creates the optimizer's state, counted at rest."""
+                       device: torch.device, steps: int = 1) -> StepMemory:
+    """Run 1 + `steps` train steps (`forward_backward()`, which leaves the gradients synced, then
+    `optimizer.step()`) and measure the last `steps`: each phase's figure is the most it added in
+    any of them (which buffers are alive together can depend on when asynchronous work ends). The
+    first step, tracked but not measured, makes every buffer a step frees one the tracker saw
+    allocated (on CPU a free of memory allocated before it started goes uncounted) and creates
+    the optimizer's state, counted at rest."""
     with AllocationTracker(device) as tracker:
         forward_backward()
         optimizer.step()
-        with tracker.phase("forward-backward"):
-            forward_backward()
-        with tracker.phase("optimizer step"):
-            optimizer.step()
+        for step in range(steps):
+            with tracker.phase(f"{PHASES[0]} {step}"):
+                forward_backward()
+            with tracker.phase(f"{PHASES[1]} {step}"):
+                optimizer.step()
     at_rest = at_rest_bytes(model_chunks, optimizer)
-    began = tracker.starts["forward-backward"]
+    began = [tracker.starts[f"{PHASES[0]} {step}"] for step in range(steps)]
     if tracker.cuda:
-        at_rest[UNCOUNTED] = max(0, tracker.start_bytes + began - sum(at_rest.values()))
-    return StepMemory(at_rest, {name: peak - began for name, peak in tracker.peaks.items()})
+        at_rest[UNCOUNTED] = max(0, tracker.start_bytes + began[-1] - sum(at_rest.values()))
+    return StepMemory(at_rest, {phase: max(tracker.peaks[f"{phase} {step}"] - began[step]
+                                           for step in range(steps)) for phase in PHASES})

@@ -1,0 +1,34 @@
+"""A benchmark script run under torchrun once per world size: the launcher's side (each run
+writes its JSON, read back by world size) and the worker's (the process group and its device)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def run(script: str, world_sizes, *flags: str) -> dict[int, dict]:
+    """{W: what `script --worker ... --out FILE` wrote} for each world size, run one after
+    another (gloo on CPU, NCCL on GPUs; one OpenMP thread a process)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in world_sizes:
+            out = Path(tmp) / f"w{world}.json"
+            subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(world), script,
+                            "--worker", *flags, "--out", str(out)],
+                           check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            runs[world] = json.loads(out.read_text())
+    return runs
+
+
+def init_worker() -> None:
+    """The worker's process group: NCCL with its rank's GPU, else gloo."""
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
