@@ -20,6 +20,7 @@ The assumptions are printed with the numbers.
 
 import argparse
 import bisect
+import functools
 import json
 import math
 import os
@@ -443,6 +444,11 @@ def assumptions(rates: Rates, args) -> list[str]:
     ]
 
 
+def _line(values, columns) -> str:
+    """One table row: each value at its column's (name, width, alignment)."""
+    return " ".join(f"{v:{align}{width}}" for v, (_, width, align) in zip(values, columns))
+
+
 def print_table(results, notes):
     print("\nAssumptions:")
     for note in notes:
@@ -453,9 +459,7 @@ def print_table(results, notes):
                ("NS ms", 9, ">"), ("net ms", 9, ">"), ("step ms", 9, ">"), ("Adam ms", 9, ">"),
                ("fwd-bwd ms", 11, ">"), ("overhead", 9, ">")]
 
-    def line(values):
-        return " ".join(f"{v:{align}{width}}" for v, (_, width, align) in zip(values, columns))
-
+    line = functools.partial(_line, columns=columns)
     header = line([name for name, _, _ in columns])
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
@@ -473,9 +477,7 @@ def print_memory_table(results):
                ("Muon work", 10, ">"), ("at 5% budget", 13, ">"), ("one alone", 10, ">"),
                ("Muon <= Adam if fwd-bwd adds", 29, ">")]
 
-    def line(values):
-        return " ".join(f"{v:{align}{width}}" for v, (_, width, align) in zip(values, columns))
-
+    line = functools.partial(_line, columns=columns)
     header = line([name for name, _, _ in columns])
     print("\nMemory per rank, GB (the largest rank's of each figure; activations not counted):")
     print(header + "\n" + "-" * len(header))

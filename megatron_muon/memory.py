@@ -19,6 +19,8 @@ from . import upstream
 AT_REST = ("optimizer state", "main weights", "gradients", "model weights")
 # On CUDA, what the allocator holds beyond the tensors counted (caches, communicator buffers).
 UNCOUNTED = "other"
+# The phases of a train step measure_train_step measures.
+PHASES = ("forward-backward", "optimizer step")
 _PHASE = "megatron_muon.memory.phase."
 
 
@@ -164,16 +166,6 @@ class StepMemory:
     @property
     def peak(self) -> int:
         return self.resting + max(self.phases.values(), default=0)
-
-    def describe(self) -> str:
-        mib = 1 << 20
-        return (f"peak {self.peak / mib:.1f} MiB = at rest {self.resting / mib:.1f} ("
-                + ", ".join(f"{kind} {n / mib:.1f}" for kind, n in self.at_rest.items())
-                + ") + the most a phase adds (" + ", ".join(
-                    f"{phase} {n / mib:.1f}" for phase, n in self.phases.items()) + ")")
-
-
-PHASES = ("forward-backward", "optimizer step")
 
 
 def measure_train_step(model_chunks, optimizer, forward_backward: Callable[[], None],
