@@ -30,7 +30,6 @@ import torch.distributed as dist
 import per_world_size  # beside this script
 from bench_muon_step import MEGATRON_CORE_MODES, NEWTON_SCHULZ_PRECISION, build, configs
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("demo", "wide", "moe")
 LAYOUTS = {"ZeRO-3": "optim_grads_params", "ZeRO-2": "optim_grads", "ZeRO-1": "optim"}
 WARMUP = 2
@@ -184,11 +183,7 @@ def main():
     per_world = per_world_size.run(__file__, args.world_sizes)
     results = {name: [summarize(w, per_world[w][name]) for w in args.world_sizes]
                for name in CONFIGS}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory.json").write_text(json.dumps(results, indent=1))
-    plot(results, RESULTS / "memory.png")
-    print_table(results)
-    print(f"wrote {RESULTS / 'memory.json'} and {RESULTS / 'memory.png'}")
+    per_world_size.save(results, "memory", plot, print_table)
 
 
 if __name__ == "__main__":

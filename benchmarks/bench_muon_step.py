@@ -40,7 +40,6 @@ from megatron_muon.exchange import Traffic, observed
 import per_world_size  # beside this script
 from step_profile import PHASES, profiled
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # Megatron's bf16 (medium), but fp32 where bf16 matmuls are emulated: ~100x slower there.
 NEWTON_SCHULZ_PRECISION = fast_newton_schulz_precision()
 # "owner_bytes": ours with --muon-owner-choice bytes (byte-first owners: ours before owners by
@@ -426,11 +425,7 @@ def main():
     runs = per_world_size.run(__file__, args.world_sizes, "--steps", str(args.steps))
     results = {name: [summarize(w, runs[w][name]) for w in args.world_sizes if name in runs[w]]
                for name in configs(max(args.world_sizes))}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(results, indent=1))
-    plot(results, RESULTS / "latest.png")
-    print_table(results)
-    print(f"wrote {RESULTS / 'latest.json'} and {RESULTS / 'latest.png'}")
+    per_world_size.save(results, "latest", plot, print_table)
 
 
 if __name__ == "__main__":

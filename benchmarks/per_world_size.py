@@ -1,5 +1,6 @@
 """A benchmark script run under torchrun once per world size: the launcher's side (each run
-writes its JSON, read back by world size) and the worker's (the process group and its device)."""
+writes its JSON, read back by world size; the summary saved in benchmarks/results/) and the
+worker's (the process group and its device)."""
 
 import json
 import os
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run(script: str, world_sizes, *flags: str) -> dict[int, dict]:
@@ -25,6 +28,16 @@ def run(script: str, world_sizes, *flags: str) -> dict[int, dict]:
                            check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             runs[world] = json.loads(out.read_text())
     return runs
+
+
+def save(results: dict, stem: str, plot, print_table) -> None:
+    """results/<stem>.json and, by `plot(results, path)`, <stem>.png; then the table printed and
+    where they are."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    plot(results, RESULTS / f"{stem}.png")
+    print_table(results)
+    print(f"wrote {RESULTS / f'{stem}.json'} and {RESULTS / f'{stem}.png'}")
 
 
 def init_worker() -> None:
