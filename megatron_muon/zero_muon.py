@@ -241,13 +241,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         alone = [need for need in needs if need[0] > per_exchange_bytes(max_exchange_bytes)]
         if not alone:
             return
-        needs, plan, i = max(alone, key=lambda item: item[0])
+        largest, plan, i = max(alone, key=lambda item: item[0])
         rows, cols = plan.matrices[i].shape
         print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
               f"--muon-max-exchange-bytes ({max_exchange_bytes / 2**20:.1f} MiB) and are "
               f"orthogonalized alone; the largest, {self._name(plan.param_of(i))} ({rows}x{cols}, "
               f"{rows * cols * plan.param_of(i).element_size() / 2**20:.1f} MiB), needs "
-              f"{needs / 2**20:.1f} MiB on its owner", flush=True)
+              f"{largest / 2**20:.1f} MiB on its owner", flush=True)
 
     def held_rows(self, p: DTensor) -> tuple[int, int, int]:
         """(start, stop, rows): this rank's shard of `p` holds rows [start, stop) of its
