@@ -369,7 +369,7 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
     the plan counts it (plan.working_memory: two exchanges in flight) with the default budget and
     with the one that keeps it under TRANSIENT_SHARE of an 80 GB GPU (the parts run one after
     the other); the most one matrix exchanged alone holds, which no budget goes below."""
-    from megatron_muon.plan import (ExchangeMemory, batch_matrices, exchange_batches,
+    from megatron_muon.plan import (batch_matrices, exchange_batches, largest_alone,
                                     per_exchange_bytes, working_memory)
 
     budget = int(TRANSIENT_SHARE * GPU_BYTES)
@@ -384,10 +384,7 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
         for r in range(world):
             working[r] = max(working[r], by_plan[rank_in_part(r)])
             at_budget[r] = max(at_budget[r], by_budget[rank_in_part(r)])
-        for i in range(len(part.matrices)):
-            memory = ExchangeMemory(part.matrices, owners, ELEMENT_BYTES)
-            memory.add([i])
-            alone = max(alone, memory.largest)
+        alone = max(alone, largest_alone(part.matrices, owners, ELEMENT_BYTES))
     muon_state = [m * MUON_STATE_BYTES + a * ADAM_STATE_BYTES
                   for m, a in zip(muon_elements, adam_elements)]
     saved = [e * ADAM_STATE_BYTES - s for e, s in zip(all_elements, muon_state)]

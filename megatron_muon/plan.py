@@ -649,6 +649,16 @@ def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]
     return exchanges
 
 
+def largest_alone(matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int) -> int:
+    """The most any rank holds for one matrix exchanged alone: below it no budget goes."""
+    largest = 0
+    for i in range(len(matrices)):
+        memory = ExchangeMemory(matrices, owners, element_bytes)
+        memory.add([i])
+        largest = max(largest, memory.largest)
+    return largest
+
+
 def working_memory(matrices: Sequence[Matrix], owners: Sequence[int],
                    exchanges: Sequence[Sequence[Sequence[int]]], element_bytes: int) -> list[int]:
     """Each rank's most bytes held at once by the owner step: an exchange at its peak beside the

@@ -16,7 +16,7 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.memory import PHASES, AllocationTracker, at_rest_bytes, measure_train_step
 from megatron_muon.plan import (MAX_EXCHANGE_BYTES, ExchangeMemory, Matrix, RowLayout,
-                                newton_schulz_bytes, working_memory)
+                                largest_alone, newton_schulz_bytes, working_memory)
 from megatron_muon.testing import GPTShape, fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 from megatron_muon.zero_muon import ZeROTensorParallelMuon
 
@@ -119,14 +119,8 @@ def _collective_buffers(muon) -> int:
 
 
 def _alone(muon) -> int:
-    """The most any rank holds for one matrix exchanged alone."""
-    largest = 0
-    for plan in muon.plans:
-        for i in range(len(plan.matrices)):
-            memory = ExchangeMemory(plan.matrices, plan.owners, 4)
-            memory.add([i])
-            largest = max(largest, memory.largest)
-    return largest
+    """The most any rank holds for one matrix exchanged alone, in any exchange group."""
+    return max(largest_alone(plan.matrices, plan.owners, 4) for plan in muon.plans)
 
 
 def _within_budget(rank, world_size):
