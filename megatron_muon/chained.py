@@ -3,6 +3,7 @@ inner Muon + Adam chain."""
 
 import functools
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,9 @@ class FSDPMuonChainedOptimizer:
 
     A step whose gradients hold a NaN or Inf on any rank is skipped on every rank and said so;
     after `max_consecutive_skipped_steps` of them in a row (0: never) the step raises instead: a
-    diverged run stops rather than train nothing for hours.
+    diverged run stops rather than train nothing for hours. The decision costs no collective of
+    its own where the inner optimizer reduces the gradient norm before it steps (megatron-core's
+    chains always do): a NaN or Inf in any shard makes that norm non-finite on every rank.
 
     `max_attention_logits` (megatron_muon.qk_clip, for --log-max-attention-logit and --qk-clip):
     each step reduces the forward's max attention logits, and a step that updates the weights
@@ -101,6 +104,8 @@ class FSDPMuonChainedOptimizer:
             muon.log_checks = False  # one line per check, with the weights' checks: here
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
+        self._nonfinite_grads = None  # this step's verdict, once the grad norm has given it
+        self._decides_inside_the_chain = self._skip_nonfinite_steps_in(optimizer)
 
     def _record_grad_syncs(self, index, chunk):
         # finalize_model_grads calls chunk.finish_grad_sync(); remember it so the grads are
@@ -126,11 +131,14 @@ class FSDPMuonChainedOptimizer:
         self._synced.clear()
         if self.max_attention_logits is not None:
             self.max_attention_logits.reduce()
-        if self._any_rank_has_nonfinite_grads():
+        # Decided here, or inside the chain between its grad norm and its update.
+        self._nonfinite_grads = (None if self._decides_inside_the_chain
+                                 else self._any_rank_has_nonfinite_grads())
+        result = None if self._nonfinite_grads else self.optimizer.step(*args, **kwargs)
+        if self._nonfinite_grads:
             self._skipped_a_step()
             return False, None, None  # as Megatron's optimizers report a skipped step
         self._consecutive_skipped_steps = 0
-        result = self.optimizer.step(*args, **kwargs)
         update_successful = result[0] if isinstance(result, tuple) else True
         if update_successful:
             self._successful_steps += 1
@@ -180,6 +188,33 @@ class FSDPMuonChainedOptimizer:
             stops = f"; the run stops at {limit}" if limit else ""
             logger.warning("optimizer step skipped: NaN or Inf in the gradients "
                            f"({count} in a row{stops})")
+
+    def _skip_nonfinite_steps_in(self, chain) -> bool:
+        """Where `chain` steps as megatron-core's optimizers do (`step`: `get_grad_norm`, then
+        `step_with_ready_grads`), take the skip decision between the two: from the norm, reduced
+        over every rank that holds a shard (a NaN or Inf anywhere makes it non-finite
+        everywhere), or, where this step computed none, from our own reduction. Returns whether
+        it could; if not, `step` decides before calling the chain."""
+        if not (callable(getattr(chain, "get_grad_norm", None))
+                and callable(getattr(chain, "step_with_ready_grads", None))):
+            return False
+        get_grad_norm, step_with_ready_grads = chain.get_grad_norm, chain.step_with_ready_grads
+
+        @functools.wraps(get_grad_norm)
+        def get_grad_norm_and_decide(*args, **kwargs):
+            norm = get_grad_norm(*args, **kwargs)
+            self._nonfinite_grads = not math.isfinite(norm)
+            return norm
+
+        @functools.wraps(step_with_ready_grads)
+        def step_unless_nonfinite(*args, **kwargs):
+            if self._nonfinite_grads is None:
+                self._nonfinite_grads = self._any_rank_has_nonfinite_grads()
+            return not self._nonfinite_grads and step_with_ready_grads(*args, **kwargs)
+
+        chain.get_grad_norm = get_grad_norm_and_decide
+        chain.step_with_ready_grads = step_unless_nonfinite
+        return True
 
     def _install_weights_for_the_next_forward(self, force_sync=False):
         """Copy the main weights into the compute weights, then sync them as megatron-core's

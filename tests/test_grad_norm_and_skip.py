@@ -1,5 +1,7 @@
 """The chain's gradient norm is the unsharded model's, clipping acts as on the unsharded model,
-and a step with a NaN or an Inf on one rank's shard is skipped on every rank with nothing changed."""
+and a step with a NaN or an Inf on one rank's shard is skipped on every rank with nothing changed:
+decided from the grad norm's reduction where the chain computes one, else by a reduction of our
+own."""
 
 import pytest
 import torch
@@ -7,7 +9,8 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_models import full_tensor
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.chained import named_main_weights
+from megatron_muon.chained import FSDPMuonChainedOptimizer, named_main_weights
+from megatron_muon.exchange import Traffic, observed
 from megatron_muon.testing import (GLOBAL_BATCH, TINY, fsdp_gpt, global_batch_loss, gpt,
                                    init_parallel_state, lm_loss, optimizer_config)
 from tolerances import adam_drift, assert_within, muon_drift, reordering_error
@@ -90,24 +93,63 @@ def _snapshot(optimizer):
     return [t.clone() for t in tensors]
 
 
-def _nonfinite_on_one_rank(rank, world_size, dist_mode, value):
+class _WithoutGradNorm:
+    """A chain that exposes no grad norm and no step_with_ready_grads (an optimizer from outside
+    megatron-core): FSDPMuonChainedOptimizer decides before stepping it, by its own reduction."""
+
+    def __init__(self, chain):
+        self.chain = chain
+
+    def step(self):
+        return self.chain.step()
+
+    def __getattr__(self, name):
+        if name in ("chain", "get_grad_norm", "step_with_ready_grads"):
+            raise AttributeError(name)
+        return getattr(self.chain, name)
+
+
+class _StepsWithoutANorm(_WithoutGradNorm):
+    """A chain that computes no grad norm in its step (clipping and norm logging off, in a
+    megatron-core that then skips it): the decision falls back to our reduction inside it."""
+
+    def get_grad_norm(self):
+        return self.chain.get_grad_norm()
+
+    def step_with_ready_grads(self):
+        return self.chain.step_with_ready_grads()
+
+    def step(self):
+        self.prepare_grads()
+        return self.step_with_ready_grads(), None, None
+
+
+# What wraps the factory's chain. A skipped step issues one all-reduce whichever decides it.
+CHAINS = {"megatron-core's": lambda chain: chain, "without a grad norm": _WithoutGradNorm,
+          "stepping without a norm": _StepsWithoutANorm}
+
+
+def _nonfinite_on_one_rank(rank, world_size, dist_mode, value, chain):
     init_parallel_state()
     model = fsdp_gpt()
-    optimizer = get_megatron_optimizer(optimizer_config(clip_grad=1.0), [model], muon_dist_mode=dist_mode)
+    built = get_megatron_optimizer(optimizer_config(clip_grad=1.0), [model], muon_dist_mode=dist_mode)
+    optimizer = FSDPMuonChainedOptimizer(CHAINS[chain](built.optimizer), [model])
     optimizer.zero_grad()
     _backward(model, 0, rank)
     assert optimizer.step()[0]
     before = _snapshot(optimizer)
 
     _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, 1, rank, world_size, value)
-    assert optimizer.step() == (False, None, None)
+    with observed(Traffic()) as traffic:
+        assert optimizer.step() == (False, None, None)
+    assert traffic.by_name == {"allreduce_": 1}  # nothing else: no exchange, no param sync
     after = _snapshot(optimizer)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
     optimizer.zero_grad()
     _backward(model, 2, rank)
     update_successful, grad_norm, _ = optimizer.step()
-    assert update_successful and grad_norm > 0
+    assert update_successful and (chain == "stepping without a norm" or grad_norm > 0)
 
 
 def _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, step, rank, world_size,
@@ -120,9 +162,12 @@ def _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, step, rank, wo
         grad.view(-1)[0] = value
 
 
-@pytest.mark.parametrize("dist_mode, value", [("owner", float("nan")), ("allgather", -float("inf"))])
-def test_a_nan_or_inf_on_one_ranks_shard_skips_the_step_everywhere(distributed, dist_mode, value):
-    distributed(_nonfinite_on_one_rank, 2, dist_mode, value)
+@pytest.mark.parametrize("dist_mode, value, chain", [
+    ("owner", float("nan"), "megatron-core's"), ("allgather", -float("inf"), "megatron-core's"),
+    ("owner", float("inf"), "without a grad norm"), ("owner", float("nan"), "stepping without a norm")])
+def test_a_nan_or_inf_on_one_ranks_shard_skips_the_step_everywhere(distributed, dist_mode, value,
+                                                                   chain):
+    distributed(_nonfinite_on_one_rank, 2, dist_mode, value, chain)
 
 
 def _diverged_run_stops(rank, world_size):
