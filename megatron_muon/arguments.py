@@ -70,6 +70,13 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        'exchanges in flight (default 1 GiB). Smaller: more, smaller exchanges '
                        'and Newton-Schulz batches; a matrix that alone needs more goes alone and '
                        'the start-up log names the largest.')
+    if not any('--muon-use-syrk' in action.option_strings
+               for action in upstream.parser_actions(parser)):  # megatron-core main defines it
+        group.add_argument('--muon-use-syrk', action='store_true',
+                           help='Run Newton-Schulz through emerging-optimizers\' Triton SYRK '
+                           'kernel (about half the FLOPs of its symmetric products): CUDA, '
+                           'Triton >= 3.4, --muon-fp32-matmul-prec medium; each matrix in its own '
+                           'call. Refused, naming why, where it cannot run.')
     group.add_argument('--muon-max-consecutive-skipped-steps', type=_at_least_0, default=10,
                        help='Stop with an error after this many optimizer steps in a row skipped '
                        'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '

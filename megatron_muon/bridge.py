@@ -73,6 +73,10 @@ class MuonOptimizerConfig(OptimizerConfig):
     """The most the owner step's working memory holds at once on a rank, in bytes
     (--muon-max-exchange-bytes; ZeROTensorParallelMuon's max_exchange_bytes)."""
 
+    muon_use_syrk: bool = False
+    """Newton-Schulz through emerging-optimizers' Triton SYRK kernel (--muon-use-syrk;
+    ZeROTensorParallelMuon's use_syrk): CUDA, bf16 (muon_fp32_matmul_prec "medium")."""
+
     def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False,
                 pg_collection=None):
         chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
@@ -82,7 +86,8 @@ class MuonOptimizerConfig(OptimizerConfig):
             muon_dist_mode=self.muon_dist_mode, muon_owner_choice=self.muon_owner_choice,
             muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps,
             muon_check_interval=self.muon_check_interval,
-            muon_max_exchange_bytes=self.muon_max_exchange_bytes)
+            muon_max_exchange_bytes=self.muon_max_exchange_bytes,
+            muon_use_syrk=self.muon_use_syrk)
 
 
 class ChecksummedCheckpointManager(DefaultCheckpointManager):

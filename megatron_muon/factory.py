@@ -21,13 +21,14 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
                            pg_collection=None, dump_param_to_param_group_map=None,
                            muon_dist_mode="owner", muon_max_consecutive_skipped_steps=10,
                            muon_check_interval=0, muon_owner_choice="time",
-                           muon_max_exchange_bytes=MAX_EXCHANGE_BYTES):
+                           muon_max_exchange_bytes=MAX_EXCHANGE_BYTES, muon_use_syrk=False):
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` on Megatron-FSDP chunks.
 
-    `muon_dist_mode`, `muon_owner_choice`, `muon_check_interval` and `muon_max_exchange_bytes`
-    are ZeROTensorParallelMuon's `dist_mode` ("owner" or "allgather"), `owner_choice` ("time" or
-    "bytes"), `check_interval` and `max_exchange_bytes`; `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on
-    skipped steps."""
+    `muon_dist_mode`, `muon_owner_choice`, `muon_check_interval`, `muon_max_exchange_bytes` and
+    `muon_use_syrk` are ZeROTensorParallelMuon's `dist_mode` ("owner" or "allgather"),
+    `owner_choice` ("time" or "bytes"), `check_interval`, `max_exchange_bytes` and `use_syrk`
+    (also on where OptimizerConfig has `muon_use_syrk`, as megatron-core main's does);
+    `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on skipped steps."""
     if config.optimizer != "muon" or not all(find_megatron_fsdp(c) for c in model_chunks):
         return _core_get_megatron_optimizer(
             config, model_chunks, config_overrides=config_overrides,
@@ -44,7 +45,7 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     parts = _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
                          dict(dist_mode=muon_dist_mode, owner_choice=muon_owner_choice,
                               check_interval=muon_check_interval,
-                              max_exchange_bytes=muon_max_exchange_bytes))
+                              max_exchange_bytes=muon_max_exchange_bytes, use_syrk=muon_use_syrk))
     max_attention_logits = build_max_attention_logits(
         model_chunks, pg_collection.dp_cp, _held_rows_in(parts))
     return FSDPMuonChainedOptimizer(ChainedOptimizer(parts), model_chunks,
@@ -196,9 +197,11 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
                     first = names[selected[0]["params"][0]]
                     raise ValueError(f"{first} and the other expert matrices need an expert "
                                      "data-parallel group, but pg_collection.expt_dp is None")
-                muon = ZeROTensorParallelMuon(
-                    selected, dp_group=dp_group, param_names=names, **muon_settings,
-                    **upstream.muon_config_to_kwargs(config, model_chunks, pg_collection))
+                muon_kwargs = upstream.muon_config_to_kwargs(config, model_chunks, pg_collection)
+                config_syrk = muon_kwargs.pop("use_syrk", False)  # megatron-core main's
+                settings = {**muon_settings, "use_syrk": muon_settings["use_syrk"] or config_syrk}
+                muon = ZeROTensorParallelMuon(selected, dp_group=dp_group, param_names=names,
+                                              **settings, **muon_kwargs)
                 part = FP32Optimizer(muon, part_config, upstream.eopt_init_state_fn)
             else:
                 scalar_config = copy.copy(part_config)

@@ -127,6 +127,7 @@ def _get_megatron_optimizer(*args, **kwargs):
         muon_max_consecutive_skipped_steps=getattr(flags, 'muon_max_consecutive_skipped_steps', 10),
         muon_check_interval=getattr(flags, 'muon_check_interval', 0),
         muon_max_exchange_bytes=getattr(flags, 'muon_max_exchange_bytes', MAX_EXCHANGE_BYTES),
+        muon_use_syrk=getattr(flags, 'muon_use_syrk', False),
         **kwargs)
 
 

@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import platform
 from collections.abc import Callable
 from typing import Any
@@ -118,6 +119,31 @@ apply_weight_decay_inplace = _borrow(
     "emerging_optimizers.orthogonalized_optimizers.OrthogonalizedOptimizer."
     "_apply_weight_decay_inplace",
     "every weight-decay method of OrthogonalizedOptimizer.step, on each rank's rows")
+
+newton_schulz = _borrow(
+    "emerging_optimizers.orthogonalized_optimizers.muon_utils.newton_schulz",
+    "Newton-Schulz with the Triton SYRK kernel (use_syrk), for --muon-use-syrk where "
+    "megatron-core's TensorParallelMuon cannot pass it on")
+get_muon_scale_factor = _borrow(
+    "emerging_optimizers.orthogonalized_optimizers.get_muon_scale_factor",
+    "Muon's scale modes, applied after the SYRK Newton-Schulz as TensorParallelMuon applies them")
+
+
+def has_triton_syrk() -> bool:
+    """Whether emerging_optimizers' Triton SYRK kernel can be built here (Triton >= 3.4)."""
+    try:
+        return bool(importlib.import_module("emerging_optimizers.triton_kernels").HAS_TRITON_340)
+    except ImportError:  # no Triton
+        return False
+
+
+def tensor_parallel_muon_takes_syrk() -> bool:
+    """Whether megatron-core's TensorParallelMuon runs the SYRK kernel itself, in every TP mode
+    (megatron-core main's --muon-use-syrk; 0.19 has no such argument)."""
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    return "use_syrk" in inspect.signature(TensorParallelMuon.__init__).parameters
+
 
 # Python
 _borrow("argparse.ArgumentParser._actions",

@@ -16,7 +16,7 @@ from emerging_optimizers.orthogonalized_optimizers.muon import MuonScaleT
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import upstream
+from . import syrk, upstream
 from .checks import CheckResult, MuonCheckError, agree_on_every_rank, data_parallel_dims
 from .exchange import OwnerRoutes, all_gather_ints, all_gather_rows, owner_exchange, run_overlapped
 from .measured_cost import measure, seconds_beyond_noise
@@ -66,13 +66,18 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
+def _with_defaults(muon_kwargs: dict) -> dict:
+    """TensorParallelMuon's arguments as it takes them: `muon_kwargs` over its defaults."""
+    defaults = {name: parameter.default for name, parameter
+                in inspect.signature(TensorParallelMuon.__init__).parameters.items()}
+    return {**defaults, **muon_kwargs}
+
+
 def _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
                     muon_kwargs) -> None:
     """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
     after momentum has changed), naming Megatron's flag."""
-    defaults = {name: parameter.default for name, parameter
-                in inspect.signature(TensorParallelMuon.__init__).parameters.items()}
-    given = {**defaults, **muon_kwargs, "dist_mode": dist_mode, "owner_choice": owner_choice,
+    given = {**_with_defaults(muon_kwargs), "dist_mode": dist_mode, "owner_choice": owner_choice,
              "byte_slack": byte_slack, "max_exchange_bytes": max_exchange_bytes,
              "check_interval": check_interval}
     scale_modes = typing.get_args(MuonScaleT)
@@ -191,6 +196,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             per direction) within half of it each; a matrix that alone needs more goes alone,
             and rank 0 says so once at construction. "allgather" mode and a checked step hold
             every update at once, beyond it.
+        use_syrk: Newton-Schulz through emerging_optimizers' Triton SYRK kernel
+            (--muon-use-syrk; megatron_muon.syrk says where it runs): CUDA, bf16 (`medium`),
+            each matrix in its own call (the kernel takes no batch); refused at construction
+            where it cannot run.
         param_names: {param: name}, for error messages.
         check_interval: every this many iterations (0: never), owner mode also computes every
             matrix's update as "allgather" does and compares what the owners sent back with it
@@ -208,11 +217,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
                  owner_choice: OwnerChoice = "time", byte_slack: float | None = None,
                  max_exchange_bytes: int = MAX_EXCHANGE_BYTES, param_names: dict | None = None,
-                 check_interval: int = 0, **kwargs: Any):
+                 check_interval: int = 0, use_syrk: bool = False, **kwargs: Any):
         _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
                         kwargs)
         _check_hooks(type(self))
-        super().__init__(params, **kwargs)
+        upstream_runs_syrk = use_syrk and upstream.tensor_parallel_muon_takes_syrk()
+        super().__init__(params, **kwargs, **({"use_syrk": True} if upstream_runs_syrk else {}))
+        self.use_syrk = use_syrk
         self.dp_group = dp_group
         self.dist_mode = dist_mode
         self.owner_choice = owner_choice
@@ -225,6 +236,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._group_index = {p: index for index, group in enumerate(self.param_groups)
                              for p in group["params"]}
         self._validate_all()
+        if use_syrk:
+            self._use_syrk(_with_defaults(kwargs), upstream_runs_syrk)
         # {(shape, batch key): whether same-shape matrices run in one batched call}
         self.batched_newton_schulz: dict[tuple, bool] = {}
         # What this rank carries out each step, per exchange group (the bench and tests read it).
@@ -232,6 +245,22 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                       for (group, _), params in self._exchange_groups().items()]
         if dist.get_rank() == 0 and dist_mode == "owner":
             self._say_which_go_alone(max_exchange_bytes)
+
+    def _use_syrk(self, settings: dict, upstream_runs_it: bool) -> None:
+        """Refuse --muon-use-syrk where the kernel cannot run (before any state), else route
+        Newton-Schulz through it where megatron-core's TensorParallelMuon does not."""
+        first = self.param_groups[0]["params"][0]
+        tp_groups = {self._tp_group(_ParamAttributes(p)) for group in self.param_groups
+                     for p in group["params"]} - {None}
+        problem = syrk.why_it_cannot_run(self.fp32_matmul_prec, self.tp_mode,
+                                         [g.size() for g in tp_groups], first.to_local().device)
+        if problem:
+            raise ValueError(f"ZeROTensorParallelMuon: {problem}")
+        if not upstream_runs_it:
+            self.scaled_orthogonalize_fn = syrk.scaled_orthogonalize_fn(
+                self.scaled_orthogonalize_fn, settings["num_ns_steps"],
+                settings["coefficient_type"], settings["scale_mode"],
+                settings["extra_scale_factor"])
 
     def _say_which_go_alone(self, max_exchange_bytes: int) -> None:
         """One line: the matrices that alone need more than half the working-memory budget
@@ -646,6 +675,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for 3-D input: seen on CPU for 7x13, not for 256x1024), tried on two random matrices; at
         `medium`/`low` (bf16/tf32 matmuls) always, the batched kernels rounding differently by
         less than that precision's own error (docs/design.md, "Library")."""
+        if self.use_syrk:  # the kernel takes 2-D matrices only
+            return set()
         counts = Counter(cost_key(matrix) for matrix in matrices)
         return {key for key, (matrix, p) in representatives.items()
                 if matrix.batch_key is not None and counts[key] > 1

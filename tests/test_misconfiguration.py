@@ -107,6 +107,42 @@ def test_fp16_through_the_factory():
         get_megatron_optimizer(optimizer_config(fp16=True), [chunk])
 
 
+@pytest.mark.parametrize("precision, refusal", [
+    ("medium", r"--muon-use-syrk needs CUDA \(a Triton kernel\); the params are on cpu"),
+    ("highest", r"--muon-use-syrk runs a bf16 kernel.*--muon-fp32-matmul-prec medium, not highest")])
+def test_syrk_where_it_cannot_run(precision, refusal):
+    refused(ValueError, refusal, [matrix()], use_syrk=True, fp32_matmul_prec=precision)
+
+
+def _syrk_under_tensor_parallelism(rank, world_size):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_muon import upstream
+    from megatron_muon.testing import fsdp_gpt, init_parallel_state
+
+    init_parallel_state(tensor_parallel=2)
+    model = fsdp_gpt()
+    def local(p):
+        return p.to_local() if isinstance(p, DTensor) else p.detach()
+
+    weights = [local(p).clone() for p in model.parameters()]
+    if upstream.tensor_parallel_muon_takes_syrk():
+        pytest.skip("this megatron-core's TensorParallelMuon runs the kernel in every TP mode")
+    for tp_mode, refusal in [
+            ("duplicated", r"--muon-use-syrk with --muon-tp-mode duplicated under tensor "
+                           r"parallelism 2.*use --muon-tp-mode blockwise"),
+            ("blockwise", r"--muon-use-syrk needs CUDA")]:  # past the TP check: the machine's
+        with pytest.raises(ValueError, match=refusal):
+            get_megatron_optimizer(optimizer_config(muon_tp_mode=tp_mode,
+                                                    muon_fp32_matmul_prec="medium"),
+                                   [model], muon_use_syrk=True)
+    assert all(torch.equal(a, local(b)) for a, b in zip(weights, model.parameters()))
+
+
+def test_syrk_in_a_tensor_parallel_mode_upstream_cannot_pass_it_to(distributed):
+    distributed(_syrk_under_tensor_parallelism, 2)
+
+
 def _experts_without_an_expert_group(rank, world_size):
     from megatron.core.process_groups_config import ProcessGroupCollection
 

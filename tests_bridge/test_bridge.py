@@ -251,6 +251,20 @@ def test_install_makes_the_optimizer_config_ours_keeping_every_setting():
     assert cfg.optimizer.muon_dist_mode == "owner" and cfg.optimizer.muon_owner_choice == "time"
 
 
+def test_the_optimizer_configs_own_fields_reach_the_factory():
+    from unittest import mock
+
+    import megatron_muon.bridge
+
+    cfg = _config()
+    megatron_muon.bridge.install(cfg)
+    cfg.optimizer.muon_use_syrk, cfg.optimizer.muon_max_exchange_bytes = True, 4096
+    with mock.patch.object(megatron_muon.bridge.factory, "get_megatron_optimizer") as factory:
+        cfg.optimizer.provide(["chunk"])
+    settings = factory.call_args.kwargs
+    assert settings["muon_use_syrk"] is True and settings["muon_max_exchange_bytes"] == 4096
+
+
 def test_bridges_qk_clip_is_ours_for_megatron_fsdp_models_only():
     from unittest import mock
 

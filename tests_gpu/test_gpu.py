@@ -8,6 +8,8 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
 - W=1 on NCCL: the demo trains, in fp32 and bf16, and Muon on Megatron-FSDP ZeRO-3 matches
   megatron-core's own Muon on Megatron DDP over the first iterations (fp32 Newton-Schulz);
 - with two GPUs or more, the same comparison at W=2;
+- --muon-use-syrk (emerging_optimizers' Triton SYRK kernel): its Newton-Schulz differs from the
+  plain bf16 kernel's by less than bf16's own error, and the demo trains with it;
 - memory.AllocationTracker reads CUDA's allocator: each phase's peak, and Newton-Schulz within
   what the plan counts for it (plan.newton_schulz_bytes), as on CPU (tests/test_memory.py).
 
@@ -42,6 +44,7 @@ FP32_NEWTON_SCHULZ = ("--muon-fp32-matmul-prec", "highest")
 DEMO_RUNS = {
     "fp32": (),
     "bf16": ("--bf16",),
+    "syrk": ("--muon-use-syrk", "--muon-fp32-matmul-prec", "medium"),
     "zero3": FP32_NEWTON_SCHULZ,
     "megatron_core_muon_on_ddp": (*FP32_NEWTON_SCHULZ, "--no-use-megatron-fsdp", "--ckpt-format",
                                   "torch_dist"),
@@ -69,6 +72,27 @@ def test_batched_bf16_newton_schulz_is_within_bf16s_own_error(shape):
     bf16_error = (per_matrix - orthogonalized("highest", batched=False)).abs().max().item()
     print(f"{shape}: |batched - per-matrix| {batching_gap:.2e}, |bf16 - fp32| {bf16_error:.2e}")
     assert batching_gap <= bf16_error, (batching_gap, bf16_error)
+
+
+@pytest.mark.parametrize("shape", [(1024, 4096), (4096, 1024), (2048, 2048), (36, 100)])
+def test_syrk_newton_schulz_is_within_bf16s_own_error_of_the_plain_kernel(shape):
+    """megatron_muon.syrk's orthogonalization (the kernel where it takes the matrix; (36, 100)
+    is not a multiple of 8 and takes the plain one) against TensorParallelMuon's own."""
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from megatron_muon import syrk
+
+    muon = TensorParallelMuon([torch.nn.Parameter(torch.zeros(1, device="cuda"))])
+    with_syrk = syrk.scaled_orthogonalize_fn(muon.scaled_orthogonalize_fn, 5, "quintic",
+                                             "spectral", 1.0)
+    x = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with fp32_matmul_precision("medium"):
+        plain, syrk_result = muon.scaled_orthogonalize_fn(x, None), with_syrk(x, None)
+    with fp32_matmul_precision("highest"):
+        bf16_error = (plain - muon.scaled_orthogonalize_fn(x, None)).abs().max().item()
+    gap = (syrk_result - plain).abs().max().item()
+    print(f"{shape}: |syrk - plain| {gap:.2e}, |bf16 - fp32| {bf16_error:.2e}")
+    assert gap <= bf16_error, (gap, bf16_error)
 
 
 def test_the_allocation_tracker_gives_each_cuda_phase_its_peak():
@@ -103,7 +127,7 @@ def demo_losses(name: str, iterations: int, processes: int = 1) -> list[float]:
     return demo_log.losses(run.stdout, 1, iterations)
 
 
-@pytest.mark.parametrize("run", ["fp32", "bf16"])
+@pytest.mark.parametrize("run", ["fp32", "bf16", "syrk"])
 def test_the_demo_trains_on_one_gpu(run):
     losses = demo_losses(run, iterations=30)
     assert losses[-1] < losses[0] - 1.0, losses

@@ -1,0 +1,67 @@
+"""--muon-use-syrk (megatron-core main's flag and meaning): Newton-Schulz through
+emerging_optimizers' Triton SYRK kernel, which computes the symmetric products X X^T and A A with
+about half their FLOPs. Where it can run, and the orthogonalization that uses it.
+
+The kernel is bf16 (emerging_optimizers' newton_schulz takes it only at `medium`), 2-D (a
+batched call refuses it: each matrix is orthogonalized alone), CUDA with Triton >= 3.4 on the GPU
+generations emerging_optimizers' Muon vouches for. megatron-core 0.19's TensorParallelMuon has no
+`use_syrk` and emerging_optimizers' newton_schulz_tp drops it, so there it runs where a matrix is
+whole on its rank (no tensor-parallel partition, or a TP group of one), which
+`--muon-tp-mode blockwise` makes of every matrix; a megatron-core whose TensorParallelMuon takes
+`use_syrk` runs it in every TP mode itself.
+"""
+
+import torch
+
+from . import upstream
+
+FLAG = "--muon-use-syrk"
+# emerging_optimizers' Muon.__init__ turns use_syrk off elsewhere: "Correctness of Triton kernel
+# on SM ... cannot be guaranteed".
+SM_VERSIONS = ((8, 0), (9, 0), (10, 0), (10, 3))
+
+
+def why_it_cannot_run(fp32_matmul_prec: str, tp_mode: str, tp_sizes, device: torch.device,
+                      ) -> str | None:
+    """What stops the kernel here, naming the flag to change, or None. `tp_sizes`: the sizes of
+    the tensor-parallel groups the Muon matrices are partitioned over (dense and expert)."""
+    if fp32_matmul_prec != "medium":
+        return (f"{FLAG} runs a bf16 kernel, which emerging_optimizers' newton_schulz uses only at "
+                f"--muon-fp32-matmul-prec medium, not {fp32_matmul_prec}")
+    if (not upstream.tensor_parallel_muon_takes_syrk() and tp_mode != "blockwise"
+            and max(tp_sizes, default=1) > 1):
+        return (f"{FLAG} with --muon-tp-mode {tp_mode} under tensor parallelism "
+                f"{max(tp_sizes)}: this megatron-core's TensorParallelMuon cannot pass it to the "
+                "tensor-parallel Newton-Schulz (emerging_optimizers' newton_schulz_tp drops it); "
+                "use --muon-tp-mode blockwise, or a megatron-core with --muon-use-syrk")
+    if device.type != "cuda":
+        return f"{FLAG} needs CUDA (a Triton kernel); the params are on {device.type}"
+    if not upstream.has_triton_syrk():
+        return f"{FLAG} needs Triton 3.4 or later (emerging_optimizers.triton_kernels)"
+    capability = torch.cuda.get_device_capability(device)
+    if capability not in SM_VERSIONS:
+        return (f"{FLAG}: emerging_optimizers does not vouch for its kernel on SM "
+                f"{capability[0]}.{capability[1]} (only {', '.join(f'{a}.{b}' for a, b in SM_VERSIONS)})")
+    return None
+
+
+def _kernel_takes(matrix: torch.Tensor) -> bool:
+    """2-D, with both dims multiples of 8: the kernel's tensor descriptors need 16-byte-aligned
+    strides (megatron-core main's _syrk_compatible); other matrices take the plain kernel."""
+    return matrix.ndim == 2 and matrix.shape[-1] % 8 == 0 and matrix.shape[-2] % 8 == 0
+
+
+def scaled_orthogonalize_fn(upstream_fn, num_ns_steps: int, coefficient_type: str,
+                            scale_mode: str, extra_scale_factor: float):
+    """TensorParallelMuon's scaled_orthogonalize_fn (`upstream_fn`) with the SYRK kernel where a
+    matrix is whole on this rank: what its closure computes there (newton_schulz, then
+    get_muon_scale_factor of the matrix's shape times extra_scale_factor), with use_syrk."""
+    def orthogonalize(grad: torch.Tensor, tp_group=None, partition_dim: int | None = None):
+        whole = partition_dim is None or tp_group is None or tp_group.size() == 1
+        if not (whole and _kernel_takes(grad)):
+            return upstream_fn(grad, tp_group, partition_dim)
+        orthogonalized = upstream.newton_schulz(grad, num_ns_steps, coefficient_type, use_syrk=True)
+        scale = upstream.get_muon_scale_factor(grad.size(-2), grad.size(-1), mode=scale_mode)
+        return orthogonalized * scale * extra_scale_factor
+
+    return orthogonalize
