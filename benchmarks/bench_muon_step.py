@@ -2,12 +2,14 @@
 and megatron-core's own Muon on Megatron DDP (every rank orthogonalizes every matrix) and with its
 LayerWiseDistributedOptimizer (whole matrices per rank, ZeRO-1).
 
-    python benchmarks/bench_muon_step.py [--world-sizes 1 2 4] [--steps 10]
+    python benchmarks/bench_muon_step.py [--world-sizes 1 2 4] [--steps 10] [--configs demo ...]
+        [--stem latest]
 
 Runs itself under torchrun once per world size (gloo on CPU, NCCL on GPUs), on the demo GPT, a
 wider one, an MoE GPT (4 experts, expert-parallel 2), the demo GPT under HSDP (2 replicas,
 outer strategy no_shard or optim) and the demo GPT with MuonClip (--qk-clip, a threshold its
-logits pass every step), and writes benchmarks/results/latest.json and latest.png. Bytes, collectives and
+logits pass every step), and writes benchmarks/results/latest.json and latest.png (--stem: another
+name, e.g. for a run of some --configs only). Bytes, collectives and
 Newton-Schulz FLOPs are counted from the calls a step really makes; times are medians of --steps
 steps after warm-up, every mode measured side by side in the same processes, the modes taking
 turns step by step; a ratio of two modes is the median of its rounds' ratios, printed with their
@@ -161,6 +163,7 @@ def measure(shape, parallel, steps):
         step_s=statistics.median(step_times[mode]), train_step_s=statistics.median(train_times[mode]),
         step_times_s=step_times[mode], train_times_s=train_times[mode],
         received_bytes=traffic[mode].received_bytes, collectives=traffic[mode].collectives,
+        collectives_by_op=dict(traffic[mode].by_name),
         ns_flops=flops[mode].get_total_flops(), state_bytes=optimizer_state_bytes(optimizer),
         transient_bytes=traffic[mode].peak_buffer_bytes,
         phase_s={phase: statistics.median(p[phase] for p in phases[mode]) for phase in PHASES})
@@ -231,6 +234,8 @@ def worker(args):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     out = {}
     for name, (shape, parallel) in configs(dist.get_world_size()).items():
+        if args.configs and name not in args.configs:
+            continue
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, measure(shape, parallel, args.steps))
         out[name] = per_rank
@@ -264,6 +269,7 @@ def summarize(world, per_rank):
             ns_max_over_mean=max(flops) / mean_flops if mean_flops else None,
             ns_redundancy=sum(flops) / single_device_flops if single_device_flops else None,
             collectives_per_step=max(f["collectives"] for f in figures),
+            collectives_by_op=_busiest_collectives(figures),
             collectives_per_shape_batch=max(f["collectives"] for f in figures) / plan["batches"],
             muon_step_s=max(f["step_s"] for f in figures),
             muon_step_rounds_s=rounds(per_rank, mode),
@@ -273,6 +279,8 @@ def summarize(world, per_rank):
             optimizer_state_bytes=max(f["state_bytes"] for f in figures))
     adam = [r["adam"] for r in per_rank]
     row["adam"] = dict(adam_step_s=max(f["step_s"] for f in adam),
+                       collectives_per_step=max(f["collectives"] for f in adam),
+                       collectives_by_op=_busiest_collectives(adam),
                        train_step_s=max(f["train_step_s"] for f in adam),
                        optimizer_state_bytes=max(f["state_bytes"] for f in adam))
     row["owner_over_allgather"] = paired_ratio(per_rank, "owner", "allgather")
@@ -294,6 +302,11 @@ def summarize(world, per_rank):
     row["owner_tradeoff"] = plan["owner_tradeoff"]
     row["newton_schulz_precision"] = NEWTON_SCHULZ_PRECISION
     return row
+
+
+def _busiest_collectives(figures) -> dict[str, int]:
+    """The collectives by c10d op of the rank that issues the most."""
+    return max(figures, key=lambda f: f["collectives"])["collectives_by_op"]
 
 
 def rounds(per_rank, mode, times="step_times_s") -> list[float]:
@@ -366,6 +379,10 @@ def print_table(results):
                       f"{row[ours]['optimizer_state_bytes'] / 1e6:.2f} MB, DDP "
                       f"{row['ddp']['optimizer_state_bytes'] / 1e6:.2f}, layer-wise "
                       f"{row['layerwise']['optimizer_state_bytes'] / 1e6:.2f}")
+            print(f"{'':9} collectives per step by c10d op (the busiest rank's): " + "; ".join(
+                f"{mode} " + ", ".join(f"{count} {op}" for op, count in
+                                       sorted(row[mode]["collectives_by_op"].items()))
+                for mode in _muon_modes(row) + ["adam"]))
             if "layerwise" in row:
                 print(f"{'':9} the step by phase, ms (torch.profiler, its overhead included; "
                       f"the slowest rank's; step_profile.py):")
@@ -416,16 +433,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--configs", nargs="+", choices=list(configs(2)),
+                        help="run only these (default: all)")
+    parser.add_argument("--stem", default="latest", help="results/STEM.json and STEM.png")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
 
-    runs = per_world_size.run(__file__, args.world_sizes, "--steps", str(args.steps))
+    runs = per_world_size.run(__file__, args.world_sizes, "--steps", str(args.steps),
+                              *(["--configs", *args.configs] if args.configs else []))
     results = {name: [summarize(w, runs[w][name]) for w in args.world_sizes if name in runs[w]]
-               for name in configs(max(args.world_sizes))}
-    per_world_size.save(results, "latest", plot, print_table)
+               for name in configs(max(args.world_sizes)) if name in runs[max(args.world_sizes)]}
+    per_world_size.save(results, args.stem, plot, print_table)
 
 
 if __name__ == "__main__":
