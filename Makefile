@@ -7,7 +7,7 @@
 # rank's peak memory in a train step (benchmarks/results/memory.json and .png); `make
 # bench-demo` times the demo's iterations as megatron.training does, ours beside megatron-core's
 # Muon on DDP and Adam (benchmarks/results/demo.json); `make scale`
-# estimates it, and the memory per rank, for 8B/70B/DeepSeek-V3/Kimi K2 shapes at W=8..1024 from
+# estimates it, and the memory per rank, for 8B/70B/DeepSeek-V3/Kimi K2 shapes at W=8..2048 from
 # the real planning code and rates
 # measured here (SCALE_ARGS="--rates benchmarks/rates/h100.json" for the H100's).
 # Both create or refresh .venv (Python >= 3.12) whenever setup.py, the ranges

@@ -1,8 +1,8 @@
 """What Muon's optimizer step costs at scale, from the real planning code, with no model allocated.
 
-    python benchmarks/scale_model.py [--models llama-8b llama-70b deepseek-v3]
-        [--world-sizes 8 64 256 1024] [--rates FILE.json | --measure-rates FILE.json]
-        [--bandwidth-gbps 50] [--tokens-per-step 4194304]
+    python benchmarks/scale_model.py [--models llama-8b llama-70b deepseek-v3 kimi-k2]
+        [--world-sizes 8 64 256 1024 2048] [--rates FILE.json | --measure-rates FILE.json]
+        [--bandwidth-gbps 50] [--tokens-per-step N]
 
 For each model and data-parallel size W (dp_cp; the MoE's experts over expert parallelism
 EP = gcd(W, 64) and expert data parallelism W / EP), megatron-core builds the model on the meta
@@ -14,8 +14,11 @@ Newton-Schulz FLOPs of the busiest rank, bytes per rank, batches; from measured 
 estimates for owner (ours), allgather (every rank gathers and orthogonalizes every matrix) and
 whole-matrix-per-rank (megatron-core's layer-wise placement: whole matrices spread over the ranks by
 Newton-Schulz work alone, wherever their rows lie), against Adam's optimizer step and a
-forward-backward estimate. Prints a table, writes benchmarks/results/scale.json and scale.png.
-The assumptions are printed with the numbers.
+forward-backward estimate at each model's own tokens per step (its paper's; --tokens-per-step
+sets one for all) and at NVIDIA's Kimi K2 benchmark batch, beside NVIDIA's published figure for
+layer-wise Muon; and our step with emerging-optimizers' SYRK Newton-Schulz (--muon-use-syrk).
+Prints a table, writes benchmarks/results/scale.json and scale.png. The assumptions are printed
+with the numbers.
 """
 
 import argparse
@@ -35,29 +38,36 @@ ELEMENT_BYTES = 4  # fp32 main weights, momentum and updates
 # owners by time, and its fallback); whole-matrix-per-rank: megatron-core's layer-wise placement.
 MODES = ("owner", "owner-by-bytes", "allgather", "whole-matrix-per-rank")
 
-# name -> (megatron-core TransformerConfig settings, GPTModel settings)
+# name -> (megatron-core TransformerConfig settings, GPTModel settings, tokens per step)
 MODELS = {
     "llama-8b": (dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                      ffn_hidden_size=14336), dict(vocab_size=128256)),
+                      ffn_hidden_size=14336), dict(vocab_size=128256), 4 << 20),
     "llama-70b": (dict(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
-                       ffn_hidden_size=28672), dict(vocab_size=128256)),
-    # DeepSeek-V3: 61 layers (3 dense), MLA, 256 routed experts (top-8) + 1 shared, no MTP.
+                       ffn_hidden_size=28672), dict(vocab_size=128256), 4 << 20),
+    # DeepSeek-V3: 61 layers (3 dense), MLA, 256 routed experts (top-8) + 1 shared, no MTP;
+    # its report's batch: 15360 sequences of 4096 tokens.
     "deepseek-v3": (dict(num_layers=61, hidden_size=7168, num_attention_heads=128,
                          ffn_hidden_size=18432, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
                          qk_pos_emb_head_dim=64, v_head_dim=128, num_moe_experts=256,
                          moe_router_topk=8, moe_ffn_hidden_size=2048,
                          moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] * 3 + [1] * 58),
-                    dict(vocab_size=129280)),
+                    dict(vocab_size=129280), 15360 * 4096),
     # Kimi K2: DeepSeek-V3's layout with 64 heads, 384 routed experts (top-8) + 1 shared, one
-    # dense first layer, a 163840-token vocabulary.
+    # dense first layer, a 163840-token vocabulary; its report's batch: 67M tokens (16384 x 4096).
     "kimi-k2": (dict(num_layers=61, hidden_size=7168, num_attention_heads=64,
                      ffn_hidden_size=18432, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
                      qk_pos_emb_head_dim=64, v_head_dim=128, num_moe_experts=384,
                      moe_router_topk=8, moe_ffn_hidden_size=2048,
                      moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0] + [1] * 60),
-                dict(vocab_size=163840)),
+                dict(vocab_size=163840), 16384 * 4096),
 }
+# Bridge's Kimi K2 and DeepSeek-V3 performance recipes: EP 64.
 MAX_EXPERT_PARALLEL = 64
+# NVIDIA's published figure for Muon at the flagship's scale (developer blog, 2026-04, Megatron
+# Bridge 26.02): layer-wise Muon on Kimi K2, 256 GB300 GPUs, PP4 VP4 DP64 EP64, MXFP8, Bridge's
+# benchmark batch (2048 sequences of 4096 tokens): 1029 model TFLOP/s per GPU against AdamW's 1051.
+NVIDIA = dict(model="kimi-k2", world=256, tokens_per_step=2048 * 4096, muon_tflops=1029,
+              adam_tflops=1051)
 # The memory column: bytes per element of each rank's shard at rest (Megatron-FSDP ZeRO-3 with
 # bf16 compute weights: the bf16 weight and its fp32 main weight, an fp32 gradient; Adam's two fp32
 # moments, Muon's one fp32 momentum), and the working-memory budget that keeps Muon's transient
@@ -79,7 +89,7 @@ def meta_model(name: str, expert_parallel_size: int):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    settings, model_settings = MODELS[name]
+    settings, model_settings, _ = MODELS[name]
     is_mla = "q_lora_rank" in settings
     config_class = MLATransformerConfig if is_mla else TransformerConfig
     with torch.device("meta"):
@@ -273,8 +283,22 @@ class Part:
                        "whole-matrix-per-rank": whole_matrix_owners(matrices)}
 
 
+def syrk_share(matrix) -> float:
+    """The share of its Newton-Schulz FLOPs a matrix keeps with emerging-optimizers' SYRK kernel
+    (newton_schulz_step_tsyrk): per step X X^T (2m^2 n) and A A (2m^3) are symmetric and cost half,
+    B X (2m^2 n) does not: (3m^2 n + m^3) / (4m^2 n + 2m^3), m the smaller side."""
+    def flops(m, n, syrk):
+        return (3 * m * m * n + m ** 3) if syrk else (4 * m * m * n + 2 * m ** 3)
+
+    blocks = [(min(rows, matrix.cols), max(rows, matrix.cols))
+              for rows in matrix.row_blocks or (matrix.shape[0],)]
+    return sum(flops(m, n, True) for m, n in blocks) / sum(flops(m, n, False) for m, n in blocks)
+
+
 def rank_figures(part: Part, mode: str, cost, ns_steps: int) -> list[dict]:
-    """Per rank of `part`: Newton-Schulz FLOPs and seconds, bytes received and sent."""
+    """Per rank of `part`: Newton-Schulz FLOPs and seconds (and seconds with the SYRK kernel:
+    each owned matrix in its own call, at the plain call's rate on the FLOPs it keeps), bytes
+    received and sent."""
     from megatron_muon.plan import newton_schulz_seconds, owner_traffic
 
     world, matrices = part.world, part.matrices
@@ -282,19 +306,21 @@ def rank_figures(part: Part, mode: str, cost, ns_steps: int) -> list[dict]:
     if mode == "allgather":  # every rank gathers every matrix (padded shards) and runs it alone
         per_matrix = sum(cost.call_seconds(m, 1) for m in matrices)
         ns_flops, ns_seconds = [sum(flops)] * world, [per_matrix] * world
+        syrk_seconds = [sum(cost.call_seconds(m, 1) * syrk_share(m) for m in matrices)] * world
         moved = sum((m.layout.ranks - 1) * m.layout.max_rows * m.cols * ELEMENT_BYTES
                     for m in matrices if len(m.layout.rows) > 1)
         received = sent = [moved] * world
     else:
         owners = part.owners[mode]
-        ns_flops = [0] * world
-        for matrix_flops, owner in zip(flops, owners):
+        ns_flops, syrk_seconds = [0] * world, [0.0] * world
+        for matrix, matrix_flops, owner in zip(matrices, flops, owners):
             ns_flops[owner] += matrix_flops
+            syrk_seconds[owner] += cost.call_seconds(matrix, 1) * syrk_share(matrix)
         # an owner's matrices of one batch: one batched call (plan.newton_schulz_seconds)
         ns_seconds = newton_schulz_seconds(matrices, owners, part.batches, cost)
         received, sent = owner_traffic(matrices, owners, ELEMENT_BYTES)
-    return [dict(ns_flops=ns_flops[r], ns_seconds=ns_seconds[r], received=received[r], sent=sent[r])
-            for r in range(world)]
+    return [dict(ns_flops=ns_flops[r], ns_seconds=ns_seconds[r], syrk_seconds=syrk_seconds[r],
+                 received=received[r], sent=sent[r]) for r in range(world)]
 
 
 def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
@@ -330,9 +356,15 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
 
     result_memory = memory_figures(parts, world, all_elements, muon_elements, adam_elements)
     adam_step = max(all_elements) * rates.adam_ns_per_element * 1e-9
-    fwd_bwd = 6 * active * args.tokens_per_step / world / (
-        rates.matmul_tflops * 1e12 * args.fwd_bwd_efficiency)
+    tokens = args.tokens_per_step or MODELS[name][2]
+
+    def fwd_bwd_seconds(tokens_per_step):
+        return 6 * active * tokens_per_step / world / (
+            rates.matmul_tflops * 1e12 * args.fwd_bwd_efficiency)
+
+    fwd_bwd, fwd_bwd_at_nvidia = fwd_bwd_seconds(tokens), fwd_bwd_seconds(NVIDIA["tokens_per_step"])
     result = dict(model=name, world=world, expert_parallel=ep, active_params=active,
+                  tokens_per_step=tokens, fwd_bwd_ms_at_nvidia_batch=fwd_bwd_at_nvidia * 1e3,
                   muon_matrices=sum(len(part.matrices) for part, _ in parts),
                   layout_seconds=layout_seconds,
                   plan_seconds=sum(part.plan_seconds for part, _ in parts),
@@ -343,13 +375,16 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     elementwise = max((muon_elements[r] * rates.muon_elementwise_ns_per_element
                        + adam_elements[r] * rates.adam_ns_per_element) * 1e-9 for r in range(world))
     for mode in MODES:
-        ranks = [dict(ns_flops=0, ns_seconds=0.0, received=0, sent=0) for _ in range(world)]
-        step = elementwise
+        ranks = [dict(ns_flops=0, ns_seconds=0.0, syrk_seconds=0.0, received=0, sent=0)
+                 for _ in range(world)]
+        step = syrk_step = elementwise
         for part, rank_in_part in parts:
             figures = rank_figures(part, mode, cost, args.ns_steps)
             # The part's all-to-alls synchronize its ranks: its slowest one counts.
             step += max(f["ns_seconds"] + max(f["received"], f["sent"]) / cost.bytes_per_second
                         for f in figures)
+            syrk_step += max(f["syrk_seconds"] + max(f["received"], f["sent"])
+                             / cost.bytes_per_second for f in figures)
             for r in range(world):
                 for key, value in figures[rank_in_part(r)].items():
                     ranks[r][key] += value
@@ -359,8 +394,10 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
             ideal_ns_gflop=sum(f["ns_flops"] for f in ranks) / world / 1e9,
             max_received_mb=max(f["received"] for f in ranks) / 1e6,
             ns_ms=max(f["ns_seconds"] for f in ranks) * 1e3, network_ms=max(network) * 1e3,
-            step_ms=step * 1e3,
-            overhead=(step - adam_step) / (fwd_bwd + adam_step))
+            step_ms=step * 1e3, syrk_step_ms=syrk_step * 1e3,
+            overhead=(step - adam_step) / (fwd_bwd + adam_step),
+            syrk_overhead=(syrk_step - adam_step) / (fwd_bwd + adam_step),
+            overhead_at_nvidia_batch=(step - adam_step) / (fwd_bwd_at_nvidia + adam_step))
     return result
 
 
@@ -425,10 +462,20 @@ def assumptions(rates: Rates, args) -> list[str]:
         "upper bound: the exchange overlaps the next batch's gather with compute)",
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "
         "no communication)",
-        f"forward-backward = 6 x active params (without the embedding lookup) x "
-        f"{args.tokens_per_step} tokens / W / (matmul rate x {args.fwd_bwd_efficiency:g}); "
-        "attention's own FLOPs left out",
-        "overhead = (Muon step - Adam step) / (forward-backward + Adam step)",
+        "forward-backward = 6 x active params (without the embedding lookup) x tokens per step / "
+        f"W / (matmul rate x {args.fwd_bwd_efficiency:g}); attention's own FLOPs left out (a "
+        "shorter step: the overhead is overstated); tokens per step "
+        + (f"{args.tokens_per_step} for every model" if args.tokens_per_step else
+           "each model's own: " + ", ".join(f"{name} {MODELS[name][2] / 1e6:.1f}M"
+                                           for name in args.models)
+           + " (DeepSeek-V3's and Kimi K2's reports; 4M for the Llamas)"),
+        "overhead = (Muon step - Adam step) / (forward-backward + Adam step): the extra time of "
+        "a training step, as NVIDIA's figure (1051 / 1029 model TFLOP/s - 1 = 2.1%); "
+        f"'@NVIDIA batch' at its benchmark's {NVIDIA['tokens_per_step'] / 1e6:.1f}M tokens",
+        "SYRK: our step with --muon-use-syrk (emerging-optimizers' Triton kernel): each matrix "
+        "in its own call (the kernel takes no batch), at the plain call's measured rate on the "
+        "FLOPs it keeps ((3m^2 n + m^3) / (4m^2 n + 2m^3) of them: X X^T and A A at half); the "
+        "same owners",
         f"memory per rank, GB: weights {WEIGHT_BYTES} bytes/element (bf16 compute weight + fp32 "
         f"main weight), gradients {GRADIENT_BYTES} (fp32), state Adam {ADAM_STATE_BYTES} (two "
         f"fp32 moments), Muon {MUON_STATE_BYTES} per Muon element (one fp32 momentum) and Adam's "
@@ -450,22 +497,43 @@ def print_table(results, notes):
     print("\nAssumptions:")
     for note in notes:
         print(f"  - {note}")
-    columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("plan s", 7, ">"),
-               ("owners", 7, ">"), ("batches", 8, ">"), ("mode", 22, "<"),
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("tokens", 7, ">"),
+               ("plan s", 7, ">"), ("owners", 7, ">"), ("batches", 8, ">"), ("mode", 22, "<"),
                ("busiest NS GF", 14, ">"), ("ideal GF", 10, ">"), ("max in MB", 10, ">"),
-               ("NS ms", 9, ">"), ("net ms", 9, ">"), ("step ms", 9, ">"), ("Adam ms", 9, ">"),
-               ("fwd-bwd ms", 11, ">"), ("overhead", 9, ">")]
+               ("NS ms", 9, ">"), ("net ms", 9, ">"), ("step ms", 9, ">"), ("SYRK ms", 9, ">"),
+               ("Adam ms", 9, ">"), ("fwd-bwd ms", 11, ">"), ("overhead", 9, ">"),
+               ("SYRK", 7, ">"), ("@NVIDIA batch", 14, ">")]
 
     line = functools.partial(_line, columns=columns)
     header = line([name for name, _, _ in columns])
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
         for mode, m in r["modes"].items():
-            print(line([r["model"], r["world"], r["expert_parallel"], f"{r['plan_seconds']:.2f}",
+            print(line([r["model"], r["world"], r["expert_parallel"],
+                        f"{r['tokens_per_step'] / 1e6:.1f}M", f"{r['plan_seconds']:.2f}",
                         r["owners"], r["batches"], mode, f"{m['busiest_ns_gflop']:.0f}",
                         f"{m['ideal_ns_gflop']:.0f}", f"{m['max_received_mb']:.0f}",
                         f"{m['ns_ms']:.4g}", f"{m['network_ms']:.4g}", f"{m['step_ms']:.4g}",
-                        f"{r['adam_step_ms']:.4g}", f"{r['fwd_bwd_ms']:.4g}", f"{m['overhead']:.1%}"]))
+                        f"{m['syrk_step_ms']:.4g}", f"{r['adam_step_ms']:.4g}",
+                        f"{r['fwd_bwd_ms']:.4g}", f"{m['overhead']:.2%}",
+                        f"{m['syrk_overhead']:.2%}", f"{m['overhead_at_nvidia_batch']:.2%}"]))
+
+
+def print_beside_nvidia(results, rates: Rates):
+    """Muon's share of the step where NVIDIA published one, beside it, saying what differs."""
+    published = NVIDIA["adam_tflops"] / NVIDIA["muon_tflops"] - 1
+    rows = [r for r in results if r["model"] == NVIDIA["model"] and r["world"] == NVIDIA["world"]]
+    print(f"\nMuon's share of a training step beside NVIDIA's published {published:.1%} "
+          "(layer-wise Muon, Kimi K2, 256 GB300 GPUs, PP4 VP4 DP64 EP64, MXFP8, "
+          f"{NVIDIA['tokens_per_step'] / 1e6:.1f}M tokens per step):")
+    for r in rows:
+        ours, layer_wise = r["modes"]["owner"], r["modes"]["whole-matrix-per-rank"]
+        print(f"  here, {r['model']} at W={r['world']} (EP {r['expert_parallel']}, ZeRO-3, no "
+              f"pipeline stages, {rates.device} rates, {_matmul_dtype(rates)} Newton-Schulz): "
+              f"ours {ours['overhead']:.2%} at its {r['tokens_per_step'] / 1e6:.1f}M tokens, "
+              f"{ours['overhead_at_nvidia_batch']:.2%} at NVIDIA's batch, with SYRK "
+              f"{ours['syrk_overhead']:.2%}; the layer-wise placement of whole matrices "
+              f"{layer_wise['overhead']:.2%} / {layer_wise['overhead_at_nvidia_batch']:.2%}")
 
 
 def print_memory_table(results):
@@ -513,14 +581,15 @@ def plot(results, path, caption):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--world-sizes", nargs="+", type=int, default=[8, 64, 256, 1024])
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=[8, 64, 256, 1024, 2048])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--rates", type=Path, help="a JSON of rates (e.g. measured on a GPU with "
                         "--measure-rates); default: measure them here first")
     source.add_argument("--measure-rates", type=Path, help="measure the rates here, write them "
                         "to this JSON, and go on with them")
     parser.add_argument("--bandwidth-gbps", type=float, default=50.0)
-    parser.add_argument("--tokens-per-step", type=int, default=4 << 20)
+    parser.add_argument("--tokens-per-step", type=int, default=None,
+                        help="for every model (default: each model's own, from its report)")
     parser.add_argument("--fwd-bwd-efficiency", type=float, default=0.5,
                         help="forward-backward's share of the measured matmul rate")
     parser.add_argument("--ns-steps", type=int, default=5)
@@ -556,12 +625,14 @@ def main():
                   flush=True)
     notes = assumptions(rates, args)
     print_table(results, notes)
+    print_beside_nvidia(results, rates)
     print_memory_table(results)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scale.json").write_text(json.dumps(dict(assumptions=notes, rates=table,
                                                         results=results), indent=1))
     plot(results, RESULTS / "scale.png", f"rates: {rates.device} ({rates.measured}); network "
-         f"{args.bandwidth_gbps:g} GB/s per rank; {args.tokens_per_step} tokens per step; "
+         f"{args.bandwidth_gbps:g} GB/s per rank; tokens per step: "
+         f"{args.tokens_per_step or 'each model its own'}; "
          "estimates, not measurements (assumptions: scale.json)")
     print(f"\nwrote {RESULTS / 'scale.json'} and {RESULTS / 'scale.png'}")
     dist.destroy_process_group()

@@ -50,3 +50,18 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice)
                          [(4, 1, "time"), (4, 2, "time"), (4, 2, "bytes")])
 def test_scale_model_plans_what_a_run_plans(distributed, world_size, expert_parallel, owner_choice):
     distributed(_plans_what_the_run_planned, world_size, expert_parallel, owner_choice)
+
+
+@pytest.mark.parametrize("rows, cols, blocks, kept", [
+    (256, 256, None, 4 / 6),  # square: (3 + 1) / (4 + 2)
+    (2048, 7168, None, (3 * 7168 + 2048) / (4 * 7168 + 2 * 2048)),  # a DeepSeek-V3 expert
+    (7168, 2048, None, (3 * 7168 + 2048) / (4 * 7168 + 2 * 2048)),  # m is the smaller side
+    (48, 32, (32, 16),  # a QKV split: a 32 x 32 block and a 16 x 32 one
+     (4 * 32 ** 3 + 16 * 16 * (3 * 32 + 16)) / (6 * 32 ** 3 + 16 * 16 * (4 * 32 + 2 * 16)))])
+def test_the_syrk_kernel_keeps_the_share_of_flops_its_symmetric_products_leave(rows, cols,
+                                                                             blocks, kept):
+    """X X^T and A A at half, B X whole, per row block of a QKV split."""
+    from megatron_muon.plan import Matrix, RowLayout
+
+    matrix = Matrix(RowLayout((rows,)), cols, row_blocks=blocks)
+    assert scale_model.syrk_share(matrix) == pytest.approx(kept)
