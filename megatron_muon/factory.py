@@ -27,7 +27,7 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     `muon_dist_mode`, `muon_owner_choice`, `muon_check_interval`, `muon_max_exchange_bytes` and
     `muon_use_syrk` are ZeROTensorParallelMuon's `dist_mode` ("owner" or "allgather"),
     `owner_choice` ("time" or "bytes"), `check_interval`, `max_exchange_bytes` and `use_syrk`
-    (also on where OptimizerConfig has `muon_use_syrk`, as megatron-core main's does);
+    (also turned on by `OptimizerConfig.muon_use_syrk`, where megatron-core has it, as main does);
     `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on skipped steps."""
     if config.optimizer != "muon" or not all(find_megatron_fsdp(c) for c in model_chunks):
         return _core_get_megatron_optimizer(
