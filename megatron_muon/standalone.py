@@ -1,0 +1,79 @@
+"""Muon for a plain PyTorch or Hugging Face model sharded by Megatron-FSDP outside Megatron
+(`megatron_fsdp.fully_shard_model`): ZeROTensorParallelMuon on the matrices megatron_muon.placement
+picks, torch's AdamW on the rest, stepped under FSDPMuonChainedOptimizer's contract.
+
+    model = megatron_fsdp.fully_shard_model(model, ..., zero_dp_strategy="optim_grads_params")
+    optimizer = megatron_muon.standalone.muon_optimizer(model, lr=0.02, adamw_lr=3e-4)
+    loss.backward(); optimizer.step(); optimizer.zero_grad()
+"""
+
+import torch
+import torch.distributed as dist
+
+from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
+from .placement import place
+from .zero_muon import ZeROTensorParallelMuon
+
+
+class MuonAndAdamW:
+    """The two optimizers stepped one after the other (either may be absent: a model with no
+    matrix, or nothing but matrices)."""
+
+    def __init__(self, optimizers):
+        self.chained_optimizers = list(optimizers)
+
+    @property
+    def param_groups(self):
+        return [group for optimizer in self.chained_optimizers for group in optimizer.param_groups]
+
+    def step(self):
+        for optimizer in self.chained_optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for optimizer in self.chained_optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                   weight_decay: float = 0.1, adamw_lr: float = 3e-4,
+                   adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
+                   adamw_weight_decay: float = 0.1, muon: tuple[str, ...] = (),
+                   adamw: tuple[str, ...] = (), qkv_splits: dict | None = None,
+                   fp32_matmul_prec: str = "medium", max_consecutive_skipped_steps: int = 10,
+                   **muon_kwargs) -> FSDPMuonChainedOptimizer:
+    """Muon + AdamW for `model`, a module wrapped by Megatron-FSDP's `fully_shard_model`.
+
+    Which parameters get Muon: megatron_muon.placement.place (2-D hidden Linear weights; `muon` and
+    `adamw` name overrides; `qkv_splits` {name pattern: (q, k, v rows per query group)} for fused
+    projections), said on rank 0 at start. `lr`, `momentum`, `nesterov`, `weight_decay`,
+    `fp32_matmul_prec` and `muon_kwargs` (ZeROTensorParallelMuon's and TensorParallelMuon's
+    other arguments: scale_mode, num_ns_steps, dist_mode, ...) are Muon's; `adamw_*` AdamW's.
+    `optimizer.step()` syncs the gradients (unless the model or the caller already did), steps
+    both, installs the weights the next forward reads and starts their gather, once."""
+    fsdp = find_megatron_fsdp(model)
+    if fsdp is None:
+        raise TypeError(f"{type(model).__name__} is not wrapped by Megatron-FSDP: call "
+                        "megatron_fsdp.fully_shard_model on it first")
+    placement = place(fsdp.module, muon, adamw, qkv_splits)
+    main_weights = dict(fsdp.param_and_grad_buffer.optimizer_named_parameters)
+    for name, rows in placement.qkv_splits.items():  # read through the main weight's orig_param
+        main_weights[name].orig_param.is_qkv = True
+        main_weights[name].orig_param.qkv_split_shapes = list(rows)
+    optimizers = []
+    if placement.muon:
+        params = [main_weights[name] for name in placement.muon]
+        optimizers.append(ZeROTensorParallelMuon(
+            params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            fp32_matmul_prec=fp32_matmul_prec, split_qkv=bool(placement.qkv_splits),
+            is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
+            param_names={main_weights[name]: name for name in placement.muon}, **muon_kwargs))
+    if placement.adamw:
+        optimizers.append(torch.optim.AdamW(
+            [main_weights[name] for name in placement.adamw], lr=adamw_lr, betas=adamw_betas,
+            eps=adamw_eps, weight_decay=adamw_weight_decay, foreach=True))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for line in placement.describe():
+            print(line, flush=True)
+    return FSDPMuonChainedOptimizer(MuonAndAdamW(optimizers), [model],
+                                    max_consecutive_skipped_steps=max_consecutive_skipped_steps)

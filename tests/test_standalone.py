@@ -1,0 +1,162 @@
+"""Muon for a plain PyTorch model sharded by Megatron-FSDP's fully_shard_model outside Megatron
+(megatron_muon.standalone): which parameters go to Muon and which to AdamW, decided from the
+module and said at start, and every step bit-identical (fp32 Newton-Schulz) to single-device Muon
++ AdamW on the unsharded model, in the weights the next forward reads, at W=1, 2 and 4."""
+
+import copy
+
+import pytest
+import torch
+from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+from fsdp_models import ForwardReads, fully_shard, full_tensor
+from megatron_muon.placement import place
+from megatron_muon.standalone import muon_optimizer
+
+VOCAB, HIDDEN, QKV_ROWS = 40, 24, (8, 4, 4)  # q, k, v rows per query group; 2 groups
+MUON = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01)
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+STEPS = 3
+
+
+class Layer(torch.nn.Module):
+    """A Llama-shaped layer with a fused q/k/v projection (as some Hugging Face models have)."""
+
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm = torch.nn.RMSNorm(HIDDEN)
+        self.qkv_proj = torch.nn.Linear(HIDDEN, 2 * sum(QKV_ROWS), bias=False)
+        self.o_proj = torch.nn.Linear(2 * QKV_ROWS[2], HIDDEN, bias=False)
+        self.post_attention_layernorm = torch.nn.RMSNorm(HIDDEN)
+        self.gate_proj = torch.nn.Linear(HIDDEN, 36, bias=False)
+        self.up_proj = torch.nn.Linear(HIDDEN, 36, bias=True)
+        self.down_proj = torch.nn.Linear(36, HIDDEN, bias=False)
+
+    def forward(self, h):
+        qkv = self.qkv_proj(self.input_layernorm(h)).view(*h.shape[:-1], 2, sum(QKV_ROWS))
+        q, k, v = qkv.split(QKV_ROWS, dim=-1)
+        h = h + self.o_proj((torch.tanh(q[..., :QKV_ROWS[1]] * k) * v).flatten(-2))
+        x = self.post_attention_layernorm(h)
+        return h + self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.layers = torch.nn.ModuleList([Layer(), Layer()])
+        self.norm = torch.nn.RMSNorm(HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens):
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+MATRICES = [f"layers.{i}.{name}.weight" for i in range(2)
+            for name in ("qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+
+
+def test_hidden_linear_weights_go_to_muon_the_rest_to_adamw():
+    placement = place(TinyLM())
+    assert set(placement.muon) == set(MATRICES)
+    assert set(placement.adamw) == {"embed_tokens.weight", "lm_head.weight", "norm.weight"} | {
+        f"layers.{i}.{name}" for i in range(2) for name in
+        ("input_layernorm.weight", "post_attention_layernorm.weight", "up_proj.bias")}
+    lines = placement.describe()
+    assert lines[0].startswith("Muon (10): layers.0.qkv_proj.weight, ") and lines[1].startswith(
+        "AdamW (9): embed_tokens.weight, ")
+
+
+def test_the_output_head_is_adamws_however_it_is_named_or_tied():
+    model = TinyLM()
+    model.proj_out, model.lm_head = model.lm_head, None  # named otherwise: a vocabulary's outputs
+    assert "proj_out.weight" in place(model).adamw
+    tied = place(TinyLM(tied=True))
+    assert "embed_tokens.weight" in tied.adamw and set(tied.muon) == set(MATRICES)
+
+
+def test_names_override_the_rule_and_fused_projections_split():
+    placement = place(TinyLM(), muon=("lm_head.weight",), adamw=("layers.*.down_proj.weight",),
+                      qkv_splits={"*.qkv_proj.weight": QKV_ROWS})
+    assert "lm_head.weight" in placement.muon and "layers.1.down_proj.weight" in placement.adamw
+    assert placement.qkv_splits == {f"layers.{i}.qkv_proj.weight": QKV_ROWS for i in range(2)}
+    assert "layers.0.qkv_proj.weight (q/k/v rows per group [8, 4, 4])" in placement.describe()[0]
+
+
+@pytest.mark.parametrize("settings, refusal", [
+    (dict(muon=("layers.0.q_proj.weight",)), "muon pattern 'layers.0.q_proj.weight' matches no"),
+    (dict(muon=("norm.weight",)), r"norm.weight \(shape \(24,\)\) goes to Muon but is not a 2-D"),
+    (dict(muon=("lm_head.weight",), adamw=("lm_*",)), "lm_head.weight matches both"),
+    (dict(qkv_splits={"*.o_proj.weight": (8, 4, 4)}), r"layers.0.o_proj.weight has 24 rows, not "
+     r"whole q/k/v groups of \[8, 4, 4\] rows"),
+    (dict(adamw=("*.qkv_proj.weight",), qkv_splits={"*.qkv_proj.weight": QKV_ROWS}),
+     "qkv_splits pattern"),
+])
+def test_what_muon_cannot_step_is_refused_naming_the_parameter(settings, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        place(TinyLM(), **settings)
+
+
+def _reference(model, placement):
+    """Single-device Muon + AdamW on the unsharded model, with the same placement."""
+    params = dict(model.named_parameters())
+    for name, rows in placement.qkv_splits.items():
+        params[name].is_qkv, params[name].qkv_split_shapes = True, list(rows)
+    muon = TensorParallelMuon([params[n] for n in placement.muon], **MUON,
+                              fp32_matmul_prec="highest", split_qkv=True,
+                              is_qkv_fn=lambda p: getattr(p, "is_qkv", False))
+    return params, [muon, torch.optim.AdamW([params[n] for n in placement.adamw], **ADAMW,
+                                            foreach=True)]
+
+
+def _tokens(step, rank):
+    return torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _loss(model, tokens):
+    return torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(1).flatten())
+
+
+def _matches_single_device(rank, world_size, strategy):
+    torch.manual_seed(0)
+    unsharded = TinyLM()
+    reference = copy.deepcopy(unsharded)
+    model = fully_shard(unsharded, strategy, world_size, [torch.nn.Linear, torch.nn.Embedding])
+    optimizer = muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
+                               adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"],
+                               qkv_splits={"*.qkv_proj.weight": QKV_ROWS},
+                               fp32_matmul_prec="highest")
+    placement = place(reference, qkv_splits={"*.qkv_proj.weight": QKV_ROWS})
+    ref_params, ref_optimizers = _reference(reference, placement)
+    main_weights = dict(model.param_and_grad_buffer.optimizer_named_parameters)
+    reads = ForwardReads(model)
+    case = f"{strategy} W={world_size}"
+    for step in range(STEPS):
+        loss = _loss(model, _tokens(step, rank))
+        if step:  # this forward read what the last step made
+            reads.assert_main_weights(f"{case} step {step}")
+        loss.backward()
+        model.finish_grad_sync()  # the caller's sync: the step does not sync again
+        for name, p in main_weights.items():  # the reference steps on the gradient we reduced
+            ref_params[name].grad = full_tensor(p.grad if p.grad is not None
+                                                else torch.zeros_like(p), p)
+        optimizer.step()
+        optimizer.zero_grad()
+        for ref_optimizer in ref_optimizers:
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+        differ = [name for name, p in main_weights.items()
+                  if not torch.equal(full_tensor(p, p), ref_params[name].detach())]
+        assert not differ, f"{case} step {step}: {differ} differ"
+
+
+@pytest.mark.parametrize("world_size, strategy", [
+    (1, "optim_grads_params"), (2, "no_shard"), (2, "optim"), (2, "optim_grads_params"),
+    pytest.param(4, "optim", marks=pytest.mark.slow), (4, "optim_grads_params")])
+def test_every_step_is_single_device_muon_and_adamw(distributed, world_size, strategy):
+    distributed(_matches_single_device, world_size, strategy)
