@@ -264,8 +264,11 @@ class FSDPMuonChainedOptimizer:
         if self._param_names is None:
             by_name = {name: p for chunk in self.model_chunks
                        for name, p in named_main_weights(chunk)}
-            num_experts = getattr(self.model_chunks[0].config, "num_moe_experts", None)
-            by_name = handle_experts_in_state_dict(by_name, num_experts)
+            # Megatron's models carry a config; a plain module on fully_shard_model has none.
+            config = getattr(self.model_chunks[0], "config", None)
+            num_experts = getattr(config, "num_moe_experts", None)
+            if num_experts:
+                by_name = handle_experts_in_state_dict(by_name, num_experts)
             self._param_names = {p: name for name, p in by_name.items()}
         return [(self._param_names[p], p, part, group) for part in self._parts()
                 for group in part.optimizer.param_groups for p in group["params"]]

@@ -10,29 +10,56 @@ picks, torch's AdamW on the rest, stepped under FSDPMuonChainedOptimizer's contr
 import torch
 import torch.distributed as dist
 
+from . import upstream
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
 from .placement import place
 from .zero_muon import ZeROTensorParallelMuon
+
+
+class _Part:
+    """One optimizer of the chain, shaped as megatron-core's chain parts are (`optimizer`,
+    `init_state_fn`, `config`), which FSDPMuonChainedOptimizer's checkpoints read."""
+
+    config = None
+
+    def __init__(self, optimizer, init_state_fn):
+        self.optimizer, self.init_state_fn = optimizer, init_state_fn
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _adamw_zero_state(optimizer, config=None):
+    """AdamW's moments, zero, for params that have none yet (megatron-core's init_state_fn for
+    Adam): every rank then checkpoints the same keys."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p]["exp_avg"] = torch.zeros_like(p)
+                optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p)
 
 
 class MuonAndAdamW:
     """The two optimizers stepped one after the other (either may be absent: a model with no
     matrix, or nothing but matrices)."""
 
-    def __init__(self, optimizers):
-        self.chained_optimizers = list(optimizers)
+    def __init__(self, parts):
+        self.chained_optimizers = list(parts)
 
     @property
     def param_groups(self):
-        return [group for optimizer in self.chained_optimizers for group in optimizer.param_groups]
+        return [group for part in self.chained_optimizers for group in part.optimizer.param_groups]
 
     def step(self):
-        for optimizer in self.chained_optimizers:
-            optimizer.step()
+        for part in self.chained_optimizers:
+            part.step()
 
     def zero_grad(self, set_to_none: bool = True):
-        for optimizer in self.chained_optimizers:
-            optimizer.zero_grad(set_to_none=set_to_none)
+        for part in self.chained_optimizers:
+            part.zero_grad(set_to_none=set_to_none)
 
 
 def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
@@ -60,20 +87,21 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
     for name, rows in placement.qkv_splits.items():  # read through the main weight's orig_param
         main_weights[name].orig_param.is_qkv = True
         main_weights[name].orig_param.qkv_split_shapes = list(rows)
-    optimizers = []
+    parts = []
     if placement.muon:
         params = [main_weights[name] for name in placement.muon]
-        optimizers.append(ZeROTensorParallelMuon(
+        parts.append(_Part(ZeROTensorParallelMuon(
             params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             fp32_matmul_prec=fp32_matmul_prec, split_qkv=bool(placement.qkv_splits),
             is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
-            param_names={main_weights[name]: name for name in placement.muon}, **muon_kwargs))
+            param_names={main_weights[name]: name for name in placement.muon}, **muon_kwargs),
+            upstream.eopt_init_state_fn))
     if placement.adamw:
-        optimizers.append(torch.optim.AdamW(
+        parts.append(_Part(torch.optim.AdamW(
             [main_weights[name] for name in placement.adamw], lr=adamw_lr, betas=adamw_betas,
-            eps=adamw_eps, weight_decay=adamw_weight_decay, foreach=True))
+            eps=adamw_eps, weight_decay=adamw_weight_decay, foreach=True), _adamw_zero_state))
     if not dist.is_initialized() or dist.get_rank() == 0:
         for line in placement.describe():
             print(line, flush=True)
-    return FSDPMuonChainedOptimizer(MuonAndAdamW(optimizers), [model],
+    return FSDPMuonChainedOptimizer(MuonAndAdamW(parts), [model],
                                     max_consecutive_skipped_steps=max_consecutive_skipped_steps)

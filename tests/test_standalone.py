@@ -7,6 +7,9 @@ import copy
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
+    preprocess_state_dict_for_uneven_dtensor
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
 from fsdp_models import ForwardReads, fully_shard, full_tensor
@@ -160,3 +163,50 @@ def _matches_single_device(rank, world_size, strategy):
     pytest.param(4, "optim", marks=pytest.mark.slow), (4, "optim_grads_params")])
 def test_every_step_is_single_device_muon_and_adamw(distributed, world_size, strategy):
     distributed(_matches_single_device, world_size, strategy)
+
+
+def _checkpoint(model, optimizer):
+    """What a script saves and loads with DCP: the model's state dict (Megatron-FSDP's main
+    weights) and the optimizer's, each uneven DTensor given its chunk (megatron_fsdp's
+    preprocess_state_dict_for_uneven_dtensor)."""
+    return preprocess_state_dict_for_uneven_dtensor(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def _built(world_size, strategy):
+    torch.manual_seed(0)
+    model = fully_shard(TinyLM(), strategy, world_size, [torch.nn.Linear, torch.nn.Embedding])
+    return model, muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], fp32_matmul_prec="highest",
+                                 qkv_splits={"*.qkv_proj.weight": QKV_ROWS})
+
+
+def _train(model, optimizer, steps, rank):
+    for step in steps:
+        _loss(model, _tokens(step, rank)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _resumes_exactly(rank, world_size, strategy, path):
+    model, optimizer = _built(world_size, strategy)
+    _train(model, optimizer, range(2), rank)
+    dcp.save(_checkpoint(model, optimizer), checkpoint_id=path)
+    _train(model, optimizer, range(2, 4), rank)
+    uninterrupted = {name: full_tensor(p, p)
+                     for name, p in model.param_and_grad_buffer.optimizer_named_parameters}
+
+    model, optimizer = _built(world_size, strategy)  # a new process's: state created by the load
+    state = _checkpoint(model, optimizer)
+    dcp.load(state, checkpoint_id=path)  # in place, into the main weights and the state
+    model.install_optimized_model_weights()
+    optimizer.load_state_dict(state["optimizer"])
+    _train(model, optimizer, range(2, 4), rank)
+    differ = [name for name, p in model.param_and_grad_buffer.optimizer_named_parameters
+              if not torch.equal(full_tensor(p, p), uninterrupted[name])]
+    assert not differ, f"{strategy} W={world_size}: resumed weights differ: {differ}"
+
+
+@pytest.mark.parametrize("world_size, strategy", [(2, "optim_grads_params"), (2, "optim"),
+                                                  (4, "optim_grads_params")])
+def test_a_dcp_checkpoint_resumes_exactly(distributed, tmp_path, world_size, strategy):
+    distributed(_resumes_exactly, world_size, strategy, str(tmp_path / "checkpoint"))
