@@ -48,12 +48,17 @@ def _train(*flags: str, nproc: int = 2, iterations: int = ITERATIONS, script: Pa
     return run.stdout + run.stderr
 
 
-def _assert_same_values(got_log: str, expected_log: str, rtol: float, what) -> None:
+def _assert_same_values(got_log: str, expected_log: str, rtol: float, what,
+                        compounding: bool = False) -> None:
+    """Each iteration's loss and grad norm within `rtol` of the expected log's; `compounding`:
+    within `rtol` per iteration so far (a round-off difference of the first updates grows
+    through the later ones)."""
     for key in ("lm loss", "grad norm"):
         got, expected = demo_log.exact_values(got_log, key), demo_log.exact_values(expected_log, key)
         assert sorted(got) == sorted(expected), (what, key, got, expected)
         for iteration in expected:
-            assert got[iteration] == pytest.approx(expected[iteration], rel=rtol, abs=0), (
+            bound = rtol * iteration if compounding else rtol
+            assert got[iteration] == pytest.approx(expected[iteration], rel=bound, abs=0), (
                 what, key, iteration, got[iteration], expected[iteration])
 
 
@@ -69,8 +74,14 @@ def test_the_flagship_recipes_train_on_megatron_fsdp_as_megatron_core_on_ddp(rec
     """Bridge's own Kimi K2 (optimizer 'dist_muon') and DeepSeek-V3 recipe functions, shrunk in
     place to a CPU size (bridge_recipe_pretrain.shrink: MLA, 4 routed experts top-2 beside a
     shared expert over expert-parallel 2, the first layer dense), at W=2: ours on Megatron-FSDP
-    against megatron-core's Muon on Megatron DDP built by Bridge, within fp32 round-off or ten
-    times the reference's distance from itself with another DDP bucket size, if larger."""
+    against megatron-core's Muon on Megatron DDP built by Bridge, within fp32 round-off
+    compounding with each update (RTOL per iteration: the two reduce norms and gradients over
+    shards in another order than over whole tensors, and each update carries the difference on;
+    on a 2-core Xeon the DeepSeek-V3 recipe's grad norm differed by 1.4e-7 at iteration 1 and
+    1.04e-5 at iteration 6, beyond RTOL alone, the code of before and after issue 45 alike), or
+    ten times the
+    reference's distance from itself with another DDP bucket size, if larger (at W=2 another
+    bucket size reorders no sum of two: 0 there)."""
     ours = _train("--recipe", recipe, script=RECIPE_SCRIPT)
     reference = _train("--recipe", recipe, "--ddp", script=RECIPE_SCRIPT)
     rebucketed = _train("--recipe", recipe, "--ddp", "--bucket-size", "1000", script=RECIPE_SCRIPT)
@@ -80,7 +91,8 @@ def test_the_flagship_recipes_train_on_megatron_fsdp_as_megatron_core_on_ddp(rec
     noise = _largest_relative_difference(rebucketed, reference)
     print(f"{recipe}: ours against the reference {_largest_relative_difference(ours, reference):.2e}"
           f", the reference against itself {noise:.2e}")
-    _assert_same_values(ours, reference, max(tolerances.RTOL, 10 * noise), recipe)
+    _assert_same_values(ours, reference, max(tolerances.RTOL, 10 * noise), recipe,
+                        compounding=True)
 
 
 RECIPE_MLA_CLIP_THRESHOLD = "0.1"  # below every iteration's max logit here: every step clips
