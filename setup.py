@@ -20,7 +20,8 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "matplotlib", "packaging"],
+        # transformers: the tests build tiny Hugging Face models from their configs (no download).
+        "test": ["pytest", "matplotlib", "packaging", "transformers"],
         # apex has no registry release: GPU users build it from source (see README).
         "gpu": ["transformer-engine[pytorch]"],
         # megatron_muon.bridge: Muon on Megatron-FSDP through Megatron-Bridge's recipes.

@@ -1,9 +1,16 @@
-"""Muon for a plain PyTorch model sharded by Megatron-FSDP's fully_shard_model outside Megatron
-(megatron_muon.standalone): which parameters go to Muon and which to AdamW, decided from the
-module and said at start, and every step bit-identical (fp32 Newton-Schulz) to single-device Muon
-+ AdamW on the unsharded model, in the weights the next forward reads, at W=1, 2 and 4."""
+"""Muon for a plain PyTorch or Hugging Face model sharded by Megatron-FSDP's fully_shard_model
+outside Megatron (megatron_muon.standalone): which parameters go to Muon and which to AdamW,
+decided from the module and said at start; every step bit-identical (fp32 Newton-Schulz) to
+single-device Muon + AdamW on the unsharded model, in the weights the next forward reads, at W=1,
+2 and 4, for a Llama-shaped module with a fused q/k/v projection and for tiny Hugging Face Llama
+and Qwen3 models built from their configs (no download); a DCP checkpoint resumes exactly."""
 
 import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,23 +129,54 @@ def _tokens(step, rank):
 
 
 def _loss(model, tokens):
-    return torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(1).flatten())
+    logits = model(tokens)
+    logits = getattr(logits, "logits", logits)  # a Hugging Face model's output
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1).flatten())
 
 
-def _matches_single_device(rank, world_size, strategy):
+def _hugging_face(kind):
+    """A tiny Llama or Qwen3 from its config (no download): 4 heads of 6 (2 key-value heads), so
+    that Megatron-FSDP cuts its matrices unevenly; Qwen3 adds per-head q and k norms."""
+    import transformers
+
+    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=40, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=6,
+                  max_position_embeddings=32)
+    model_class = getattr(transformers, f"{kind}ForCausalLM")
+    return model_class(getattr(transformers, f"{kind}Config")(**config))
+
+
+def _decoder_layer(kind):
+    """The Hugging Face model's decoder layer class: its Megatron-FSDP unit."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{kind.lower()}.modeling_{kind.lower()}")
+    return getattr(module, f"{kind}DecoderLayer")
+
+
+# name -> (the model, the Megatron-FSDP units, the fused projections' splits)
+MODELS = {
+    "fused-qkv": (TinyLM, lambda: [torch.nn.Linear, torch.nn.Embedding],
+                  {"*.qkv_proj.weight": QKV_ROWS}),
+    "hf-llama": (lambda: _hugging_face("Llama"), lambda: [_decoder_layer("Llama")], {}),
+    "hf-qwen3": (lambda: _hugging_face("Qwen3"), lambda: [_decoder_layer("Qwen3")], {}),
+}
+
+
+def _matches_single_device(rank, world_size, strategy, model_name):
+    build, units, qkv_splits = MODELS[model_name]
     torch.manual_seed(0)
-    unsharded = TinyLM()
+    unsharded = build()
     reference = copy.deepcopy(unsharded)
-    model = fully_shard(unsharded, strategy, world_size, [torch.nn.Linear, torch.nn.Embedding])
+    model = fully_shard(unsharded, strategy, world_size, units())
     optimizer = muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
                                adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"],
-                               qkv_splits={"*.qkv_proj.weight": QKV_ROWS},
-                               fp32_matmul_prec="highest")
-    placement = place(reference, qkv_splits={"*.qkv_proj.weight": QKV_ROWS})
+                               qkv_splits=qkv_splits, fp32_matmul_prec="highest")
+    placement = place(reference, qkv_splits=qkv_splits)
     ref_params, ref_optimizers = _reference(reference, placement)
     main_weights = dict(model.param_and_grad_buffer.optimizer_named_parameters)
     reads = ForwardReads(model)
-    case = f"{strategy} W={world_size}"
+    case = f"{model_name} {strategy} W={world_size}"
     for step in range(STEPS):
         loss = _loss(model, _tokens(step, rank))
         if step:  # this forward read what the last step made
@@ -158,11 +196,15 @@ def _matches_single_device(rank, world_size, strategy):
         assert not differ, f"{case} step {step}: {differ} differ"
 
 
-@pytest.mark.parametrize("world_size, strategy", [
-    (1, "optim_grads_params"), (2, "no_shard"), (2, "optim"), (2, "optim_grads_params"),
-    pytest.param(4, "optim", marks=pytest.mark.slow), (4, "optim_grads_params")])
-def test_every_step_is_single_device_muon_and_adamw(distributed, world_size, strategy):
-    distributed(_matches_single_device, world_size, strategy)
+@pytest.mark.parametrize("world_size, strategy, model_name", [
+    (1, "optim_grads_params", "fused-qkv"), (2, "no_shard", "fused-qkv"), (2, "optim", "fused-qkv"),
+    (2, "optim_grads_params", "fused-qkv"), pytest.param(4, "optim", "fused-qkv", marks=pytest.mark.slow),
+    (4, "optim_grads_params", "fused-qkv"),
+    (2, "optim", "hf-llama"), (2, "optim_grads_params", "hf-llama"),
+    (4, "optim_grads_params", "hf-llama"), (2, "optim_grads_params", "hf-qwen3"),
+    pytest.param(4, "optim_grads_params", "hf-qwen3", marks=pytest.mark.slow)])
+def test_every_step_is_single_device_muon_and_adamw(distributed, world_size, strategy, model_name):
+    distributed(_matches_single_device, world_size, strategy, model_name)
 
 
 def _checkpoint(model, optimizer):
@@ -173,11 +215,12 @@ def _checkpoint(model, optimizer):
         {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
 
 
-def _built(world_size, strategy):
+def _built(world_size, strategy, model_name):
+    build, units, qkv_splits = MODELS[model_name]
     torch.manual_seed(0)
-    model = fully_shard(TinyLM(), strategy, world_size, [torch.nn.Linear, torch.nn.Embedding])
+    model = fully_shard(build(), strategy, world_size, units())
     return model, muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], fp32_matmul_prec="highest",
-                                 qkv_splits={"*.qkv_proj.weight": QKV_ROWS})
+                                 qkv_splits=qkv_splits)
 
 
 def _train(model, optimizer, steps, rank):
@@ -187,15 +230,15 @@ def _train(model, optimizer, steps, rank):
         optimizer.zero_grad()
 
 
-def _resumes_exactly(rank, world_size, strategy, path):
-    model, optimizer = _built(world_size, strategy)
+def _resumes_exactly(rank, world_size, strategy, model_name, path):
+    model, optimizer = _built(world_size, strategy, model_name)
     _train(model, optimizer, range(2), rank)
     dcp.save(_checkpoint(model, optimizer), checkpoint_id=path)
     _train(model, optimizer, range(2, 4), rank)
     uninterrupted = {name: full_tensor(p, p)
                      for name, p in model.param_and_grad_buffer.optimizer_named_parameters}
 
-    model, optimizer = _built(world_size, strategy)  # a new process's: state created by the load
+    model, optimizer = _built(world_size, strategy, model_name)  # as a new process builds them
     state = _checkpoint(model, optimizer)
     dcp.load(state, checkpoint_id=path)  # in place, into the main weights and the state
     model.install_optimized_model_weights()
@@ -203,10 +246,27 @@ def _resumes_exactly(rank, world_size, strategy, path):
     _train(model, optimizer, range(2, 4), rank)
     differ = [name for name, p in model.param_and_grad_buffer.optimizer_named_parameters
               if not torch.equal(full_tensor(p, p), uninterrupted[name])]
-    assert not differ, f"{strategy} W={world_size}: resumed weights differ: {differ}"
+    assert not differ, f"{model_name} {strategy} W={world_size}: resumed weights differ: {differ}"
 
 
-@pytest.mark.parametrize("world_size, strategy", [(2, "optim_grads_params"), (2, "optim"),
-                                                  (4, "optim_grads_params")])
-def test_a_dcp_checkpoint_resumes_exactly(distributed, tmp_path, world_size, strategy):
-    distributed(_resumes_exactly, world_size, strategy, str(tmp_path / "checkpoint"))
+@pytest.mark.parametrize("world_size, strategy, model_name", [
+    (2, "optim_grads_params", "fused-qkv"), (2, "optim", "fused-qkv"),
+    (4, "optim_grads_params", "fused-qkv"), (2, "optim_grads_params", "hf-llama")])
+def test_a_dcp_checkpoint_resumes_exactly(distributed, tmp_path, world_size, strategy, model_name):
+    distributed(_resumes_exactly, world_size, strategy, model_name, str(tmp_path / "checkpoint"))
+
+
+@pytest.mark.e2e
+def test_the_example_trains_a_hugging_face_model_and_its_loss_falls():
+    """examples/train_hf_fully_shard.py as its docstring runs it: torchrun, 2 processes, CPU."""
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
+         "examples/train_hf_fully_shard.py", "--steps", "40"],
+        cwd=repo, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    assert "Muon (14): model.layers.0.self_attn.q_proj.weight" in run.stdout
+    assert "AdamW (7): model.embed_tokens.weight" in run.stdout
+    first, last = map(float, re.search(r"loss (\S+) -> (\S+)", run.stdout).groups())
+    assert last < first - 1.5, (first, last)
