@@ -29,18 +29,14 @@ class Placement:
 
 
 def _heads(module: torch.nn.Module) -> set[str]:
-    """Weights of the output head: a Linear named like one, or one sharing its weight with an
-    embedding (tied), or whose outputs are an embedding's vocabulary."""
-    embeddings = [m for m in module.modules() if isinstance(m, torch.nn.Embedding)]
-    tied = {id(m.weight) for m in embeddings}
-    vocabularies = {m.num_embeddings for m in embeddings}
-    heads = set()
-    for name, child in module.named_modules():
-        if isinstance(child, torch.nn.Linear) and (
+    """Weights of the output head: a Linear named like one, one sharing its weight with an
+    embedding (tied), or the one a Hugging Face model names (`get_output_embeddings`)."""
+    tied = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    named_by_model = getattr(module, "get_output_embeddings", lambda: None)()
+    return {f"{name}.weight" if name else "weight" for name, child in module.named_modules()
+            if isinstance(child, torch.nn.Linear) and (
                 name.rpartition(".")[2] in HEAD_NAMES or id(child.weight) in tied
-                or child.out_features in vocabularies):
-            heads.add(f"{name}.weight" if name else "weight")
-    return heads
+                or child is named_by_model)}
 
 
 def _hidden_linear_weights(module: torch.nn.Module) -> set[str]:

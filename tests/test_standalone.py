@@ -84,10 +84,26 @@ def test_hidden_linear_weights_go_to_muon_the_rest_to_adamw():
 
 def test_the_output_head_is_adamws_however_it_is_named_or_tied():
     model = TinyLM()
-    model.proj_out, model.lm_head = model.lm_head, None  # named otherwise: a vocabulary's outputs
+    model.proj_out, model.lm_head = model.lm_head, None  # named otherwise, the model says which
+    assert "proj_out.weight" in place(model).muon
+    model.get_output_embeddings = lambda: model.proj_out  # Hugging Face's way of saying it
     assert "proj_out.weight" in place(model).adamw
     tied = place(TinyLM(tied=True))
     assert "embed_tokens.weight" in tied.adamw and set(tied.muon) == set(MATRICES)
+
+
+@pytest.mark.parametrize("kind", ["Llama", "Qwen3"])
+def test_a_hugging_face_models_placement(kind):
+    """Its MLP is as wide as its vocabulary here: width does not make a head."""
+    placement = place(_hugging_face(kind))
+    layers = [f"model.layers.{i}." for i in range(2)]
+    assert placement.muon == tuple(f"{layer}{name}.weight" for layer in layers for name in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(
+        placement.adamw)
+    assert all(name.endswith("norm.weight") for name in set(placement.adamw) - {
+        "model.embed_tokens.weight", "lm_head.weight"})
 
 
 def test_names_override_the_rule_and_fused_projections_split():
