@@ -28,13 +28,14 @@ def _build(strategy, dist_mode, experts, replicas):
 
 def _step(model, optimizer, rank, step):
     """A step that is taken: the fake group leaves some buffers as they were, which can make the
-    gradients non-finite (and the step skipped); they are zeroed after the grad sync."""
+    gradients non-finite, or so large that their norm overflows (either skips the step: the
+    chain decides from the norm); after the grad sync they are made finite and bounded."""
     optimizer.zero_grad()
     lm_loss(model, step, rank).backward()
     model.finish_grad_sync()
     for _, p in named_main_weights(model):
         if p.grad is not None:
-            p.grad.to_local().nan_to_num_(0.0, 0.0, 0.0)
+            p.grad.to_local().nan_to_num_(0.0, 0.0, 0.0).clamp_(-1.0, 1.0)
     return optimizer.step()[0]
 
 
