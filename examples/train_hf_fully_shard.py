@@ -16,11 +16,11 @@ import os
 
 import torch
 import torch.distributed as dist
-import transformers
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_muon.cpu import apply_cpu_compat
 from megatron_muon.standalone import muon_optimizer
+from megatron_muon.testing import hugging_face_model
 from synthetic_data import MarkovChainDataset  # beside this script
 
 try:
@@ -30,15 +30,6 @@ except ImportError:
 
 MODELS = {"llama": "Llama", "qwen3": "Qwen3"}
 VOCAB, SEQUENCE, MICRO_BATCH = 128, 64, 4
-
-
-def tiny_model(kind: str):
-    config = getattr(transformers, f"{kind}Config")(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQUENCE)
-    model = getattr(transformers, f"{kind}ForCausalLM")(config)
-    module = getattr(transformers.models, kind.lower())
-    return model, getattr(getattr(module, f"modeling_{kind.lower()}"), f"{kind}DecoderLayer")
 
 
 def main():
@@ -59,7 +50,10 @@ def main():
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     torch.manual_seed(0)
-    model, layer = tiny_model(MODELS[args.model])
+    model, layer = hugging_face_model(
+        MODELS[args.model], vocab_size=VOCAB, hidden_size=64, intermediate_size=192,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=SEQUENCE)
     mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("dp", "tp"))
     model = megatron_fsdp.fully_shard_model(
         model, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", zero_dp_strategy=args.strategy,

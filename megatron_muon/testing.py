@@ -132,6 +132,18 @@ def ddp_gpt(shape: GPTShape = TINY, use_distributed_optimizer=False, layer_wise=
                                       use_layer_wise_distributed_optimizer=layer_wise)[0]
 
 
+def hugging_face_model(kind: str, **config):
+    """A Hugging Face `{kind}ForCausalLM` (Llama, Qwen3, ...) built from `{kind}Config(**config)`,
+    no download, and its decoder layer class (a Megatron-FSDP unit)."""
+    import importlib
+
+    import transformers
+
+    model = getattr(transformers, f"{kind}ForCausalLM")(getattr(transformers, f"{kind}Config")(**config))
+    modeling = importlib.import_module(f"transformers.models.{kind.lower()}.modeling_{kind.lower()}")
+    return model, getattr(modeling, f"{kind}DecoderLayer")
+
+
 def optimizer_config(optimizer="muon", **overrides):
     settings = dict(optimizer=optimizer, lr=0.01, use_distributed_optimizer=True,
                     muon_fp32_matmul_prec="highest")

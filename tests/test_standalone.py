@@ -22,6 +22,7 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from fsdp_models import ForwardReads, fully_shard, full_tensor
 from megatron_muon.placement import place
 from megatron_muon.standalone import muon_optimizer
+from megatron_muon.testing import hugging_face_model
 
 VOCAB, HIDDEN, QKV_ROWS = 40, 24, (8, 4, 4)  # q, k, v rows per query group; 2 groups
 MUON = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01)
@@ -95,7 +96,7 @@ def test_the_output_head_is_adamws_however_it_is_named_or_tied():
 @pytest.mark.parametrize("kind", ["Llama", "Qwen3"])
 def test_a_hugging_face_models_placement(kind):
     """Its MLP is as wide as its vocabulary here: width does not make a head."""
-    placement = place(_hugging_face(kind))
+    placement = place(_hugging_face(kind)[0])
     layers = [f"model.layers.{i}." for i in range(2)]
     assert placement.muon == tuple(f"{layer}{name}.weight" for layer in layers for name in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -151,44 +152,40 @@ def _loss(model, tokens):
 
 
 def _hugging_face(kind):
-    """A tiny Llama or Qwen3 from its config (no download): 4 heads of 6 (2 key-value heads), so
-    that Megatron-FSDP cuts its matrices unevenly; Qwen3 adds per-head q and k norms."""
-    import transformers
-
-    config = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=40, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=6,
-                  max_position_embeddings=32)
-    model_class = getattr(transformers, f"{kind}ForCausalLM")
-    return model_class(getattr(transformers, f"{kind}Config")(**config))
+    """A tiny Llama or Qwen3 from its config (no download) and its Megatron-FSDP units (the
+    decoder layer): 4 heads of 6 (2 key-value heads), so that Megatron-FSDP cuts its matrices
+    unevenly; Qwen3 adds per-head q and k norms. Its MLP is as wide as its vocabulary."""
+    model, layer = hugging_face_model(
+        kind, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=6, max_position_embeddings=32)
+    return model, [layer]
 
 
-def _decoder_layer(kind):
-    """The Hugging Face model's decoder layer class: its Megatron-FSDP unit."""
-    import importlib
-
-    module = importlib.import_module(f"transformers.models.{kind.lower()}.modeling_{kind.lower()}")
-    return getattr(module, f"{kind}DecoderLayer")
-
-
-# name -> (the model, the Megatron-FSDP units, the fused projections' splits)
+# name -> (the model and its Megatron-FSDP units, the fused projections' splits)
 MODELS = {
-    "fused-qkv": (TinyLM, lambda: [torch.nn.Linear, torch.nn.Embedding],
+    "fused-qkv": (lambda: (TinyLM(), [torch.nn.Linear, torch.nn.Embedding]),
                   {"*.qkv_proj.weight": QKV_ROWS}),
-    "hf-llama": (lambda: _hugging_face("Llama"), lambda: [_decoder_layer("Llama")], {}),
-    "hf-qwen3": (lambda: _hugging_face("Qwen3"), lambda: [_decoder_layer("Qwen3")], {}),
+    "hf-llama": (lambda: _hugging_face("Llama"), {}),
+    "hf-qwen3": (lambda: _hugging_face("Qwen3"), {}),
 }
 
 
-def _matches_single_device(rank, world_size, strategy, model_name):
-    build, units, qkv_splits = MODELS[model_name]
+def _built(world_size, strategy, model_name):
+    """(an unsharded copy of the model as built, the model on fully_shard_model, our optimizer)."""
+    build, qkv_splits = MODELS[model_name]
     torch.manual_seed(0)
-    unsharded = build()
-    reference = copy.deepcopy(unsharded)
-    model = fully_shard(unsharded, strategy, world_size, units())
+    module, units = build()
+    unsharded = copy.deepcopy(module)
+    model = fully_shard(module, strategy, world_size, units)
     optimizer = muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
                                adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"],
                                qkv_splits=qkv_splits, fp32_matmul_prec="highest")
-    placement = place(reference, qkv_splits=qkv_splits)
+    return unsharded, model, optimizer
+
+
+def _matches_single_device(rank, world_size, strategy, model_name):
+    reference, model, optimizer = _built(world_size, strategy, model_name)
+    placement = place(reference, qkv_splits=MODELS[model_name][1])
     ref_params, ref_optimizers = _reference(reference, placement)
     main_weights = dict(model.param_and_grad_buffer.optimizer_named_parameters)
     reads = ForwardReads(model)
@@ -231,14 +228,6 @@ def _checkpoint(model, optimizer):
         {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
 
 
-def _built(world_size, strategy, model_name):
-    build, units, qkv_splits = MODELS[model_name]
-    torch.manual_seed(0)
-    model = fully_shard(build(), strategy, world_size, units())
-    return model, muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], fp32_matmul_prec="highest",
-                                 qkv_splits=qkv_splits)
-
-
 def _train(model, optimizer, steps, rank):
     for step in steps:
         _loss(model, _tokens(step, rank)).backward()
@@ -247,14 +236,14 @@ def _train(model, optimizer, steps, rank):
 
 
 def _resumes_exactly(rank, world_size, strategy, model_name, path):
-    model, optimizer = _built(world_size, strategy, model_name)
+    _, model, optimizer = _built(world_size, strategy, model_name)
     _train(model, optimizer, range(2), rank)
     dcp.save(_checkpoint(model, optimizer), checkpoint_id=path)
     _train(model, optimizer, range(2, 4), rank)
     uninterrupted = {name: full_tensor(p, p)
                      for name, p in model.param_and_grad_buffer.optimizer_named_parameters}
 
-    model, optimizer = _built(world_size, strategy, model_name)  # as a new process builds them
+    _, model, optimizer = _built(world_size, strategy, model_name)  # as a new process would
     state = _checkpoint(model, optimizer)
     dcp.load(state, checkpoint_id=path)  # in place, into the main weights and the state
     model.install_optimized_model_weights()
