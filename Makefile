@@ -24,9 +24,10 @@ BRIDGE_VENV := .venv-bridge
 PY := $(VENV)/bin/python
 LOWEST_TESTS := tests/test_plan.py tests/test_exchange.py tests/test_numerics.py \
 	tests/test_factory.py tests/test_checkpoint.py tests/test_fake_pg.py tests/test_versions.py \
-	tests/test_upstream.py \
+	tests/test_upstream.py tests/test_standalone.py \
 	tests/test_e2e_training.py::test_muon_on_megatron_fsdp_loss_falls
 NPROC ?= 2
+COMMA := ,
 DEMO_ARGS ?=
 SCALE_ARGS ?=
 
@@ -36,7 +37,8 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 
 .PHONY: venv demo test test-fast test-lowest test-bridge test-gpu bench bench-demo scale clean
 
-# $(1): the venv's folder; $(2): the constraints file that pins its dependencies.
+# $(1): the venv's folder; $(2): the constraints file that pins its dependencies; $(3): the
+# extras beside `test`.
 define make_venv
 	@if [ -z "$(PYTHON)" ]; then \
 		echo "error: megatron-muon needs Python >= 3.12 (megatron-core and emerging-optimizers require it)."; \
@@ -44,15 +46,15 @@ define make_venv
 		exit 1; fi
 	@[ -x $(1)/bin/python ] && $(1)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { rm -rf $(1); $(PYTHON) -m venv $(1); }
 	$(1)/bin/python -m pip install -q --upgrade pip
-	$(1)/bin/python -m pip install -q -c $(2) -e '.[test]'
+	$(1)/bin/python -m pip install -q -c $(2) -e '.[test$(3)]'
 endef
 
 $(VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt
-	$(call make_venv,$(VENV),constraints/newest.txt)
+	$(call make_venv,$(VENV),constraints/newest.txt,$(COMMA)fsdp)
 	touch $@
 
 $(LOWEST_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/lowest.txt
-	$(call make_venv,$(LOWEST_VENV),constraints/lowest.txt)
+	$(call make_venv,$(LOWEST_VENV),constraints/lowest.txt,$(COMMA)fsdp)
 	touch $@
 
 # Bridge's wheel without its dependencies (GPU builds, hundreds of packages), then what its

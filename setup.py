@@ -3,8 +3,8 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-SUPPORTED = runpy.run_path(
-    str(Path(__file__).parent / "megatron_muon" / "supported_versions.py"))["SUPPORTED"]
+VERSIONS = runpy.run_path(str(Path(__file__).parent / "megatron_muon" / "supported_versions.py"))
+SUPPORTED, OPTIONAL = VERSIONS["SUPPORTED"], VERSIONS["OPTIONAL"]
 
 setup(
     name="megatron-muon",
@@ -26,5 +26,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         # megatron_muon.bridge: Muon on Megatron-FSDP through Megatron-Bridge's recipes.
         "bridge": ["megatron-bridge>=0.6.2,<0.7"],
+        **{extra: [f"{name}{versions}" for name, versions in ranges.items()]
+           for extra, ranges in OPTIONAL.items()},
     },
 )

@@ -1,6 +1,7 @@
 """The optimizer Megatron's training loop steps: Megatron-FSDP's step contract around the
 inner Muon + Adam chain."""
 
+import collections
 import functools
 import logging
 import math
@@ -10,7 +11,9 @@ import torch.distributed as dist
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
+from torch.utils.hooks import RemovableHandle
 
+from . import upstream
 from .checks import (MuonCheckError, agree_on_every_rank, compute_weights_that_differ,
                      replicas_that_differ)
 from .zero_muon import ZeROTensorParallelMuon
@@ -85,6 +88,7 @@ class FSDPMuonChainedOptimizer:
                 f"FSDPMuonChainedOptimizer needs Megatron-FSDP model chunks; chunks {missing} of "
                 f"{len(model_chunks)} are not wrapped by Megatron-FSDP (use --use-megatron-fsdp)")
         self.optimizer = optimizer
+        self._state_dict_post_hooks = collections.OrderedDict()
         self.model_chunks = list(model_chunks)
         self._fsdp_models = fsdp_models
         self._synced = set()
@@ -120,7 +124,9 @@ class FSDPMuonChainedOptimizer:
 
         chunk.finish_grad_sync = finish_grad_sync
 
-    def step(self, *args, **kwargs):
+    def step(self):
+        if upstream.called_by_fully_shard_optimizer():
+            return None  # its construction step, with zero grads: see fully_shard_optimizer below
         self.iteration += 1
         for muon in self.muon_optimizers:
             muon.iteration = self.iteration - 1  # its step counts this one
@@ -134,7 +140,7 @@ class FSDPMuonChainedOptimizer:
         # Decided here, or inside the chain between its grad norm and its update.
         self._nonfinite_grads = (None if self._decides_inside_the_chain
                                  else self._any_rank_has_nonfinite_grads())
-        result = None if self._nonfinite_grads else self.optimizer.step(*args, **kwargs)
+        result = None if self._nonfinite_grads else self.optimizer.step()
         if self._nonfinite_grads:
             self._skipped_a_step()
             return False, None, None  # as Megatron's optimizers report a skipped step
@@ -305,8 +311,11 @@ class FSDPMuonChainedOptimizer:
     def state_dict(self):
         """torch's convention, for tools outside megatron.training: what `load_state_dict` takes
         back, i.e. `sharded_state_dict()` (the state's tensors themselves, as torch's optimizers
-        return theirs)."""
-        return self.sharded_state_dict()
+        return theirs), through the hooks registered with `register_state_dict_post_hook`."""
+        state_dict = self.sharded_state_dict()
+        for hook in list(self._state_dict_post_hooks.values()):
+            state_dict = hook(self, state_dict) or state_dict
+        return state_dict
 
     def load_state_dict(self, state_dict):
         """Load what `sharded_state_dict` made (DCP has usually filled its tensors in place),
@@ -338,10 +347,30 @@ class FSDPMuonChainedOptimizer:
                     float(self._successful_steps), dtype=torch.float32,
                     device=p.device if on_param else "cpu")
 
-    def zero_grad(self, *args, **kwargs):
-        self.optimizer.zero_grad(*args, **kwargs)
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
         for fsdp in self._fsdp_models:
             fsdp.zero_grad_buffer()
+
+    # megatron_fsdp.fully_shard_optimizer(optimizer) on this optimizer, which already does what it
+    # adds (Automodel calls it on every optimizer of a Megatron-FSDP model): its construction
+    # step with zero grads, which would apply weight decay and count a step, is skipped (`step`
+    # above; this optimizer creates its state when a checkpoint needs it); its step and zero_grad
+    # wrappers, which would sync and install a second time, are not set; its state-dict hook runs.
+
+    def __setattr__(self, name, value):
+        if name in ("step", "zero_grad") and upstream.is_fully_shard_optimizer_wrapper(value):
+            return
+        super().__setattr__(name, value)
+
+    def register_state_dict_post_hook(self, hook, prepend: bool = False):
+        """torch.optim.Optimizer's: `hook(optimizer, state_dict)` after each `state_dict()`,
+        returning a replacement or None."""
+        handle = RemovableHandle(self._state_dict_post_hooks)
+        self._state_dict_post_hooks[handle.id] = hook
+        if prepend:
+            self._state_dict_post_hooks.move_to_end(handle.id, last=False)
+        return handle
 
     def __getattr__(self, name):
         # Only reached for names not set on the wrapper: param_groups, state_dict, get_lr, ...

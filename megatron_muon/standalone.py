@@ -53,6 +53,13 @@ class MuonAndAdamW:
     def param_groups(self):
         return [group for part in self.chained_optimizers for group in part.optimizer.param_groups]
 
+    @property
+    def state(self):
+        """Each param's state, from the optimizer that steps it (megatron_fsdp's
+        fully_shard_optimizer's checkpoint hook reads it)."""
+        return {p: state for part in self.chained_optimizers
+                for p, state in part.optimizer.state.items()}
+
     def step(self):
         for part in self.chained_optimizers:
             part.step()

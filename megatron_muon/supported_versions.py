@@ -13,3 +13,8 @@ SUPPORTED = {
     "megatron-core": ">=0.19.0,<0.20",
     "emerging-optimizers": ">=0.3.0,<0.4",
 }
+# Optional ranges, each an extra of its own (pip install 'megatron-muon[fsdp]'), tested at both
+# ends like the others. fsdp: the standalone Megatron-FSDP package, for models sharded outside
+# Megatron (megatron_muon.standalone); NeMo Automodel 0.7 pins 0.5.0, megatron-core 0.19.2's own
+# copy is 0.6.1's code.
+OPTIONAL = {"fsdp": {"megatron-fsdp": ">=0.5.0,<0.7"}}

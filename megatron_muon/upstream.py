@@ -20,10 +20,15 @@ import importlib.metadata
 import importlib.util
 import inspect
 import platform
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
-from .supported_versions import SUPPORTED
+from .supported_versions import OPTIONAL, SUPPORTED
+
+_RANGES = {**SUPPORTED, **{name: versions for extra in OPTIONAL.values()
+                           for name, versions in extra.items()}}
 
 # Which distribution provides a module, for the error's version and supported range: the first
 # whose prefix the module's name starts with.
@@ -127,6 +132,47 @@ newton_schulz = _borrow(
 get_muon_scale_factor = _borrow(
     "emerging_optimizers.orthogonalized_optimizers.get_muon_scale_factor",
     "Muon's scale modes, applied after the SYRK Newton-Schulz as TensorParallelMuon applies them")
+
+
+# megatron_fsdp's fully_shard_optimizer, in megatron-core's copy and the standalone package where
+# installed: it steps the optimizer once with zero gradients to create Adam's state, then replaces
+# its step and zero_grad with wrappers that sync the grads before and install the weights after.
+_FULLY_SHARD = [f"{package}.fully_shard" for package in (
+    "megatron.core.distributed.fsdp.src.megatron_fsdp", "megatron_fsdp")
+    if importlib.util.find_spec(package.partition(".")[0])]
+_FULLY_SHARD_WRAPPERS = ("megatron_fsdp_optimizer_step", "megatron_fsdp_optimizer_zero_grad")
+
+
+def _nested_code(function, name: str) -> types.CodeType:
+    """The code object of the function `function` defines under `name`."""
+    for constant in inspect.unwrap(function).__code__.co_consts:
+        if isinstance(constant, types.CodeType) and constant.co_name == name:
+            return constant
+    raise AttributeError(name)
+
+
+_fully_shard_optimizer_codes = {inspect.unwrap(f).__code__ for f in (_borrow(
+    f"{module}.fully_shard_optimizer",
+    "its construction step (zero gradients, to create Adam's state) is recognised and skipped: "
+    "ours creates its state when a checkpoint needs it") for module in _FULLY_SHARD) if f}
+_fully_shard_wrapper_codes = {code for code in (_borrow(
+    f"{module}.fully_shard_optimizer.<locals>.{name}",
+    "its step and zero_grad wrappers are not installed on ours, which syncs and installs itself, "
+    "once", get=lambda: _nested_code(_resolve(f"{module}.fully_shard_optimizer"), name))
+    for module in _FULLY_SHARD for name in _FULLY_SHARD_WRAPPERS) if code}
+
+
+def is_fully_shard_optimizer_wrapper(method) -> bool:
+    """Whether `method` is the step or zero_grad wrapper megatron_fsdp's fully_shard_optimizer
+    puts on an optimizer."""
+    return getattr(getattr(method, "__func__", method), "__code__", None) in \
+        _fully_shard_wrapper_codes
+
+
+def called_by_fully_shard_optimizer() -> bool:
+    """Whether the function calling this one was called by megatron_fsdp's fully_shard_optimizer
+    itself (its construction step)."""
+    return sys._getframe(2).f_code in _fully_shard_optimizer_codes
 
 
 def has_triton_syrk() -> bool:
@@ -280,7 +326,7 @@ def _raise_if_missing() -> None:
         + ", ".join(f"{d} {_installed_version(d)}" for d in lacking)
         + ": names it uses are gone.\n"
         + "".join(f"{d} {_installed_version(d)} ("
-                  + (f"supported: {d}{SUPPORTED[d]}" if d in SUPPORTED else "not required")
+                  + (f"supported: {d}{_RANGES[d]}" if d in _RANGES else "not required")
                   + ") has no\n" + "\n".join(names) + "\n" for d, names in lacking.items())
         + "Install the versions this release supports ("
         + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")

@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 import warnings
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 import torch.multiprocessing as mp
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # build its models on CUDA and start several ranks on one GPU): CUDA stays hidden from it and
 # from every process it starts. It says so first, also under -q.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-UPSTREAM_PACKAGES = ("torch", "megatron-core", "emerging-optimizers")
+UPSTREAM_PACKAGES = ("torch", "megatron-core", "emerging-optimizers", "megatron-fsdp")
 
 # `make test-fast` runs the suite without the tests marked e2e or slow (-m "not e2e and not slow").
 MARKERS = {
@@ -49,6 +49,13 @@ def strategy_runs(tmp_path_factory):
     return strategy_runs(tmp_path_factory.mktemp("uninterrupted"))
 
 
+def _installed(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:  # megatron-fsdp, an optional range
+        return "not installed"
+
+
 def pytest_sessionstart(session):
     from megatron_muon.cpu import bf16_matmul_is_emulated, fast_newton_schulz_precision
 
@@ -56,7 +63,7 @@ def pytest_sessionstart(session):
     if reporter is not None:
         reporter.write_line("gloo on CPU: CUDA_VISIBLE_DEVICES='' hides any GPU from these tests")
         reporter.write_line("versions: " + ", ".join(
-            f"{package} {version(package)}" for package in UPSTREAM_PACKAGES))
+            f"{package} {_installed(package)}" for package in UPSTREAM_PACKAGES))
         emulated = "emulates bf16 matmuls" if bf16_matmul_is_emulated() else "has native bf16 matmuls"
         reporter.write_line(
             f"Newton-Schulz: this CPU {emulated}, so `make demo` and the benchmarks run "

@@ -2,12 +2,13 @@
 
 import copy
 import functools
+import importlib
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-# Megatron-FSDP as megatron-core ships and uses it (the standalone package is the same code).
+# Megatron-FSDP as megatron-core ships and uses it.
 from megatron.core.distributed.fsdp.src import megatron_fsdp
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
     gather_and_compute_chunk_metadata
@@ -20,6 +21,11 @@ from megatron_muon.chained import find_megatron_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+# Megatron-FSDP by where it comes from: megatron-core's copy, or the standalone package (its own
+# range, megatron-muon[fsdp]: 0.6's code is megatron-core 0.19.2's, 0.5's older), None where absent.
+MEGATRON_FSDP = {"megatron-core": megatron_fsdp,
+                 "megatron-fsdp": importlib.util.find_spec("megatron_fsdp")
+                 and importlib.import_module("megatron_fsdp")}
 QKV_SPLIT = [4, 2, 2]  # q, k, v rows per query group; 2 groups below
 MUON_KWARGS = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01,
                    fp32_matmul_prec="highest", split_qkv=True,
@@ -65,9 +71,11 @@ def make_models(strategy: str, world_size: int, unit_modules: bool = True, outer
 
 
 def fully_shard(module, strategy: str, world_size: int, unit_modules, outer: str | None = None,
-                main_params_dtype: torch.dtype | None = torch.float32):
-    """`module` wrapped by real Megatron-FSDP on CPU over all ranks (TP=1); with `outer`, HSDP:
-    2 replicas (outer strategy `outer`) of world_size / 2 shards."""
+                main_params_dtype: torch.dtype | None = torch.float32,
+                package: str = "megatron-core"):
+    """`module` wrapped by real Megatron-FSDP (`package`'s, MEGATRON_FSDP) on CPU over all ranks
+    (TP=1); with `outer`, HSDP: 2 replicas (outer strategy `outer`) of world_size / 2 shards."""
+    fsdp = MEGATRON_FSDP[package]
     hsdp = {}
     if outer is None:
         mesh = _fsdp_mesh(world_size)
@@ -75,10 +83,10 @@ def fully_shard(module, strategy: str, world_size: int, unit_modules, outer: str
         mesh, hybrid_group = _hsdp_mesh(world_size)
         hsdp = dict(dp_outer_dim="dp_outer", outer_dp_sharding_strategy=outer,
                     hybrid_fsdp_group=hybrid_group)
-    return megatron_fsdp.fully_shard_model(
+    return fsdp.fully_shard_model(
         module, device_mesh=mesh, dp_shard_dim="dp_cp", tp_dim="tp", zero_dp_strategy=strategy,
         device=torch.device("cpu"), fsdp_unit_modules=unit_modules,
-        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype),
+        mixed_precision_policy=fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype),
         **hsdp)
 
 

@@ -19,7 +19,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
     preprocess_state_dict_for_uneven_dtensor
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-from fsdp_models import ForwardReads, fully_shard, full_tensor
+from fsdp_models import MEGATRON_FSDP, ForwardReads, fully_shard, full_tensor
 from megatron_muon.placement import place
 from megatron_muon.standalone import muon_optimizer
 from megatron_muon.testing import hugging_face_model
@@ -170,32 +170,55 @@ MODELS = {
 }
 
 
-def _built(world_size, strategy, model_name):
-    """(an unsharded copy of the model as built, the model on fully_shard_model, our optimizer)."""
+def _built(world_size, strategy, model_name, package="megatron-core", wrapped=False):
+    """(an unsharded copy of the model as built, the model on `package`'s fully_shard_model, our
+    optimizer), `wrapped`: then given to that package's fully_shard_optimizer."""
     build, qkv_splits = MODELS[model_name]
     torch.manual_seed(0)
     module, units = build()
     unsharded = copy.deepcopy(module)
-    model = fully_shard(module, strategy, world_size, units)
+    model = fully_shard(module, strategy, world_size, units, package=package)
     optimizer = muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
                                adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"],
                                qkv_splits=qkv_splits, fp32_matmul_prec="highest")
+    if wrapped:
+        assert MEGATRON_FSDP[package].fully_shard_optimizer(optimizer) is optimizer
     return unsharded, model, optimizer
 
 
-def _matches_single_device(rank, world_size, strategy, model_name):
-    reference, model, optimizer = _built(world_size, strategy, model_name)
+def _count_calls(model, *names) -> dict:
+    """How often each of the model's methods `names` runs, from now on."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(*args, _method=getattr(model, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _method(*args, **kwargs)
+        setattr(model, name, counted)
+    return calls
+
+
+def _matches_single_device(rank, world_size, strategy, model_name, package="megatron-core",
+                           wrapped=False):
+    """Also, `wrapped` (megatron_fsdp.fully_shard_optimizer on ours, as Automodel does): its
+    construction step changes nothing, each step syncs the grads and installs the weights once."""
+    reference, model, optimizer = _built(world_size, strategy, model_name, package)
+    calls = _count_calls(model, "finish_grad_sync", "install_optimized_model_weights")
+    if wrapped:  # counted from before it
+        MEGATRON_FSDP[package].fully_shard_optimizer(optimizer)
+        assert calls == {"finish_grad_sync": 0, "install_optimized_model_weights": 0}, calls
     placement = place(reference, qkv_splits=MODELS[model_name][1])
     ref_params, ref_optimizers = _reference(reference, placement)
     main_weights = dict(model.param_and_grad_buffer.optimizer_named_parameters)
     reads = ForwardReads(model)
-    case = f"{model_name} {strategy} W={world_size}"
+    case = f"{model_name} {strategy} W={world_size} {package}{' wrapped' * wrapped}"
     for step in range(STEPS):
         loss = _loss(model, _tokens(step, rank))
         if step:  # this forward read what the last step made
             reads.assert_main_weights(f"{case} step {step}")
+        calls.update(dict.fromkeys(calls, 0))
         loss.backward()
-        model.finish_grad_sync()  # the caller's sync: the step does not sync again
+        if not wrapped:
+            model.finish_grad_sync()  # the caller's sync: the step does not sync again
         for name, p in main_weights.items():  # the reference steps on the gradient we reduced
             ref_params[name].grad = full_tensor(p.grad if p.grad is not None
                                                 else torch.zeros_like(p), p)
@@ -207,6 +230,14 @@ def _matches_single_device(rank, world_size, strategy, model_name):
         differ = [name for name, p in main_weights.items()
                   if not torch.equal(full_tensor(p, p), ref_params[name].detach())]
         assert not differ, f"{case} step {step}: {differ} differ"
+        assert calls["install_optimized_model_weights"] == 1, (case, step, calls)
+        if wrapped:  # the model's own post-backward sync (fully_shard_model's default)
+            assert calls["finish_grad_sync"] == 1, (case, step, calls)
+
+
+needs_standalone = pytest.mark.skipif(
+    not MEGATRON_FSDP["megatron-fsdp"],
+    reason="the megatron-fsdp package is not installed (pip install 'megatron-muon[fsdp]')")
 
 
 @pytest.mark.parametrize("world_size, strategy, model_name", [
@@ -218,6 +249,21 @@ def _matches_single_device(rank, world_size, strategy, model_name):
     pytest.param(4, "optim_grads_params", "hf-qwen3", marks=pytest.mark.slow)])
 def test_every_step_is_single_device_muon_and_adamw(distributed, world_size, strategy, model_name):
     distributed(_matches_single_device, world_size, strategy, model_name)
+
+
+@needs_standalone
+@pytest.mark.parametrize("world_size, strategy, model_name, wrapped", [
+    (2, "optim_grads_params", "fused-qkv", False), (4, "optim", "fused-qkv", False),
+    (2, "optim_grads_params", "hf-llama", False),
+    (2, "optim_grads_params", "fused-qkv", True), (4, "optim_grads_params", "fused-qkv", True),
+    (2, "optim", "hf-qwen3", True)])
+def test_the_standalone_package_with_or_without_fully_shard_optimizer(
+        distributed, world_size, strategy, model_name, wrapped):
+    distributed(_matches_single_device, world_size, strategy, model_name, "megatron-fsdp", wrapped)
+
+
+def test_fully_shard_optimizer_of_megatron_cores_copy_too(distributed):
+    distributed(_matches_single_device, 2, "optim_grads_params", "fused-qkv", "megatron-core", True)
 
 
 def _checkpoint(model, optimizer):
@@ -235,15 +281,17 @@ def _train(model, optimizer, steps, rank):
         optimizer.zero_grad()
 
 
-def _resumes_exactly(rank, world_size, strategy, model_name, path):
-    _, model, optimizer = _built(world_size, strategy, model_name)
+def _resumes_exactly(rank, world_size, strategy, model_name, path, package="megatron-core",
+                     wrapped=False):
+    """`wrapped`: the optimizer's state dict goes through fully_shard_optimizer's DCP hook."""
+    _, model, optimizer = _built(world_size, strategy, model_name, package, wrapped)
     _train(model, optimizer, range(2), rank)
     dcp.save(_checkpoint(model, optimizer), checkpoint_id=path)
     _train(model, optimizer, range(2, 4), rank)
     uninterrupted = {name: full_tensor(p, p)
                      for name, p in model.param_and_grad_buffer.optimizer_named_parameters}
 
-    _, model, optimizer = _built(world_size, strategy, model_name)  # as a new process would
+    _, model, optimizer = _built(world_size, strategy, model_name, package, wrapped)  # anew
     state = _checkpoint(model, optimizer)
     dcp.load(state, checkpoint_id=path)  # in place, into the main weights and the state
     model.install_optimized_model_weights()
@@ -259,6 +307,14 @@ def _resumes_exactly(rank, world_size, strategy, model_name, path):
     (4, "optim_grads_params", "fused-qkv"), (2, "optim_grads_params", "hf-llama")])
 def test_a_dcp_checkpoint_resumes_exactly(distributed, tmp_path, world_size, strategy, model_name):
     distributed(_resumes_exactly, world_size, strategy, model_name, str(tmp_path / "checkpoint"))
+
+
+@needs_standalone
+@pytest.mark.parametrize("world_size, wrapped", [(2, False), (2, True), (4, True)])
+def test_the_standalone_packages_dcp_checkpoint_resumes_exactly(distributed, tmp_path, world_size,
+                                                                 wrapped):
+    distributed(_resumes_exactly, world_size, "optim_grads_params", "fused-qkv",
+                str(tmp_path / "checkpoint"), "megatron-fsdp", wrapped)
 
 
 @pytest.mark.e2e
