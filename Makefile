@@ -16,11 +16,13 @@
 # `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint, fake-process-group and
 # upstream-name tests and one demo run at the lowest ones (constraints/lowest.txt), in .venv-lowest.
 # `make test-bridge` trains through Megatron-Bridge's own loop (tests_bridge/), in .venv-bridge
-# (constraints/bridge.txt).
+# (constraints/bridge.txt). `make test-automodel` builds and steps ours as NeMo Automodel's recipe
+# does (tests/test_automodel.py, skipped elsewhere), in .venv-automodel (constraints/automodel.txt).
 SHELL := /bin/bash
 VENV := .venv
 LOWEST_VENV := .venv-lowest
 BRIDGE_VENV := .venv-bridge
+AUTOMODEL_VENV := .venv-automodel
 PY := $(VENV)/bin/python
 LOWEST_TESTS := tests/test_plan.py tests/test_exchange.py tests/test_numerics.py \
 	tests/test_factory.py tests/test_checkpoint.py tests/test_fake_pg.py tests/test_versions.py \
@@ -35,7 +37,7 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv demo test test-fast test-lowest test-bridge test-gpu bench bench-demo scale clean
+.PHONY: venv demo test test-fast test-lowest test-bridge test-automodel test-gpu bench bench-demo scale clean
 
 # $(1): the venv's folder; $(2): the constraints file that pins its dependencies; $(3): the
 # extras beside `test`.
@@ -67,6 +69,16 @@ $(BRIDGE_VENV)/.installed: setup.py megatron_muon/supported_versions.py constrai
 		$$(grep -v '^#\|megatron-bridge' constraints/bridge.txt | cut -d= -f1)
 	touch $@
 
+# Automodel's wheel without its dependencies (GPU kernels among them), then what its recipes'
+# optimizer, distributed and config code imports, at the versions it pins.
+$(AUTOMODEL_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt \
+		constraints/automodel.txt
+	$(call make_venv,$(AUTOMODEL_VENV),constraints/newest.txt)
+	$(AUTOMODEL_VENV)/bin/python -m pip install -q -c constraints/automodel.txt \
+		$$(grep -v '^#\|nemo-automodel' constraints/automodel.txt | cut -d= -f1)
+	$(AUTOMODEL_VENV)/bin/python -m pip install -q --no-deps -c constraints/automodel.txt nemo-automodel
+	touch $@
+
 venv: $(VENV)/.installed
 
 demo: venv
@@ -85,6 +97,9 @@ test-lowest: $(LOWEST_VENV)/.installed
 test-bridge: $(BRIDGE_VENV)/.installed
 	$(BRIDGE_VENV)/bin/python -m pytest -q tests_bridge
 
+test-automodel: $(AUTOMODEL_VENV)/.installed
+	$(AUTOMODEL_VENV)/bin/python -m pytest -q tests/test_automodel.py
+
 test-gpu: venv
 	$(PY) -m pytest -q -rs tests_gpu
 
@@ -99,4 +114,4 @@ scale: venv
 	$(PY) benchmarks/scale_model.py $(SCALE_ARGS)
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) $(AUTOMODEL_VENV) *.egg-info

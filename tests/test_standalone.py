@@ -96,7 +96,7 @@ def test_the_output_head_is_adamws_however_it_is_named_or_tied():
 @pytest.mark.parametrize("kind", ["Llama", "Qwen3"])
 def test_a_hugging_face_models_placement(kind):
     """Its MLP is as wide as its vocabulary here: width does not make a head."""
-    placement = place(_hugging_face(kind)[0])
+    placement = place(tiny_hugging_face_model(kind)[0])
     layers = [f"model.layers.{i}." for i in range(2)]
     assert placement.muon == tuple(f"{layer}{name}.weight" for layer in layers for name in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -151,7 +151,7 @@ def _loss(model, tokens):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(1).flatten())
 
 
-def _hugging_face(kind):
+def tiny_hugging_face_model(kind):
     """A tiny Llama or Qwen3 from its config (no download) and its Megatron-FSDP units (the
     decoder layer): 4 heads of 6 (2 key-value heads), so that Megatron-FSDP cuts its matrices
     unevenly; Qwen3 adds per-head q and k norms. Its MLP is as wide as its vocabulary."""
@@ -165,8 +165,8 @@ def _hugging_face(kind):
 MODELS = {
     "fused-qkv": (lambda: (TinyLM(), [torch.nn.Linear, torch.nn.Embedding]),
                   {"*.qkv_proj.weight": QKV_ROWS}),
-    "hf-llama": (lambda: _hugging_face("Llama"), {}),
-    "hf-qwen3": (lambda: _hugging_face("Qwen3"), {}),
+    "hf-llama": (lambda: tiny_hugging_face_model("Llama"), {}),
+    "hf-qwen3": (lambda: tiny_hugging_face_model("Qwen3"), {}),
 }
 
 
@@ -197,27 +197,27 @@ def _count_calls(model, *names) -> dict:
     return calls
 
 
-def _matches_single_device(rank, world_size, strategy, model_name, package="megatron-core",
-                           wrapped=False):
-    """Also, `wrapped` (megatron_fsdp.fully_shard_optimizer on ours, as Automodel does): its
-    construction step changes nothing, each step syncs the grads and installs the weights once."""
-    reference, model, optimizer = _built(world_size, strategy, model_name, package)
+def steps_match_single_device(rank, reference, model, optimizer, qkv_splits, case, wrap=None):
+    """STEPS steps of our `optimizer` on `model` (on Megatron-FSDP; `reference`: the unsharded
+    model as built), each bit-identical to single-device Muon + AdamW fed the same reduced
+    gradients, the next forward reading the weights, and one install per step. `wrap`: applies
+    fully_shard_optimizer to the optimizer (megatron_fsdp's, or Automodel's recipe around it), as
+    one would before training: then its construction also changes nothing, and each step syncs
+    the gradients once (the model's own post-backward sync, fully_shard_model's default)."""
     calls = _count_calls(model, "finish_grad_sync", "install_optimized_model_weights")
-    if wrapped:  # counted from before it
-        MEGATRON_FSDP[package].fully_shard_optimizer(optimizer)
+    if wrap:  # counted from before it
+        assert wrap(optimizer) is optimizer
         assert calls == {"finish_grad_sync": 0, "install_optimized_model_weights": 0}, calls
-    placement = place(reference, qkv_splits=MODELS[model_name][1])
-    ref_params, ref_optimizers = _reference(reference, placement)
+    ref_params, ref_optimizers = _reference(reference, place(reference, qkv_splits=qkv_splits))
     main_weights = dict(model.param_and_grad_buffer.optimizer_named_parameters)
     reads = ForwardReads(model)
-    case = f"{model_name} {strategy} W={world_size} {package}{' wrapped' * wrapped}"
     for step in range(STEPS):
         loss = _loss(model, _tokens(step, rank))
         if step:  # this forward read what the last step made
             reads.assert_main_weights(f"{case} step {step}")
         calls.update(dict.fromkeys(calls, 0))
         loss.backward()
-        if not wrapped:
+        if not wrap:
             model.finish_grad_sync()  # the caller's sync: the step does not sync again
         for name, p in main_weights.items():  # the reference steps on the gradient we reduced
             ref_params[name].grad = full_tensor(p.grad if p.grad is not None
@@ -231,8 +231,18 @@ def _matches_single_device(rank, world_size, strategy, model_name, package="mega
                   if not torch.equal(full_tensor(p, p), ref_params[name].detach())]
         assert not differ, f"{case} step {step}: {differ} differ"
         assert calls["install_optimized_model_weights"] == 1, (case, step, calls)
-        if wrapped:  # the model's own post-backward sync (fully_shard_model's default)
+        if wrap:
             assert calls["finish_grad_sync"] == 1, (case, step, calls)
+
+
+def _matches_single_device(rank, world_size, strategy, model_name, package="megatron-core",
+                           wrapped=False):
+    """`wrapped`: with `package`'s fully_shard_optimizer around ours."""
+    reference, model, optimizer = _built(world_size, strategy, model_name, package)
+    steps_match_single_device(
+        rank, reference, model, optimizer, MODELS[model_name][1],
+        f"{model_name} {strategy} W={world_size} {package}{' wrapped' * wrapped}",
+        MEGATRON_FSDP[package].fully_shard_optimizer if wrapped else None)
 
 
 needs_standalone = pytest.mark.skipif(
