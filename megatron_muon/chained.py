@@ -312,7 +312,9 @@ class FSDPMuonChainedOptimizer:
         """torch's convention, for tools outside megatron.training: what `load_state_dict` takes
         back, i.e. `sharded_state_dict()` (the state's tensors themselves, as torch's optimizers
         return theirs), through the hooks registered with `register_state_dict_post_hook`."""
-        state_dict = self.sharded_state_dict()
+        return self._through_post_hooks(self.sharded_state_dict())
+
+    def _through_post_hooks(self, state_dict):
         for hook in list(self._state_dict_post_hooks.values()):
             state_dict = hook(self, state_dict) or state_dict
         return state_dict

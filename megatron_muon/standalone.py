@@ -69,13 +69,61 @@ class MuonAndAdamW:
             part.zero_grad(set_to_none=set_to_none)
 
 
+class StandaloneMuonOptimizer(FSDPMuonChainedOptimizer, torch.optim.Optimizer):
+    """The step contract of FSDPMuonChainedOptimizer, with torch's optimizer conventions outside
+    Megatron: a torch.optim.Optimizer to the tools that ask (torch.distributed.checkpoint.
+    state_dict takes nothing else; torch's own __init__ does not run: the state and param
+    groups are the two optimizers'); every param's state exists from construction (Muon's
+    momentum, AdamW's moments and step, zero), so those tools never step it to create them; and
+    `state_dict()` / `load_state_dict()` in torch's format (state by param index over the param
+    groups, Muon's then AdamW's, and the groups' hyperparameters), which torch's
+    get_optimizer_state_dict / set_optimizer_state_dict, megatron_fsdp's fully_shard_optimizer
+    hook and NeMo Automodel's checkpointer read and write. Megatron's `sharded_state_dict` stays
+    as it is."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for part in self._parts():
+            part.init_state_fn(part.optimizer, part.config)
+        self._set_step_counts()
+
+    def state_dict(self):
+        state, param_groups, offset = {}, [], 0
+        for part in self._parts():
+            saved = part.optimizer.state_dict()
+            state.update({offset + index: value for index, value in saved["state"].items()})
+            param_groups += [{**group, "params": [offset + i for i in group["params"]]}
+                             for group in saved["param_groups"]]
+            offset += sum(len(group["params"]) for group in part.optimizer.param_groups)
+        return self._through_post_hooks({"state": state, "param_groups": param_groups})
+
+    def load_state_dict(self, state_dict):
+        """What `state_dict` made; then the weights are installed and synced, so the next forward
+        reads them whatever ran before."""
+        # Each optimizer its groups, in order, and their params' state: torch's load_state_dict
+        # matches params by position, whatever the keys (indices, or torch's DCP's names).
+        groups = iter(state_dict["param_groups"])
+        for part in self._parts():
+            saved_groups = [next(groups) for _ in part.optimizer.param_groups]
+            keys = {key for group in saved_groups for key in group["params"]}
+            part.optimizer.load_state_dict({
+                "state": {key: value for key, value in state_dict["state"].items() if key in keys},
+                "param_groups": saved_groups})
+        # The step count, which AdamW keeps per param (Muon keeps none: a model without AdamW's
+        # params restarts its count, which only the check interval reads).
+        steps = [value["step"] for value in state_dict["state"].values() if "step" in value]
+        self._successful_steps = self.iteration = int(max(steps, default=0))
+        self._set_step_counts()
+        self._install_weights_for_the_next_forward(force_sync=True)
+
+
 def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                    weight_decay: float = 0.1, adamw_lr: float = 3e-4,
                    adamw_betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
                    adamw_weight_decay: float = 0.1, muon: tuple[str, ...] = (),
                    adamw: tuple[str, ...] = (), qkv_splits: dict | None = None,
                    fp32_matmul_prec: str = "medium", max_consecutive_skipped_steps: int = 10,
-                   **muon_kwargs) -> FSDPMuonChainedOptimizer:
+                   **muon_kwargs) -> StandaloneMuonOptimizer:
     """Muon + AdamW for `model`, a module wrapped by Megatron-FSDP's `fully_shard_model`.
 
     Which parameters get Muon: megatron_muon.placement.place (2-D hidden Linear weights; `muon` and
@@ -110,5 +158,5 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
     if not dist.is_initialized() or dist.get_rank() == 0:
         for line in placement.describe():
             print(line, flush=True)
-    return FSDPMuonChainedOptimizer(MuonAndAdamW(parts), [model],
-                                    max_consecutive_skipped_steps=max_consecutive_skipped_steps)
+    return StandaloneMuonOptimizer(MuonAndAdamW(parts), [model],
+                                   max_consecutive_skipped_steps=max_consecutive_skipped_steps)

@@ -7,6 +7,7 @@ bit-identical to single-device Muon + AdamW. Runs in its own venv (make test-aut
 pins transformers and megatron-fsdp apart from the main suite's; skipped elsewhere."""
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,17 +16,19 @@ from torch.distributed.device_mesh import init_device_mesh
 pytest.importorskip("nemo_automodel", reason="NeMo Automodel runs in its own venv: make "
                                              "test-automodel")
 
+from nemo_automodel.components.checkpoint.stateful_wrappers import OptimizerState  # noqa: E402
 from nemo_automodel.components.config.loader import load_yaml_config  # noqa: E402
 from nemo_automodel.components.distributed.config import MegatronFSDPConfig  # noqa: E402
 from nemo_automodel.components.distributed import parallelizer  # noqa: E402
+from nemo_automodel.components.optim.optimizer import LRSchedulerConfig  # noqa: E402
 from nemo_automodel.components.distributed.megatron_fsdp import \
     parallelize_megatron_fsdp  # noqa: E402
 from nemo_automodel.recipes._dist_utils import shard_optimizers_for_megatron_fsdp  # noqa: E402
 from nemo_automodel.recipes._typed_config import RecipeConfig  # noqa: E402
 
 from megatron_muon.automodel import MegatronFSDPMuonConfig  # noqa: E402
-from test_standalone import ADAMW, MUON, steps_match_single_device, \
-    tiny_hugging_face_model  # noqa: E402
+from test_standalone import (ADAMW, MUON, dcp_model_state_dict, resumes_exactly,  # noqa: E402
+                             steps_match_single_device, tiny_hugging_face_model)
 
 RECIPE = f"""
 distributed:
@@ -44,12 +47,15 @@ optimizer:
 """
 
 
-def _recipe_steps_exactly(rank, world_size, recipe_path, zero_dp_strategy):
+def _recipe_built(world_size, recipe_path, zero_dp_strategy):
+    """(the unsharded model as built, the model as Automodel's recipe parallelizes it, our
+    optimizer built from the recipe's YAML, the recipe's next step: its
+    shard_optimizers_for_megatron_fsdp, i.e. fully_shard_optimizer, on the optimizer)."""
     torch.manual_seed(0)
     model, _ = tiny_hugging_face_model("Llama")
     reference = type(model)(model.config)
     reference.load_state_dict(model.state_dict())
-    mesh = init_device_mesh("cpu", (world_size, 1, 1), mesh_dim_names=("dp", "cp", "tp"))
+    mesh = _mesh(world_size)
     distributed = MegatronFSDPConfig(zero_dp_strategy=zero_dp_strategy)
     # Automodel lets Megatron-FSDP take the current CUDA device; on CPU, the CPU.
     shard_model = parallelizer.megatron_fsdp_fully_shard_model
@@ -67,6 +73,17 @@ def _recipe_steps_exactly(rank, world_size, recipe_path, zero_dp_strategy):
             model, [optimizer], distributed, allow=config.supports_megatron_fsdp_sharding)
         return sharded
 
+    return reference, model, optimizer, recipe_shards
+
+
+@functools.cache
+def _mesh(world_size):
+    return init_device_mesh("cpu", (world_size, 1, 1), mesh_dim_names=("dp", "cp", "tp"))
+
+
+def _recipe_steps_exactly(rank, world_size, recipe_path, zero_dp_strategy):
+    reference, model, optimizer, recipe_shards = _recipe_built(world_size, recipe_path,
+                                                               zero_dp_strategy)
     steps_match_single_device(rank, reference, model, optimizer, {},
                               f"Automodel ZeRO-{zero_dp_strategy} W={world_size}", recipe_shards)
 
@@ -77,6 +94,53 @@ def test_automodels_recipe_builds_ours_from_its_yaml_and_every_step_is_exact(
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE)
     distributed(_recipe_steps_exactly, world_size, str(recipe), zero_dp_strategy)
+
+
+def _recipe_schedules_both_learning_rates(rank, world_size, recipe_path):
+    _, _, optimizer, _ = _recipe_built(world_size, recipe_path, 3)
+    [scheduler] = LRSchedulerConfig(lr_warmup_steps=2, lr_decay_style="cosine").build(
+        [optimizer], SimpleNamespace(epoch_len=None, max_steps=10, num_epochs=1))
+    muon_lrs = []
+    for _ in range(4):
+        scheduler.step(1)
+        [muon], [adamw] = (part.optimizer.param_groups for part in optimizer.chained_optimizers)
+        assert adamw["lr"] / muon["lr"] == pytest.approx(ADAMW["lr"] / MUON["lr"], rel=1e-12)
+        muon_lrs.append(muon["lr"])
+    assert len(set(muon_lrs)) == 4 and max(muon_lrs) == pytest.approx(MUON["lr"]), muon_lrs
+
+
+def test_automodels_lr_scheduler_keeps_adamws_rate_relative_to_muons(distributed, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE)
+    distributed(_recipe_schedules_both_learning_rates, 2, str(recipe))
+
+
+def _automodel_checkpoint(model, optimizer):
+    """Automodel's checkpointer's optimizer state (OptimizerState: torch's
+    get_optimizer_state_dict, flattened by parameter name) beside the model's DCP state dict."""
+    optimizer_state = OptimizerState([model], [optimizer])  # per model part, as the recipe
+    state = {"model": dcp_model_state_dict(model), **optimizer_state.state_dict()}
+
+    def loaded():
+        model.install_optimized_model_weights()
+        optimizer_state.load_state_dict(state)  # torch's set_optimizer_state_dict
+
+    return state, loaded
+
+
+def _recipe_resumes_exactly(rank, world_size, recipe_path, path):
+    def build():
+        _, model, optimizer, recipe_shards = _recipe_built(world_size, recipe_path, 3)
+        return model, recipe_shards(optimizer)
+
+    resumes_exactly(rank, build, _automodel_checkpoint, path, f"Automodel W={world_size}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_automodels_checkpoint_of_ours_resumes_exactly(distributed, tmp_path, world_size):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE)
+    distributed(_recipe_resumes_exactly, world_size, str(recipe), str(tmp_path / "checkpoint"))
 
 
 def test_param_group_overrides_are_refused_naming_what_to_use():

@@ -276,12 +276,23 @@ def test_fully_shard_optimizer_of_megatron_cores_copy_too(distributed):
     distributed(_matches_single_device, 2, "optim_grads_params", "fused-qkv", "megatron-core", True)
 
 
-def _checkpoint(model, optimizer):
-    """What a script saves and loads with DCP: the model's state dict (Megatron-FSDP's main
-    weights) and the optimizer's, each uneven DTensor given its chunk (megatron_fsdp's
-    preprocess_state_dict_for_uneven_dtensor)."""
-    return preprocess_state_dict_for_uneven_dtensor(
+def dcp_model_state_dict(model):
+    """The model's state dict (Megatron-FSDP's main weights), each uneven DTensor given its chunk
+    for DCP (megatron_fsdp's preprocess_state_dict_for_uneven_dtensor)."""
+    return preprocess_state_dict_for_uneven_dtensor(model.state_dict())
+
+
+def _dcp_checkpoint(model, optimizer):
+    """What a script saves and loads with DCP: the model's and the optimizer's state dicts; and
+    what it does once DCP has loaded them in place."""
+    state = preprocess_state_dict_for_uneven_dtensor(
         {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+    def loaded():
+        model.install_optimized_model_weights()  # the weights the next forward reads
+        optimizer.load_state_dict(state["optimizer"])
+
+    return state, loaded
 
 
 def _train(model, optimizer, steps, rank):
@@ -291,25 +302,33 @@ def _train(model, optimizer, steps, rank):
         optimizer.zero_grad()
 
 
-def _resumes_exactly(rank, world_size, strategy, model_name, path, package="megatron-core",
-                     wrapped=False):
-    """`wrapped`: the optimizer's state dict goes through fully_shard_optimizer's DCP hook."""
-    _, model, optimizer = _built(world_size, strategy, model_name, package, wrapped)
+def resumes_exactly(rank, build, checkpoint, path, case):
+    """Two steps of build()'s (model, optimizer), a DCP checkpoint of `checkpoint(model,
+    optimizer)` ((state dict, what to do once it is loaded)), two more steps; then a model and
+    optimizer built anew load it and take the same two steps: their weights must be the
+    uninterrupted run's bit for bit."""
+    model, optimizer = build()
     _train(model, optimizer, range(2), rank)
-    dcp.save(_checkpoint(model, optimizer), checkpoint_id=path)
+    dcp.save(checkpoint(model, optimizer)[0], checkpoint_id=path)
     _train(model, optimizer, range(2, 4), rank)
     uninterrupted = {name: full_tensor(p, p)
                      for name, p in model.param_and_grad_buffer.optimizer_named_parameters}
 
-    _, model, optimizer = _built(world_size, strategy, model_name, package, wrapped)  # anew
-    state = _checkpoint(model, optimizer)
+    model, optimizer = build()  # as a new process would
+    state, loaded = checkpoint(model, optimizer)
     dcp.load(state, checkpoint_id=path)  # in place, into the main weights and the state
-    model.install_optimized_model_weights()
-    optimizer.load_state_dict(state["optimizer"])
+    loaded()
     _train(model, optimizer, range(2, 4), rank)
     differ = [name for name, p in model.param_and_grad_buffer.optimizer_named_parameters
               if not torch.equal(full_tensor(p, p), uninterrupted[name])]
-    assert not differ, f"{model_name} {strategy} W={world_size}: resumed weights differ: {differ}"
+    assert not differ, f"{case}: resumed weights differ: {differ}"
+
+
+def _resumes_exactly(rank, world_size, strategy, model_name, path, package="megatron-core",
+                     wrapped=False):
+    """`wrapped`: the optimizer's state dict goes through fully_shard_optimizer's DCP hook."""
+    resumes_exactly(rank, lambda: _built(world_size, strategy, model_name, package, wrapped)[1:],
+                    _dcp_checkpoint, path, f"{model_name} {strategy} W={world_size} {package}")
 
 
 @pytest.mark.parametrize("world_size, strategy, model_name", [
