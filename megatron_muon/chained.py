@@ -357,7 +357,7 @@ class FSDPMuonChainedOptimizer:
     # megatron_fsdp.fully_shard_optimizer(optimizer) on this optimizer, which already does what it
     # adds (Automodel calls it on every optimizer of a Megatron-FSDP model): its construction
     # step with zero grads, which would apply weight decay and count a step, is skipped (`step`
-    # above; this optimizer creates its state when a checkpoint needs it); its step and zero_grad
+    # above; this optimizer creates its own state); its step and zero_grad
     # wrappers, which would sync and install a second time, are not set; its state-dict hook runs.
 
     def __setattr__(self, name, value):

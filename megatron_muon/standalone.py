@@ -55,8 +55,8 @@ class MuonAndAdamW:
 
     @property
     def state(self):
-        """Each param's state, from the optimizer that steps it (megatron_fsdp's
-        fully_shard_optimizer's checkpoint hook reads it)."""
+        """Each param's state, from the optimizer that steps it (torch's checkpoint functions
+        and megatron_fsdp's fully_shard_optimizer's hook read it)."""
         return {p: state for part in self.chained_optimizers
                 for p, state in part.optimizer.state.items()}
 

@@ -154,7 +154,7 @@ def _nested_code(function, name: str) -> types.CodeType:
 _fully_shard_optimizer_codes = {inspect.unwrap(f).__code__ for f in (_borrow(
     f"{module}.fully_shard_optimizer",
     "its construction step (zero gradients, to create Adam's state) is recognised and skipped: "
-    "ours creates its state when a checkpoint needs it") for module in _FULLY_SHARD) if f}
+    "ours creates its own state") for module in _FULLY_SHARD) if f}
 _fully_shard_wrapper_codes = {code for code in (_borrow(
     f"{module}.fully_shard_optimizer.<locals>.{name}",
     "its step and zero_grad wrappers are not installed on ours, which syncs and installs itself, "
