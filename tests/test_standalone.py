@@ -19,7 +19,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
     preprocess_state_dict_for_uneven_dtensor
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-from fsdp_models import MEGATRON_FSDP, ForwardReads, fully_shard, full_tensor
+from fsdp_models import MEGATRON_FSDP, STRATEGIES, ForwardReads, fully_shard, full_tensor
 from megatron_muon.placement import place
 from megatron_muon.standalone import muon_optimizer
 from megatron_muon.testing import hugging_face_model
@@ -254,7 +254,9 @@ needs_standalone = pytest.mark.skipif(
     (1, "optim_grads_params", "fused-qkv"), (2, "no_shard", "fused-qkv"), (2, "optim", "fused-qkv"),
     (2, "optim_grads_params", "fused-qkv"), pytest.param(4, "optim", "fused-qkv", marks=pytest.mark.slow),
     (4, "optim_grads_params", "fused-qkv"),
-    (2, "optim", "hf-llama"), (2, "optim_grads_params", "hf-llama"),
+    *[(2, strategy, "hf-llama") for strategy in STRATEGIES],
+    *[pytest.param(4, strategy, "hf-llama", marks=pytest.mark.slow)
+      for strategy in ("no_shard", "optim", "optim_grads")],
     (4, "optim_grads_params", "hf-llama"), (2, "optim_grads_params", "hf-qwen3"),
     pytest.param(4, "optim_grads_params", "hf-qwen3", marks=pytest.mark.slow)])
 def test_every_step_is_single_device_muon_and_adamw(distributed, world_size, strategy, model_name):
