@@ -265,9 +265,10 @@ def test_every_step_is_single_device_muon_and_adamw(distributed, world_size, str
 
 @needs_standalone
 @pytest.mark.parametrize("world_size, strategy, model_name, wrapped", [
-    (2, "optim_grads_params", "fused-qkv", False), (4, "optim", "fused-qkv", False),
-    (2, "optim_grads_params", "hf-llama", False),
-    (2, "optim_grads_params", "fused-qkv", True), (4, "optim_grads_params", "fused-qkv", True),
+    (2, "optim_grads_params", "fused-qkv", False),
+    pytest.param(4, "optim", "fused-qkv", False, marks=pytest.mark.slow),
+    (2, "optim_grads_params", "hf-llama", False), (2, "optim_grads_params", "fused-qkv", True),
+    pytest.param(4, "optim_grads_params", "fused-qkv", True, marks=pytest.mark.slow),
     (2, "optim", "hf-qwen3", True)])
 def test_the_standalone_package_with_or_without_fully_shard_optimizer(
         distributed, world_size, strategy, model_name, wrapped):
@@ -341,7 +342,8 @@ def test_a_dcp_checkpoint_resumes_exactly(distributed, tmp_path, world_size, str
 
 
 @needs_standalone
-@pytest.mark.parametrize("world_size, wrapped", [(2, False), (2, True), (4, True)])
+@pytest.mark.parametrize("world_size, wrapped", [
+    (2, False), (2, True), pytest.param(4, True, marks=pytest.mark.slow)])
 def test_the_standalone_packages_dcp_checkpoint_resumes_exactly(distributed, tmp_path, world_size,
                                                                  wrapped):
     distributed(_resumes_exactly, world_size, "optim_grads_params", "fused-qkv",
