@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from nemo_automodel.components.optim.optimizer import OptimizerConfig
 
+from .chained import find_megatron_fsdp
 from .standalone import muon_optimizer
 
 
@@ -54,6 +55,12 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
     def build(self, model, *, device_mesh=None, is_peft=False):
         """One optimizer per model part (`model.parts`, or the model), each part wrapped by
         Megatron-FSDP."""
+        parts = getattr(model, "parts", [model])
+        if not all(find_megatron_fsdp(part) for part in parts):
+            raise ValueError(
+                "MegatronFSDPMuonConfig steps a model on Megatron-FSDP: set distributed.strategy: "
+                "megatron_fsdp and run on more than one rank (at world size 1 Automodel does not "
+                "wrap the model)")
         return [muon_optimizer(
             part, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov,
             weight_decay=self.weight_decay, adamw_lr=self.adamw_lr,
@@ -63,7 +70,7 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
             qkv_splits={pattern: tuple(rows) for pattern, rows in self.qkv_splits.items()},
             fp32_matmul_prec=self.fp32_matmul_prec,
             max_consecutive_skipped_steps=self.max_consecutive_skipped_steps,
-            **self.muon_kwargs) for part in getattr(model, "parts", [model])]
+            **self.muon_kwargs) for part in parts]
 
     def _build_optimizer(self, params, *, foreach=None):
         raise TypeError("MegatronFSDPMuonConfig builds from the model (its Megatron-FSDP "

@@ -146,3 +146,9 @@ def test_automodels_checkpoint_of_ours_resumes_exactly(distributed, tmp_path, wo
 def test_param_group_overrides_are_refused_naming_what_to_use():
     with pytest.raises(ValueError, match="optimizer.muon and optimizer.adamw"):
         MegatronFSDPMuonConfig(param_group_overrides=[{"pattern": "bias", "lr_mult": 0.1}])
+
+
+def test_a_model_not_on_megatron_fsdp_is_refused_naming_the_strategy():
+    """As Automodel leaves it at world size 1, or under another strategy."""
+    with pytest.raises(ValueError, match="distributed.strategy: megatron_fsdp"):
+        MegatronFSDPMuonConfig().build(torch.nn.Linear(4, 4))
