@@ -13,8 +13,9 @@
 # Both create or refresh .venv (Python >= 3.12) whenever setup.py, the ranges
 # (megatron_muon/supported_versions.py) or constraints/newest.txt change, at the newest release
 # of each dependency range that CI tests (constraints/newest.txt).
-# `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint, fake-process-group and
-# upstream-name tests and one demo run at the lowest ones (constraints/lowest.txt), in .venv-lowest.
+# `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint, fake-process-group,
+# upstream-name and outside-Megatron (megatron-fsdp 0.5.0) tests and one demo run at the lowest
+# ones (constraints/lowest.txt), in .venv-lowest.
 # `make test-bridge` trains through Megatron-Bridge's own loop (tests_bridge/), in .venv-bridge
 # (constraints/bridge.txt). `make test-automodel` builds and steps ours as NeMo Automodel's recipe
 # does (tests/test_automodel.py, skipped elsewhere), in .venv-automodel (constraints/automodel.txt).
