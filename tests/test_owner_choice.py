@@ -31,9 +31,11 @@ def _measure_agrees_on_every_ranks_samples(rank, world_size):
                for figures in _gathered((measured, bytes_per_second)))
     single, batched = measured
     # A sleep only overshoots, so the median of every rank's samples is at least the median sleep,
-    # and it is not the slowest rank's (r + 1 = W) when ranks differ.
+    # and it is not the slowest rank's (r + 1 = W) when ranks differ: asserted at W=4, where it
+    # takes 6 of ranks 0 to 2's 15 samples slower than 4 ms to reach rank 3's. At W=2 one slow
+    # sample on rank 0 makes the median rank 1's fastest, above 2 ms (it failed so under load).
     assert single.seconds >= 0.001 * (world_size + 1) / 2
-    assert world_size == 1 or single.seconds < 0.001 * world_size
+    assert world_size < 4 or single.seconds < 0.001 * world_size
     # The ranks' different sleeps are the spread: quartiles 1.75 and 3.25 ms around 2.5 at W=4.
     assert world_size == 1 or single.spread > 0.3
     assert batched.seconds >= 0.002  # per matrix: the call over its count
