@@ -3,22 +3,18 @@ inner Muon + Adam chain."""
 
 import collections
 import functools
-import logging
-import math
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
-from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from . import upstream
 from .checks import (MuonCheckError, agree_on_every_rank, compute_weights_that_differ,
                      replicas_that_differ)
+from .nonfinite_skip import NonfiniteSkip
 from .zero_muon import ZeROTensorParallelMuon
-
-logger = logging.getLogger(__name__)
 
 # The profiler's label of the install and param sync (benchmarks/step_profile.py reads it).
 PARAM_SYNC = "muon.param_sync"
@@ -55,10 +51,8 @@ class FSDPMuonChainedOptimizer:
     main weights. Everything else is the inner optimizer's.
 
     A step whose gradients hold a NaN or Inf on any rank is skipped on every rank and said so;
-    after `max_consecutive_skipped_steps` of them in a row (0: never) the step raises instead: a
-    diverged run stops rather than train nothing for hours. The decision costs no collective of
-    its own where the inner optimizer reduces the gradient norm before it steps (megatron-core's
-    chains always do): a NaN or Inf in any shard makes that norm non-finite on every rank.
+    after `max_consecutive_skipped_steps` of them in a row (0: never) the step raises instead
+    (megatron_muon.nonfinite_skip: no collective of its own where the chain reduces a grad norm).
 
     `max_attention_logits` (megatron_muon.qk_clip, for --log-max-attention-logit and --qk-clip):
     each step reduces the forward's max attention logits, and a step that updates the weights
@@ -78,15 +72,13 @@ class FSDPMuonChainedOptimizer:
 
     def __init__(self, optimizer, model_chunks, max_consecutive_skipped_steps: int = 10,
                  max_attention_logits=None):
-        if max_consecutive_skipped_steps < 0:
-            raise ValueError("max_consecutive_skipped_steps (--muon-max-consecutive-skipped-steps) "
-                             f"must be at least 0, got {max_consecutive_skipped_steps}")
         fsdp_models = [find_megatron_fsdp(chunk) for chunk in model_chunks]
         missing = [i for i, m in enumerate(fsdp_models) if m is None]
         if not model_chunks or missing:
             raise ValueError(
                 f"FSDPMuonChainedOptimizer needs Megatron-FSDP model chunks; chunks {missing} of "
                 f"{len(model_chunks)} are not wrapped by Megatron-FSDP (use --use-megatron-fsdp)")
+        self._skip = NonfiniteSkip(optimizer, max_consecutive_skipped_steps)
         self.optimizer = optimizer
         self._state_dict_post_hooks = collections.OrderedDict()
         self.model_chunks = list(model_chunks)
@@ -95,8 +87,6 @@ class FSDPMuonChainedOptimizer:
         # Steps taken, i.e. Adam's step on every param: a checkpoint saves it once (Adam has
         # none where a rank's shard is empty).
         self._successful_steps = 0
-        self.max_consecutive_skipped_steps = max_consecutive_skipped_steps
-        self._consecutive_skipped_steps = 0
         self.max_attention_logits = max_attention_logits
         self._param_names = None
         self.iteration = 0
@@ -108,8 +98,6 @@ class FSDPMuonChainedOptimizer:
             muon.log_checks = False  # one line per check, with the weights' checks: here
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
-        self._nonfinite_grads = None  # this step's verdict, once the grad norm has given it
-        self._decides_inside_the_chain = self._skip_nonfinite_steps_in(optimizer)
 
     def _record_grad_syncs(self, index, chunk):
         # finalize_model_grads calls chunk.finish_grad_sync(); remember it so the grads are
@@ -138,13 +126,9 @@ class FSDPMuonChainedOptimizer:
         if self.max_attention_logits is not None:
             self.max_attention_logits.reduce()
         # Decided here, or inside the chain between its grad norm and its update.
-        self._nonfinite_grads = (None if self._decides_inside_the_chain
-                                 else self._any_rank_has_nonfinite_grads())
-        result = None if self._nonfinite_grads else self.optimizer.step()
-        if self._nonfinite_grads:
-            self._skipped_a_step()
+        result = None if self._skip.begin_step() else self.optimizer.step()
+        if self._skip.end_step():
             return False, None, None  # as Megatron's optimizers report a skipped step
-        self._consecutive_skipped_steps = 0
         update_successful = result[0] if isinstance(result, tuple) else True
         if update_successful:
             self._successful_steps += 1
@@ -181,47 +165,6 @@ class FSDPMuonChainedOptimizer:
             print(f"muon check at iteration {self.iteration}: {update}; {replicas}; compute "
                   f"weights equal", flush=True)
 
-    def _skipped_a_step(self):
-        """Every rank comes here together (the flag is reduced), so all stop together."""
-        self._consecutive_skipped_steps += 1
-        count, limit = self._consecutive_skipped_steps, self.max_consecutive_skipped_steps
-        if limit and count >= limit:
-            raise RuntimeError(
-                f"{count} optimizer steps in a row were skipped: the gradients hold NaN or Inf "
-                f"(the run has diverged; try a lower --lr or check the data). The limit is "
-                f"--muon-max-consecutive-skipped-steps={limit} (0: never stop).")
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            stops = f"; the run stops at {limit}" if limit else ""
-            logger.warning("optimizer step skipped: NaN or Inf in the gradients "
-                           f"({count} in a row{stops})")
-
-    def _skip_nonfinite_steps_in(self, chain) -> bool:
-        """Where `chain` steps as megatron-core's optimizers do (`step`: `get_grad_norm`, then
-        `step_with_ready_grads`), take the skip decision between the two: from the norm, reduced
-        over every rank that holds a shard (a NaN or Inf anywhere makes it non-finite
-        everywhere), or, where this step computed none, from our own reduction. Returns whether
-        it could; if not, `step` decides before calling the chain."""
-        if not (callable(getattr(chain, "get_grad_norm", None))
-                and callable(getattr(chain, "step_with_ready_grads", None))):
-            return False
-        get_grad_norm, step_with_ready_grads = chain.get_grad_norm, chain.step_with_ready_grads
-
-        @functools.wraps(get_grad_norm)
-        def get_grad_norm_and_decide(*args, **kwargs):
-            norm = get_grad_norm(*args, **kwargs)
-            self._nonfinite_grads = not math.isfinite(norm)
-            return norm
-
-        @functools.wraps(step_with_ready_grads)
-        def step_unless_nonfinite(*args, **kwargs):
-            if self._nonfinite_grads is None:
-                self._nonfinite_grads = self._any_rank_has_nonfinite_grads()
-            return not self._nonfinite_grads and step_with_ready_grads(*args, **kwargs)
-
-        chain.get_grad_norm = get_grad_norm_and_decide
-        chain.step_with_ready_grads = step_unless_nonfinite
-        return True
-
     def _install_weights_for_the_next_forward(self, force_sync=False):
         """Copy the main weights into the compute weights, then sync them as megatron-core's
         DistributedOptimizer.step_with_ready_grads does: under ZeRO-1/2 the compute weights are
@@ -235,29 +178,6 @@ class FSDPMuonChainedOptimizer:
                 fsdp.install_optimized_model_weights()
             for fsdp in self._fsdp_models:
                 fsdp.start_param_sync(force_sync=force_sync)
-
-    def _any_rank_has_nonfinite_grads(self) -> bool:
-        """Whether a NaN or Inf is in any rank's gradient shard. Reduced over every rank, so all
-        skip the step together (a rank skipping alone would leave the others waiting in its
-        collectives) and parameters, momentum and Adam's moments stay as they were. One pass per
-        grad: its min and max are finite exactly when all of it is (both propagate NaN), and one
-        host sync for all of them."""
-        extremes = []
-        device = torch.device("cpu")  # without params (stand-ins in tests)
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                device = p.device  # a DTensor's is its local shard's
-                grad = p.grad if p.grad is not None else getattr(p, "main_grad", None)
-                if grad is not None:
-                    grad = grad.to_local() if isinstance(grad, DTensor) else grad
-                    if grad.numel():  # an empty shard has no min or max
-                        extremes.append(torch.stack(torch.aminmax(grad)))
-        flag = torch.zeros(1, device=device)  # on the params' device, as their process group's
-        if extremes:
-            flag[0] = torch.cat(extremes).isfinite().all().logical_not()
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _parts(self):
         return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
