@@ -212,11 +212,9 @@ class FSDPMuonChainedOptimizer:
         empty, which the per-DTensor collectives of saving and loading need (Adam creates state
         only for non-empty shards). No optimizer step runs and nothing communicates, so this
         changes no param, momentum, moment or step count, on any rank, also when loading."""
-        for part in self._parts():
-            part.init_state_fn(part.optimizer, part.config)
         # With the step count too: a load that finds no checkpoint (Megatron then trains from
         # scratch) leaves this state as it is, and Adam expects a step beside its moments.
-        self._set_step_counts()
+        self._create_missing_state()
         sections = {"state": {}, "muon": {}}
         for name, p, part, _ in self._named_params():
             sections[self._section(part)][name] = {
@@ -256,6 +254,13 @@ class FSDPMuonChainedOptimizer:
             part.optimizer.state[p].update(state_dict[self._section(part)][name])
         self._set_step_counts()
         self._install_weights_for_the_next_forward(force_sync=True)
+
+    def _create_missing_state(self):
+        """Every param's state, zero where it has none yet (the parts' `init_state_fn`), and the
+        step count beside it: no step runs, no value changes."""
+        for part in self._parts():
+            part.init_state_fn(part.optimizer, part.config)
+        self._set_step_counts()
 
     def _set_step_counts(self):
         """Each param's step, the count of steps taken, where its optimizer keeps it: the param

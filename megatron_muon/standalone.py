@@ -83,9 +83,7 @@ class StandaloneMuonOptimizer(FSDPMuonChainedOptimizer, torch.optim.Optimizer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for part in self._parts():
-            part.init_state_fn(part.optimizer, part.config)
-        self._set_step_counts()
+        self._create_missing_state()
 
     def state_dict(self):
         state, param_groups, offset = {}, [], 0

@@ -6,6 +6,7 @@ shard_optimizers_for_megatron_fsdp (megatron_fsdp's fully_shard_optimizer) aroun
 bit-identical to single-device Muon + AdamW. Runs in its own venv (make test-automodel): Automodel
 pins transformers and megatron-fsdp apart from the main suite's; skipped elsewhere."""
 
+import copy
 import functools
 from types import SimpleNamespace
 
@@ -53,8 +54,7 @@ def _recipe_built(world_size, recipe_path, zero_dp_strategy):
     shard_optimizers_for_megatron_fsdp, i.e. fully_shard_optimizer, on the optimizer)."""
     torch.manual_seed(0)
     model, _ = tiny_hugging_face_model("Llama")
-    reference = type(model)(model.config)
-    reference.load_state_dict(model.state_dict())
+    reference = copy.deepcopy(model)
     mesh = _mesh(world_size)
     distributed = MegatronFSDPConfig(zero_dp_strategy=zero_dp_strategy)
     # Automodel lets Megatron-FSDP take the current CUDA device; on CPU, the CPU.
