@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import importlib.util
+import importlib
 import math
 import time
 
@@ -132,10 +132,7 @@ def apply_cpu_compat() -> bool:
     upstream.patch('torch.Tensor.cuda', lambda self, *args, **kwargs: self)
     # Megatron-FSDP inside megatron-core, which megatron-core uses, and the standalone package
     # (the same code) where it is installed, for models wrapped with it directly.
-    copies = ['megatron.core.distributed.fsdp.src.megatron_fsdp']
-    if importlib.util.find_spec('megatron_fsdp') is not None:
-        copies.append('megatron_fsdp')
-    for copy in copies:
+    for copy in upstream.INSTALLED_MEGATRON_FSDP_COPIES:
         buffers = importlib.import_module(f'{copy}.param_and_grad_buffer')
         upstream.patch(f'{copy}.param_and_grad_buffer._coalescing_manager', _one_by_one)
         upstream.patch(f'{copy}.param_and_grad_buffer.gradient_reduce_preprocessing',

@@ -84,6 +84,8 @@ def gpt(shape: GPTShape = TINY, num_experts=None, **settings):
         ffn_hidden_size=shape.ffn,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        # Its expert layers tag their weights allreduce=False from it, which Megatron DDP reads.
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         num_moe_experts=num_experts, moe_router_topk=2,
         # megatron-core's local experts add their bias in place on a custom-Function view
         # (in MLP.forward), which autograd refuses: MoE models here have no linear biases.
@@ -120,13 +122,14 @@ def fsdp_gpt(shape: GPTShape = TINY, strategy="optim_grads_params", num_experts=
     return FullyShardedDataParallel(model.config, ddp_config, model, device=device)
 
 
-def ddp_gpt(shape: GPTShape = TINY, use_distributed_optimizer=False, layer_wise=False):
+def ddp_gpt(shape: GPTShape = TINY, use_distributed_optimizer=False, layer_wise=False,
+            num_experts=None, **settings):
     """The GPT in megatron-core's DistributedDataParallel (Megatron DDP: whole weights on every
     rank), wrapped as megatron.training wraps it: buffers laid out for megatron-core's
     distributed optimizer, or for its layer-wise one (Muon's)."""
     from megatron.training.training import wrap_model_chunks_with_ddp
 
-    model = gpt(shape)
+    model = gpt(shape, num_experts, **settings)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer)
     return wrap_model_chunks_with_ddp([model], model.config, ddp_config,
                                       use_layer_wise_distributed_optimizer=layer_wise)[0]

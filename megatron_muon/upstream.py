@@ -134,12 +134,15 @@ get_muon_scale_factor = _borrow(
     "Muon's scale modes, applied after the SYRK Newton-Schulz as TensorParallelMuon applies them")
 
 
+# Megatron-FSDP: megatron-core's own copy, and the standalone package (optional).
+MEGATRON_FSDP_COPIES = ("megatron.core.distributed.fsdp.src.megatron_fsdp", "megatron_fsdp")
+INSTALLED_MEGATRON_FSDP_COPIES = tuple(copy for copy in MEGATRON_FSDP_COPIES
+                                       if importlib.util.find_spec(copy.partition(".")[0]))
+
 # megatron_fsdp's fully_shard_optimizer, in megatron-core's copy and the standalone package where
 # installed: it steps the optimizer once with zero gradients to create Adam's state, then replaces
 # its step and zero_grad with wrappers that sync the grads before and install the weights after.
-_FULLY_SHARD = [f"{package}.fully_shard" for package in (
-    "megatron.core.distributed.fsdp.src.megatron_fsdp", "megatron_fsdp")
-    if importlib.util.find_spec(package.partition(".")[0])]
+_FULLY_SHARD = [f"{copy}.fully_shard" for copy in INSTALLED_MEGATRON_FSDP_COPIES]
 _FULLY_SHARD_WRAPPERS = ("megatron_fsdp_optimizer_step", "megatron_fsdp_optimizer_zero_grad")
 
 
@@ -173,6 +176,19 @@ def called_by_fully_shard_optimizer() -> bool:
     """Whether the function calling this one was called by megatron_fsdp's fully_shard_optimizer
     itself (its construction step)."""
     return sys._getframe(2).f_code in _fully_shard_optimizer_codes
+
+
+def has_one_rank_reduce_defect(copy: str) -> bool:
+    """Whether a Megatron-FSDP copy (MEGATRON_FSDP_COPIES) rescales a gradient buffer reduced
+    over one rank at every micro-batch, read from its code (megatron_muon.fsdp_fixes): upstream's
+    fix (NVIDIA/Megatron-LM#6773) decides the reduce schedule per buffer
+    (MegatronFSDP._reduces_grad_every_backward) and tells gradient_reduce_preprocessing the
+    group's size; a copy with neither has the defect."""
+    fsdp = importlib.import_module(f"{copy}.megatron_fsdp").MegatronFSDP
+    preprocessing = importlib.import_module(f"{copy}.param_and_grad_buffer"
+                                            ).gradient_reduce_preprocessing
+    return not (hasattr(fsdp, "_reduces_grad_every_backward")
+                or "group_size" in inspect.signature(preprocessing).parameters)
 
 
 def has_triton_syrk() -> bool:
@@ -224,6 +240,12 @@ def mesh_shard_order(mesh) -> Any:
     return getattr(mesh, "_shard_order", None)
 
 
+# Megatron-FSDP's one-rank gradient reduce (megatron_muon.fsdp_fixes), in each copy that has the
+# defect: the per-micro-batch reduce that holds such buffers back, and the grad sync that reduces
+# them once.
+ONE_RANK_REDUCE_TARGETS = ("param_and_grad_buffer.GradReducePipeline.reduce_gradients",
+                           "megatron_fsdp.MegatronFSDP.synchronize_gradient_reduce")
+
 # Every attribute the patches may replace, and why.
 PATCHES = {
     # CPU layer, Megatron-FSDP (megatron_muon.cpu.apply_cpu_compat); inert with CUDA.
@@ -240,7 +262,7 @@ PATCHES = {
     "torch.distributed.all_gather_into_tensor": "synchronous inside Megatron-FSDP's asynchronous "
                                                 "coalesced block on CPU (temporarily)",
     **{f"{fsdp}.param_and_grad_buffer.{name}": why
-       for fsdp in ("megatron.core.distributed.fsdp.src.megatron_fsdp", "megatron_fsdp")
+       for fsdp in MEGATRON_FSDP_COPIES
        for name, why in (
            ("_coalescing_manager",
             "gloo's coalesced reduce-scatter corrupted the heap: one collective at a time"),
@@ -250,6 +272,12 @@ PATCHES = {
     "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu":
         "the alltoall MoE dispatcher's split sizes as numpy, as on CUDA: gloo's "
         "all_to_all_single refuses tensors",
+    # Upstream's fix of released Megatron-FSDP (megatron_muon.fsdp_fixes), where it is missing.
+    **{f"{fsdp}.{target}": "NVIDIA/Megatron-LM#6660, fixed by #6773 after megatron-core 0.19.2: "
+                           "a gradient buffer reduced over one rank is rescaled at every "
+                           "micro-batch under ZeRO-2/3; held back, then reduced once at the grad "
+                           "sync, explicitly scaled"
+       for fsdp in MEGATRON_FSDP_COPIES for target in ONE_RANK_REDUCE_TARGETS},
     # CPU layer, megatron.training (megatron_muon.cpu.apply_megatron_training_compat).
     "torch.cuda.get_rng_state": "Megatron saves the CUDA RNG state every step: the CPU one",
     "torch.cuda.set_rng_state": "no CUDA generator to restore on CPU",

@@ -40,6 +40,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (this machine has none)")
 COMPARED_ITERATIONS = 5
 FP32_NEWTON_SCHULZ = ("--muon-fp32-matmul-prec", "highest")
+MEGATRON_DDP = ("--no-use-megatron-fsdp", "--ckpt-format", "torch_dist")
+ACCUMULATED_EXPERTS = ("--optimizer", "adam", "--num-experts", "4", "--moe-router-topk", "2",
+                       "--expert-model-parallel-size", "2", "--global-batch-size", "16",
+                       "--micro-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout",
+                       "0")
 # The demo's flags in each run below (the training length and world size aside).
 DEMO_RUNS = {
     "fp32": (),
@@ -48,6 +53,10 @@ DEMO_RUNS = {
     "zero3": FP32_NEWTON_SCHULZ,
     "megatron_core_muon_on_ddp": (*FP32_NEWTON_SCHULZ, "--no-use-megatron-fsdp", "--ckpt-format",
                                   "torch_dist"),
+    # Several micro-batches per rank with experts (NVIDIA/Megatron-LM#6660,
+    # megatron_muon.fsdp_fixes): at W=2 with EP=2 the experts' buffer reduces over one rank.
+    "experts_accumulated": ACCUMULATED_EXPERTS,
+    "experts_accumulated_on_ddp": (*ACCUMULATED_EXPERTS, *MEGATRON_DDP),
 }
 
 
@@ -118,13 +127,18 @@ def test_newton_schulz_holds_at_most_what_the_plan_counts_on_cuda(shape):
 
 def demo_losses(name: str, iterations: int, processes: int = 1) -> list[float]:
     """The losses the demo computed in DEMO_RUNS[name] (its exact values, not Megatron's print)."""
+    return demo_log.losses(demo_log_of(name, iterations, processes), 1, iterations)
+
+
+def demo_log_of(name: str, iterations: int, processes: int) -> str:
+    """What the demo printed running DEMO_RUNS[name]."""
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(processes), "examples/pretrain_gpt.py", "--train-iters", str(iterations),
          "--eval-iters", "0", *DEMO_RUNS[name]],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
-    return demo_log.losses(run.stdout, 1, iterations)
+    return run.stdout
 
 
 @pytest.mark.parametrize("run", ["fp32", "bf16", "syrk"])
@@ -148,3 +162,22 @@ def test_zero3_matches_megatron_core_muon_on_ddp_on_one_gpu():
                     reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
 def test_zero3_matches_megatron_core_muon_on_ddp_on_two_gpus():
     _matches_megatron_core_muon_on_ddp(2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+def test_accumulated_expert_gradients_match_megatron_ddp_on_nccl():
+    """EP=2 at W=2, 2 micro-batches per rank, ZeRO-3: the experts' buffer reduces over one rank,
+    which released Megatron-FSDP rescales at every micro-batch (megatron_muon.fsdp_fixes holds it
+    to one explicit scale at the grad sync): grad norms and losses equal Megatron DDP's."""
+    iterations = 4
+    logs = [demo_log_of(name, iterations, 2)
+            for name in ("experts_accumulated", "experts_accumulated_on_ddp")]
+    assert "patched Megatron-FSDP" in logs[0], logs[0][-3000:]
+    (norms, ddp_norms) = (demo_log.exact_values(log, "grad norm") for log in logs)
+    (losses, ddp_losses) = (demo_log.losses(log, 1, iterations) for log in logs)
+    assert sorted(norms) == list(range(1, iterations + 1)), logs[0][-3000:]
+    for iteration in norms:
+        assert norms[iteration] == pytest.approx(ddp_norms[iteration], rel=RTOL, abs=0), (
+            norms, ddp_norms)
+    assert losses == pytest.approx(ddp_losses, rel=RTOL, abs=0), (losses, ddp_losses)
