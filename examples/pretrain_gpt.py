@@ -16,6 +16,7 @@ import sys
 import megatron.training.training
 import torch
 from megatron.core.enums import ModelType
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
                                                       get_gpt_layer_local_spec)
@@ -47,6 +48,10 @@ DEMO_DEFAULTS = dict(
     # its extension is built only with them), or torch.compile (a C++ toolchain) on CPU.
     gradient_accumulation_fusion=False, no_persist_layer_norm=True, masked_softmax_fusion=False,
     bias_dropout_fusion=False, bias_gelu_fusion=False,
+    # RoPE's fused kernel (--position-embedding-type rope) is TransformerEngine's: on where
+    # megatron-core finds it (its own test in TransformerConfig).
+    apply_rope_fusion=(rope_utils.fused_apply_rotary_pos_emb is not None
+                       or rope_utils.fused_apply_rotary_pos_emb_thd is not None),
 )
 
 

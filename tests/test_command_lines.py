@@ -5,7 +5,8 @@ flag or value that Megatron refuses fails here, on CPU, and not at a user's firs
 
 - `make demo [NPROC=n] DEMO_ARGS="..."` and tests_gpu's DEMO_RUNS are meant to run: they are
   also validated (megatron.training's validate_args as install() makes it, then the demo's own
-  refusals) at their world size;
+  refusals, then the model's TransformerConfig, which checks the fused kernels it asks for) at
+  their world size;
 - any other code span of flags (`--save DIR --save-interval N`, the flags after `pretrain_gpt.py`)
   parses; a flag named alone (`--lr`) exists.
 Each command line is also parsed as pretrain() parses it again, with Megatron's own flags only.
@@ -111,6 +112,7 @@ def _check(rank, world_size, line: CommandLine):
     """Parse `line` as the demo would (and validate a runnable one); raise with what the parser
     or the validation said."""
     import megatron.training.arguments as megatron_arguments
+    from megatron.training.argument_utils import core_transformer_config_from_args
 
     import megatron_muon.training
 
@@ -137,6 +139,8 @@ def _check(rank, world_size, line: CommandLine):
                 if line.kind == "run":
                     megatron_arguments.validate_args(args)
                     pretrain_gpt.refuse_what_megatron_core_cannot_do(args)
+                    # The model's config, which checks what this machine lacks (a fused kernel).
+                    core_transformer_config_from_args(args)
                 # pretrain() parses the command line again, with Megatron's own flags only
                 # (fault tolerance's setup): a value only the demo's parser accepts stops there.
                 megatron_arguments.parse_args(ignore_unknown_args=True)
