@@ -69,9 +69,10 @@ class MuonOptimizerConfig(OptimizerConfig):
     """Every this many steps, compare each Muon update with the whole-matrix reference
     (ZeROTensorParallelMuon's check_interval); 0: never."""
 
-    muon_max_exchange_bytes: int = MAX_EXCHANGE_BYTES
+    muon_max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES
     """The most the owner step's working memory holds at once on a rank, in bytes
-    (--muon-max-exchange-bytes; ZeROTensorParallelMuon's max_exchange_bytes)."""
+    (--muon-max-exchange-bytes; ZeROTensorParallelMuon's max_exchange_bytes); None: what Muon's
+    state saves a rank against Adam's."""
 
     muon_use_syrk: bool = False
     """Newton-Schulz through emerging-optimizers' Triton SYRK kernel (--muon-use-syrk;
@@ -129,8 +130,9 @@ def muon_on_megatron_fsdp(cfg) -> bool:
 def install(cfg) -> None:
     """Check `cfg` (a Bridge ConfigContainer) and have Bridge build Muon on Megatron-FSDP with
     megatron_muon; raise, naming each field, before anything is built. Call before pretrain()."""
-    # Bridge's Kimi K2 and DeepSeek-V4 recipes name megatron-core's layer-wise distributed Muon,
-    # which is for Megatron DDP; on Megatron-FSDP ours distributes Muon.
+    # Bridge's Kimi K2 recipe (optimizer_utils.distributed_muon_with_cosine_annealing) names
+    # megatron-core's layer-wise distributed Muon, which is for Megatron DDP; on Megatron-FSDP
+    # ours distributes Muon.
     takes_dist_muon = cfg.optimizer.optimizer == "dist_muon" and _megatron_fsdp(cfg)
     muon = takes_dist_muon or muon_on_megatron_fsdp(cfg)
     if _megatron_fsdp(cfg):
@@ -143,9 +145,10 @@ def install(cfg) -> None:
             if value not in choices:
                 raise ValueError(f"cfg.optimizer.{field} {value!r}: choose from {choices}")
         budget = getattr(cfg.optimizer, "muon_max_exchange_bytes", MAX_EXCHANGE_BYTES)
-        if not isinstance(budget, int) or budget <= 0:
-            raise ValueError(f"cfg.optimizer.muon_max_exchange_bytes {budget!r}: a positive "
-                             f"number of bytes (--muon-max-exchange-bytes)")
+        if budget is not None and (not isinstance(budget, int) or budget <= 0):
+            raise ValueError(f"cfg.optimizer.muon_max_exchange_bytes {budget!r}: None (what "
+                             f"Muon's state saves a rank) or a positive number of bytes "
+                             f"(--muon-max-exchange-bytes)")
     if takes_dist_muon:
         cfg.optimizer.optimizer = "muon"
         _log("cfg.optimizer.optimizer 'dist_muon' with Megatron-FSDP: megatron-muon's "

@@ -100,10 +100,10 @@ def shrink(cfg, args) -> None:
         model.qk_clip_threshold, model.qk_clip_alpha = args.qk_clip_threshold, 0.5
     cfg.mixed_precision = None
     cfg.comm_overlap = None
-    # One micro-batch per rank: megatron-core 0.19.2's Megatron-FSDP rescales an unsharded
-    # gradient buffer (experts over expert-parallel = data-parallel) in every micro-batch's
-    # reduce, so with accumulation the experts' gradients differ from Megatron DDP's, Adam's too.
-    cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size = args.iters, 2, 1
+    # Two micro-batches per rank: the experts' buffer (expert parallel = data parallel) reduces
+    # over one rank, which released Megatron-FSDP rescales at every micro-batch
+    # (megatron_muon.fsdp_fixes).
+    cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size = args.iters, 4, 1
     cfg.train.manual_gc, cfg.train.exit_signal_handler = False, False
     cfg.validation.eval_interval, cfg.validation.eval_iters = None, 0
     cfg.dataset.seq_length, cfg.dataset.num_workers, cfg.dataset.split = 32, 0, "1,0,0"

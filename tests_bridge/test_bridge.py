@@ -226,7 +226,7 @@ def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refu
 
 
 def test_install_takes_the_recipes_dist_muon_on_megatron_fsdp_as_ours(capsys):
-    """Bridge's Kimi K2 and DeepSeek-V4 recipes name megatron-core's layer-wise Muon
+    """Bridge's Kimi K2 recipe names megatron-core's layer-wise Muon
     ('dist_muon', for Megatron DDP): on Megatron-FSDP it means megatron-muon's, said once."""
     import megatron_muon.bridge
 
