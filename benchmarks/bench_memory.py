@@ -3,15 +3,19 @@ split into what holds it: ours (Muon on Megatron-FSDP's ZeRO-3, ZeRO-2, ZeRO-1),
 those layouts (megatron-core's optimizer), and megatron-core's Muon on Megatron DDP and its
 layer-wise distributed optimizer (dense models).
 
-    python benchmarks/bench_memory.py [--world-sizes 2 4]
+    python benchmarks/bench_memory.py [--world-sizes 2 4] [--muon-max-exchange-bytes N --stem S]
 
 Runs itself under torchrun once per world size (gloo on CPU, NCCL on GPUs) on bench_muon_step's
 demo, wide and MoE GPTs. Each (optimizer, layout) is built alone and trained two steps, then three
 steps are measured with megatron_muon.memory.measure_train_step: the bytes at rest counted from the
 tensors (model weights, main weights, gradients, optimizer state; each storage once), and the most
 each phase adds above what was alive when its step began, from torch's allocator (on CUDA its peak
-statistics; on CPU the profiler's allocation records), the most over the three steps. A figure is
-its largest rank's (the one that runs out first). Beside them: what Muon's state saves against
+statistics, the most over the three steps; on CPU the profiler's allocation records, the least:
+measure_train_step says why). A figure is
+its largest rank's (the one that runs out first), beside the collectives its optimizer step
+issues over more than one rank (the busiest rank's; Muon's working-memory budget, by default
+what its state saves a rank, decides how many exchanges, two all-to-alls each, it takes). Beside
+them: what Muon's state saves against
 Adam's on the same layout, per rank on average (their optimizer-state bytes apart, summed over the
 ranks, over W: 4 bytes per Muon element over W), and how much of it the peak keeps (the largest
 rank's peak, Adam's minus ours, over the saving). Writes benchmarks/results/memory.json and
@@ -33,7 +37,7 @@ from bench_muon_step import MEGATRON_CORE_MODES, NEWTON_SCHULZ_PRECISION, build,
 CONFIGS = ("demo", "wide", "moe")
 LAYOUTS = {"ZeRO-3": "optim_grads_params", "ZeRO-2": "optim_grads", "ZeRO-1": "optim"}
 WARMUP = 2
-MEASURED_STEPS = 3  # each phase's figure: its most over them
+MEASURED_STEPS = 3  # each phase's figure: its most over them on CUDA, its least on CPU
 MIB = 1 << 20
 
 
@@ -46,7 +50,7 @@ def runs(parallel) -> list[tuple[str, str]]:
     return pairs
 
 
-def built(shape, parallel, optimizer, layout):
+def built(shape, parallel, optimizer, layout, budget):
     from megatron_muon import get_megatron_optimizer
     from megatron_muon.testing import fsdp_gpt, optimizer_config
 
@@ -56,11 +60,12 @@ def built(shape, parallel, optimizer, layout):
     model = fsdp_gpt(shape, strategy=LAYOUTS[layout], num_experts=parallel.get("num_experts"),
                      **parallel.get("model", {}))
     config = optimizer_config(optimizer, muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION)
-    return model, get_megatron_optimizer(config, [model])
+    return model, get_megatron_optimizer(config, [model], muon_max_exchange_bytes=budget)
 
 
-def measure(shape, parallel) -> dict:
+def measure(shape, parallel, budget) -> dict:
     """This rank's StepMemory of every run, as dicts."""
+    from megatron_muon.exchange import Traffic, observed
     from megatron_muon.memory import measure_train_step
     from megatron_muon.testing import init_parallel_state, lm_loss
 
@@ -68,7 +73,7 @@ def measure(shape, parallel) -> dict:
     rank, device = dist.get_rank(), _device()
     figures = {}
     for optimizer_name, layout in runs(parallel):
-        model, optimizer = built(shape, parallel, optimizer_name, layout)
+        model, optimizer = built(shape, parallel, optimizer_name, layout, budget)
 
         def forward_backward(step):
             optimizer.zero_grad()
@@ -77,11 +82,16 @@ def measure(shape, parallel) -> dict:
 
         for step in range(WARMUP):
             forward_backward(step)
-            optimizer.step()
+            if step < WARMUP - 1:
+                optimizer.step()
+                continue
+            with observed(Traffic()) as traffic:  # what the step's memory bound costs
+                optimizer.step()
         memory = measure_train_step([model], optimizer, lambda: forward_backward(WARMUP), device,
                                     steps=MEASURED_STEPS)
         figures[f"{optimizer_name} {layout}"] = dict(at_rest=memory.at_rest, phases=memory.phases,
-                                                    peak=memory.peak)
+                                                    peak=memory.peak,
+                                                    collectives=traffic.collectives)
     return figures
 
 
@@ -97,7 +107,7 @@ def worker(args):
     for name, (shape, parallel) in configs(dist.get_world_size()).items():
         if name in CONFIGS:
             per_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, measure(shape, parallel))
+            dist.all_gather_object(per_rank, measure(shape, parallel, args.muon_max_exchange_bytes))
             out[name] = per_rank
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
@@ -110,7 +120,8 @@ def summarize(world, per_rank) -> dict:
     row = dict(world_size=world, newton_schulz_precision=NEWTON_SCHULZ_PRECISION, runs={})
     for run in per_rank[0]:
         largest = max(per_rank, key=lambda figures: figures[run]["peak"])[run]
-        row["runs"][run] = largest
+        row["runs"][run] = {**largest, "collectives": max(r[run].get("collectives", 0)
+                                                          for r in per_rank)}
     for layout in LAYOUTS:
         muon, adam = [[r[f"{name} {layout}"] for r in per_rank] for name in ("muon", "adam")]
         saved = sum(a["at_rest"]["optimizer state"] - m["at_rest"]["optimizer state"]
@@ -126,7 +137,7 @@ def print_table(results):
     print(f"Per-rank peak of a train step, MiB (the largest rank's), Newton-Schulz at "
           f"--muon-fp32-matmul-prec {NEWTON_SCHULZ_PRECISION}")
     print(f"{'config':6} {'W':>2} {'run':18} " + "".join(f"{k[:12]:>13}" for k in kinds)
-          + f"{'fwd-bwd':>9}{'opt step':>9}{'peak':>9}")
+          + f"{'fwd-bwd':>9}{'opt step':>9}{'peak':>9}{'colls':>7}")
     for name, rows in results.items():
         for row in rows:
             for run, figures in row["runs"].items():
@@ -135,7 +146,8 @@ def print_table(results):
                 print(f"{name:6} {row['world_size']:>2} {run:18} "
                       + "".join(f"{rest.get(k, 0) / MIB:>13.2f}" for k in kinds)
                       + f"{phases['forward-backward'] / MIB:>9.2f}"
-                      + f"{phases['optimizer step'] / MIB:>9.2f}{figures['peak'] / MIB:>9.2f}")
+                      + f"{phases['optimizer step'] / MIB:>9.2f}{figures['peak'] / MIB:>9.2f}"
+                      + f"{figures['collectives']:>7}")
             for layout in LAYOUTS:
                 s = row[layout]
                 keeps = "-" if s["peak_keeps"] is None else f"{s['peak_keeps']:.2f}"
@@ -174,16 +186,21 @@ def plot(results, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--muon-max-exchange-bytes", type=int, default=None,
+                        help="Muon's working-memory budget (default: what its state saves a rank)")
+    parser.add_argument("--stem", default="memory", help="results/<stem>.json and .png")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
 
-    per_world = per_world_size.run(__file__, args.world_sizes)
+    flags = (("--muon-max-exchange-bytes", str(args.muon_max_exchange_bytes))
+             if args.muon_max_exchange_bytes else ())
+    per_world = per_world_size.run(__file__, args.world_sizes, *flags)
     results = {name: [summarize(w, per_world[w][name]) for w in args.world_sizes]
                for name in CONFIGS}
-    per_world_size.save(results, "memory", plot, print_table)
+    per_world_size.save(results, args.stem, plot, print_table)
 
 
 if __name__ == "__main__":

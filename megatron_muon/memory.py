@@ -171,11 +171,15 @@ class StepMemory:
 def measure_train_step(model_chunks, optimizer, forward_backward: Callable[[], None],
                        device: torch.device, steps: int = 1) -> StepMemory:
     """Run 1 + `steps` train steps (`forward_backward()`, which leaves the gradients synced, then
-    `optimizer.step()`) and measure the last `steps`: each phase's figure is the most it added in
-    any of them (which buffers are alive together can depend on when asynchronous work ends). The
-    first step, tracked but not measured, makes every buffer a step frees one the tracker saw
-    allocated (on CPU a free of memory allocated before it started goes uncounted) and creates
-    the optimizer's state, counted at rest."""
+    `optimizer.step()`) and measure the last `steps`. On CUDA each phase's figure is the most it
+    added in any of them (which buffers are alive together can depend on when asynchronous work
+    ends). On CPU, where the CPU layer runs every collective to its end, it is the least: the
+    steps then differ only where gloo drops a finished collective's tensors, on its own thread,
+    after the next phase has begun (seen: Megatron-FSDP's 28 MiB param-gather buffer alive twice
+    in one step of three, Adam's and Muon's alike, at W=4 on 2 cores). The first step, tracked but
+    not measured, makes every buffer a step frees one the tracker saw allocated (on CPU a free of
+    memory allocated before it started goes uncounted) and creates the optimizer's state, counted
+    at rest."""
     with AllocationTracker(device) as tracker:
         forward_backward()
         optimizer.step()
@@ -188,5 +192,6 @@ def measure_train_step(model_chunks, optimizer, forward_backward: Callable[[], N
     began = [tracker.starts[f"{PHASES[0]} {step}"] for step in range(steps)]
     if tracker.cuda:
         at_rest[UNCOUNTED] = max(0, tracker.start_bytes + began[-1] - sum(at_rest.values()))
-    return StepMemory(at_rest, {phase: max(tracker.peaks[f"{phase} {step}"] - began[step]
-                                           for step in range(steps)) for phase in PHASES})
+    over_steps = max if tracker.cuda else min
+    return StepMemory(at_rest, {phase: over_steps(tracker.peaks[f"{phase} {step}"] - began[step]
+                                                  for step in range(steps)) for phase in PHASES})

@@ -11,8 +11,9 @@ from typing import Callable, Sequence
 # ZeROTensorParallelMuon's defaults, which the scale model plans with too.
 BYTE_SLACK = 0.05  # byte-first owners may move this fraction more than the layout's minimum
 # The most the owner step's working memory (exchanges in flight, Newton-Schulz) holds at once on a
-# rank (--muon-max-exchange-bytes), unless one matrix alone needs more.
-MAX_EXCHANGE_BYTES = 1 << 30
+# rank (--muon-max-exchange-bytes), unless one matrix alone needs more; None: what Muon's state
+# saves each rank of the exchange group against Adam's (affordable_bytes).
+MAX_EXCHANGE_BYTES = None
 IN_FLIGHT = 2  # exchanges holding memory at once (exchange.run_overlapped)
 
 
@@ -741,15 +742,34 @@ class OwnerPlan:
     exchanges: list[list[list[int]]]
 
 
+def state_saved(matrices: Sequence[Matrix], element_bytes: int) -> list[int]:
+    """What Muon's one state element (momentum) per element saves each rank of the group against
+    Adam's two (exp_avg, exp_avg_sq), on the rows of the matrices it holds."""
+    saved = [0] * (matrices[0].layout.ranks if matrices else 0)
+    for matrix in matrices:
+        for rank in range(len(saved)):
+            saved[rank] += matrix.layout.held(rank) * matrix.cols * element_bytes
+    return saved
+
+
+def affordable_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
+    """The default working-memory budget: what Muon's state saves the rank of the group that
+    saves least (state_saved), so that no rank's step holds more than Adam's state would have;
+    a matrix that alone needs more still goes alone, the floor. At least one byte."""
+    return max(1, min(state_saved(matrices, element_bytes), default=1))
+
+
 def owner_plan(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float | None = None,
-               max_exchange_bytes: int = MAX_EXCHANGE_BYTES,
+               max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
                cost: StepCost | None = None) -> OwnerPlan:
     """The owner plan ZeROTensorParallelMuon carries out, and the scale model estimates: owners
     by estimated time where `cost` is given (choose_owners_by_time; `byte_slack` caps the extra
     bytes, None: no cap), else fewest bytes first (choose_owners, balancing within `byte_slack`,
     by default BYTE_SLACK). Batches and exchanges keep the step's working memory within
     `max_exchange_bytes` on every rank (working_memory; two exchanges in flight, each within
-    half), except where one matrix alone needs more: it goes alone."""
+    half; None: affordable_bytes), except where one matrix alone needs more: it goes alone."""
+    if max_exchange_bytes is None:
+        max_exchange_bytes = affordable_bytes(matrices, element_bytes)
     share = per_exchange_bytes(max_exchange_bytes)
     batches = batch_matrices(matrices, share, element_bytes)
     if cost is None:

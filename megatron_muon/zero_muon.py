@@ -21,8 +21,8 @@ from .checks import CheckResult, MuonCheckError, agree_on_every_rank, data_paral
 from .exchange import OwnerRoutes, all_gather_ints, all_gather_rows, owner_exchange, run_overlapped
 from .measured_cost import measure, seconds_beyond_noise
 from .muon_math import momentum_update_
-from .plan import (MAX_EXCHANGE_BYTES, Matrix, RowLayout, StepCost, batch_matrices, cost_key,
-                   orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
+from .plan import (MAX_EXCHANGE_BYTES, Matrix, RowLayout, StepCost, affordable_bytes,
+                   batch_matrices, cost_key, orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
                    qkv_row_blocks, row_layouts, split_matrices)
 
 DistMode = Literal["owner", "allgather"]
@@ -93,7 +93,8 @@ def _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, che
         ("momentum", "--muon-momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
         ("weight_decay", "--weight-decay", lambda v: v >= 0, "at least 0"),
         ("byte_slack", None, lambda v: v is None or v >= 0, "None or at least 0"),
-        ("max_exchange_bytes", "--muon-max-exchange-bytes", lambda v: v > 0, "positive"),
+        ("max_exchange_bytes", "--muon-max-exchange-bytes", lambda v: v is None or v > 0,
+         "None (what Muon's state saves a rank) or positive"),
         ("check_interval", "--muon-check-interval", lambda v: v >= 0, "at least 0"),
     ]
     for name, flag, valid, expected in rules:
@@ -141,11 +142,12 @@ class GroupPlan:
     """The matrices of one exchange group, fixed at construction: one per param, or one per
     expert of a stacked expert weight; where this rank's rows of each sit in its param's local
     shard; their owners, this rank's routes through the exchanges that carry their batches, and
-    the measured StepCost the owners were chosen by (None: byte-first, or no owners)."""
+    the working-memory budget they were planned within, and the measured StepCost the owners
+    were chosen by (None: byte-first, or no owners)."""
 
-    def __init__(self, params, matrices, pieces, owners, exchanges, group, cost=None):
+    def __init__(self, params, matrices, pieces, owners, exchanges, group, budget, cost=None):
         self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
-        self.group, self.cost = group, cost
+        self.group, self.budget, self.cost = group, budget, cost
         self.rank = dist.get_rank(group)
         self.routes = [OwnerRoutes(matrices, owners, batches, self.rank) for batches in exchanges]
 
@@ -194,8 +196,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             previous one computes), as plan.working_memory counts them. Same-shape matrices are
             orthogonalized together and consecutive batches exchanged together (one collective
             per direction) within half of it each; a matrix that alone needs more goes alone,
-            and rank 0 says so once at construction. "allgather" mode and a checked step hold
-            every update at once, beyond it.
+            and rank 0 says so once at construction. None (the default): per exchange group,
+            what Muon's state saves the rank that saves least against Adam's
+            (plan.affordable_bytes), so that the step never holds more than Adam's state would.
+            "allgather" mode and a checked step hold every update at once, beyond it.
         use_syrk: Newton-Schulz through emerging_optimizers' Triton SYRK kernel
             (--muon-use-syrk; megatron_muon.syrk says where it runs): CUDA, bf16 (`medium`),
             each matrix in its own call (the kernel takes no batch); refused at construction
@@ -216,7 +220,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
                  owner_choice: OwnerChoice = "time", byte_slack: float | None = None,
-                 max_exchange_bytes: int = MAX_EXCHANGE_BYTES, param_names: dict | None = None,
+                 max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
+                 param_names: dict | None = None,
                  check_interval: int = 0, use_syrk: bool = False, **kwargs: Any):
         _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
                         kwargs)
@@ -244,7 +249,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.plans = [self._plan_group(params, group, byte_slack, max_exchange_bytes)
                       for (group, _), params in self._exchange_groups().items()]
         if dist.get_rank() == 0 and dist_mode == "owner":
-            self._say_which_go_alone(max_exchange_bytes)
+            self._say_which_go_alone(max_exchange_bytes is None)
 
     def _use_syrk(self, settings: dict, upstream_runs_it: bool) -> None:
         """Refuse --muon-use-syrk where the kernel cannot run (before any state), else route
@@ -262,19 +267,21 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                 settings["coefficient_type"], settings["scale_mode"],
                 settings["extra_scale_factor"])
 
-    def _say_which_go_alone(self, max_exchange_bytes: int) -> None:
-        """One line: the matrices that alone need more than half the working-memory budget
+    def _say_which_go_alone(self, derived: bool) -> None:
+        """One line: the matrices that alone need more than half their working-memory budget
         (each goes alone in its batch and exchange), the largest named with its size."""
         needs = [(owner_bytes(matrix, plan.param_of(i).element_size()), plan, i)
                  for plan in self.plans for i, matrix in enumerate(plan.matrices)]
-        alone = [need for need in needs if need[0] > per_exchange_bytes(max_exchange_bytes)]
+        alone = [need for need in needs if need[0] > per_exchange_bytes(need[1].budget)]
         if not alone:
             return
         largest, plan, i = max(alone, key=lambda item: item[0])
         rows, cols = plan.matrices[i].shape
+        budget = (f"the default, what Muon's state saves a rank against Adam's, {plan.budget / 2**20:.1f} "
+                  f"MiB" if derived else f"{plan.budget / 2**20:.1f} MiB")
         print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
-              f"--muon-max-exchange-bytes ({max_exchange_bytes / 2**20:.1f} MiB) and are "
-              f"orthogonalized alone; the largest, {self._name(plan.param_of(i))} ({rows}x{cols}, "
+              f"--muon-max-exchange-bytes ({budget}) and are orthogonalized alone; the largest, "
+              f"{self._name(plan.param_of(i))} ({rows}x{cols}, "
               f"{rows * cols * plan.param_of(i).element_size() / 2**20:.1f} MiB), needs "
               f"{largest / 2**20:.1f} MiB on its owner", flush=True)
 
@@ -397,17 +404,18 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             representatives.setdefault(cost_key(matrix), (matrix, params[index]))
         batchable = self._batchable(matrices, representatives)
         element_bytes = params[0].element_size()
+        budget = max_exchange_bytes or affordable_bytes(matrices, element_bytes)
         cost = None
         if self.dist_mode == "owner" and self.owner_choice == "time":
             cost = self._measure_cost(matrices, representatives, batchable, group,
-                                      element_bytes, per_exchange_bytes(max_exchange_bytes))
+                                      element_bytes, per_exchange_bytes(budget))
         else:
             self.batched_newton_schulz.update((key[:2], True) for key in batchable)
         # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
         # measured cost, so they pick the same owners: TP Newton-Schulz then meets its TP peers
         # on the same matrix.
-        plan = owner_plan(matrices, element_bytes, byte_slack, max_exchange_bytes, cost)
-        return GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group, cost)
+        plan = owner_plan(matrices, element_bytes, byte_slack, budget, cost)
+        return GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group, budget, cost)
 
     @torch.no_grad()
     def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,

@@ -27,6 +27,9 @@ MEGATRON_FSDP = {"megatron-core": megatron_fsdp,
                  "megatron-fsdp": importlib.util.find_spec("megatron_fsdp")
                  and importlib.import_module("megatron_fsdp")}
 QKV_SPLIT = [4, 2, 2]  # q, k, v rows per query group; 2 groups below
+# A working-memory budget that holds all four same_shape_linears in one batch: what Muon's state
+# saves a rank of such tiny matrices (the default) keeps each alone.
+ONE_BATCH = 1 << 20
 MUON_KWARGS = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01,
                    fp32_matmul_prec="highest", split_qkv=True,
                    is_qkv_fn=lambda p: getattr(p, "is_qkv", False), qkv_split_shapes=QKV_SPLIT)

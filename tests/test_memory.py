@@ -16,7 +16,8 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.memory import PHASES, AllocationTracker, at_rest_bytes, measure_train_step
 from megatron_muon.plan import (MAX_EXCHANGE_BYTES, ExchangeMemory, Matrix, RowLayout,
-                                largest_alone, newton_schulz_bytes, working_memory)
+                                affordable_bytes, largest_alone, newton_schulz_bytes,
+                                working_memory)
 from megatron_muon.testing import GPTShape, fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 from megatron_muon.zero_muon import ZeROTensorParallelMuon
 
@@ -63,6 +64,7 @@ def test_newton_schulz_holds_at_most_what_the_plan_counts(shape):
 
 
 SHAPE = GPTShape(layers=2, hidden=64, ffn=256, heads=4, vocab=128, seq=16, micro_batch=2)
+LARGE = 1 << 30  # every matrix in one exchange (the old default)
 
 
 def _muon(optimizer) -> ZeROTensorParallelMuon:
@@ -128,24 +130,28 @@ def _within_budget(rank, world_size):
     # an exchange computes its matrices' updates when it starts and frees them when it ends.
     init_parallel_state()
     runs = {}
-    small = None
-    for budget in ("default", "small"):
+    for budget in ("large", "default"):
         model = fsdp_gpt(SHAPE)
         log = io.StringIO()
         with redirect_stdout(log):
             optimizer = get_megatron_optimizer(
                 optimizer_config(muon_nesterov=True), [model], muon_owner_choice="bytes",
-                muon_max_exchange_bytes=MAX_EXCHANGE_BYTES if budget == "default" else small)
+                muon_max_exchange_bytes=LARGE if budget == "large" else MAX_EXCHANGE_BYTES)
         muon = _muon(optimizer)
-        if budget == "default":
-            # As small as one matrix alone needs: each exchange then holds about one matrix.
-            small = _alone(muon)
+        if budget == "large":
             assert "orthogonalized alone" not in log.getvalue()
-        elif rank == 0:
-            assert "Muon matrices each need more than half of --muon-max-exchange-bytes" in log.getvalue()
+            limit = LARGE
+        else:
+            # What Muon's state saves the rank saving least, in each exchange group: below one
+            # matrix's need here, so each exchange holds about one matrix, and rank 0 says so.
+            assert all(plan.budget == affordable_bytes(plan.matrices, 4) for plan in muon.plans)
+            limit = max(plan.budget for plan in muon.plans)
+            assert limit < _alone(muon)
+            if rank == 0:
+                assert ("Muon matrices each need more than half of --muon-max-exchange-bytes "
+                        "(the default, what Muon's state saves a rank") in log.getvalue()
         _train_step(model, optimizer, 0, rank)  # creates the momentum
         measured = _tracked_muon_step(model, optimizer, 1, rank)
-        limit = MAX_EXCHANGE_BYTES if budget == "default" else small
         planned = _planned(muon)
         # The plan's count bounds what the step holds (at W=4 but for buffers gloo releases
         # late), and the budget bounds the plan but for one matrix alone.
@@ -155,9 +161,9 @@ def _within_budget(rank, world_size):
         runs[budget] = (measured, sum(len(plan.routes) for plan in muon.plans),
                         [p.to_local().clone() for g in muon.param_groups for p in g["params"]])
     (big, big_exchanges, big_weights), (little, little_exchanges, little_weights) = (
-        runs["default"], runs["small"])
-    # The small budget changes the plan, the tracker sees less held on the rank holding most, and
-    # no weight changes.
+        runs["large"], runs["default"])
+    # The default budget changes the plan, the tracker sees less held on the rank holding most
+    # than with everything in one exchange, and no weight changes.
     most = torch.tensor([big, little])
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     assert little_exchanges > big_exchanges and most[1] < most[0], (runs["default"][:2], runs["small"][:2])

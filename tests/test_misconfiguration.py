@@ -184,8 +184,10 @@ def test_orthogonalize_receives_its_param_groups_options():
 
     first, second = [matrix() for _ in range(2)], [matrix() for _ in range(2)]
     groups = [dict(params=first, tag="a", lr=0.1), dict(params=second, tag="b", lr=0.2)]
-    # medium, owners by bytes: batched calls, no probe, nothing measured
-    muon = Recording(groups, fp32_matmul_prec="medium", owner_choice="bytes")
+    # medium, owners by bytes: batched calls, no probe, nothing measured; a budget that holds
+    # every matrix (what Muon's state saves of these tiny ones would keep each alone)
+    muon = Recording(groups, fp32_matmul_prec="medium", owner_choice="bytes",
+                     max_exchange_bytes=1 << 30)
     for p in first + second:
         p.grad = DTensor.from_local(torch.randn(6, 4), p.device_mesh, p.placements)
     muon.step()

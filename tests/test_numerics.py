@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_models import (MUON_KWARGS, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
+from fsdp_models import (MUON_KWARGS, ONE_BATCH, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
                          matrices_per_newton_schulz_call, muon_param_groups,
                          reference_optimizers, same_shape_linears, split_params)
 from megatron_muon import ZeROTensorParallelMuon
@@ -228,6 +228,7 @@ def _batching_under_bf16_matmuls(rank, world_size):
     "Library"); owners by bytes here, nothing measured (owners by time: test_owner_choice)."""
     fsdp = same_shape_linears(world_size)
     opt = ZeROTensorParallelMuon(list(fsdp.parameters()), owner_choice="bytes",
+                                 max_exchange_bytes=ONE_BATCH,
                                  **{**MUON_KWARGS, "fp32_matmul_prec": "medium"})
     matrices_per_call = matrices_per_newton_schulz_call(fsdp, opt)
     owned_batches = sum(1 for plan in opt.plans for routes in plan.routes

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_models import (MUON_KWARGS, fully_shard, matrices_per_newton_schulz_call,
+from fsdp_models import (MUON_KWARGS, ONE_BATCH, fully_shard, matrices_per_newton_schulz_call,
                          same_shape_linears)
 from megatron_muon import ZeROTensorParallelMuon, measured_cost, zero_muon
 
@@ -80,7 +80,7 @@ def _batching_follows_the_measured_calls(rank, world_size, batched_faster, preci
     batched_seconds = 0.5 if batched_faster else 2.0
     with mock.patch.object(zero_muon, "measure", _measured(batched_seconds, spread=spread)), \
             mock.patch.object(ZeROTensorParallelMuon, "_batched_is_exact", return_value=True):
-        opt = ZeROTensorParallelMuon(list(fsdp.parameters()),
+        opt = ZeROTensorParallelMuon(list(fsdp.parameters()), max_exchange_bytes=ONE_BATCH,
                                      **{**MUON_KWARGS, "fp32_matmul_prec": precision})
     batched = (batched_faster and spread < 0.5) or precision == "medium"
     assert list(opt.batched_newton_schulz.values()) == [batched]
