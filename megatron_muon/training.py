@@ -2,6 +2,8 @@
 
 Call `install()` once, before Megatron parses its arguments (it is idempotent). It
 
+* takes `--optimizer dist_muon` with `--use-megatron-fsdp` as muon, ours, saying so once (Megatron
+  refuses it; on Megatron DDP dist_muon stays megatron-core's layer-wise Muon);
 * makes `validate_args` accept muon with Megatron-FSDP, which Megatron refuses twice
   (megatron.training.arguments.validate_args asserts both "Megatron-FSDP does not support the
   muon optimizer yet" and "Emerging optimizer does not support Megatron-FSDP for now").
@@ -95,7 +97,20 @@ def _warn_if_newton_schulz_is_emulated(args) -> None:
         f'it in fp32.', stacklevel=2)
 
 
+def _take_dist_muon_on_megatron_fsdp(args) -> None:
+    """--optimizer dist_muon (megatron-core's layer-wise distributed Muon, for Megatron DDP) with
+    --use-megatron-fsdp, which megatron.training refuses: on Megatron-FSDP our distributed Muon
+    steps it, as bridge.install(cfg) takes Bridge's recipes' dist_muon. Said once, on rank 0."""
+    if args.optimizer != 'dist_muon' or not args.use_megatron_fsdp:
+        return
+    args.optimizer = 'muon'
+    if args.rank == 0:
+        print('megatron-muon: --optimizer dist_muon with --use-megatron-fsdp: megatron-muon\'s '
+              'distributed Muon (ZeROTensorParallelMuon) steps it', flush=True)
+
+
 def _validate_args(args, defaults={}):
+    _take_dist_muon_on_megatron_fsdp(args)
     _warn_if_newton_schulz_is_emulated(args)
     validate_muon_args(args)
     if not muon_on_megatron_fsdp(args):

@@ -3,7 +3,9 @@ choice to build megatron-core's dataset helper or not, and the CPU layer's inert
 machine. Each check runs in a fresh interpreter: both patch
 modules for the life of the process."""
 
+import contextlib
 import importlib.machinery
+import io
 import sys
 from unittest import mock
 
@@ -38,6 +40,7 @@ def _refused(match, *flags):
 
 def _switch(rank, world_size, checkout):
     _refused("Megatron-FSDP does not support the muon optimizer", "--optimizer", "muon")
+    _refused("Megatron-FSDP does not support the dist_muon optimizer", "--optimizer", "dist_muon")
     import megatron.core.datasets.utils as datasets
     import megatron.training.global_vars
     import megatron.training.training
@@ -59,6 +62,12 @@ def _switch(rank, world_size, checkout):
     assert megatron.training.training.get_megatron_optimizer is megatron_muon.training._get_megatron_optimizer
     args = _validate("--optimizer", "muon")
     assert args.optimizer == "muon" and args.use_megatron_fsdp and args.muon_dist_mode == "owner"
+    # Megatron-LM's own name for Muon at scale: on Megatron-FSDP ours, said once.
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        args = _validate("--optimizer", "dist_muon")
+    assert args.optimizer == "muon" and not args.use_layer_wise_distributed_optimizer
+    assert said.getvalue().count("--optimizer dist_muon with --use-megatron-fsdp: megatron-muon") == 1
     # Our flags reach the factory megatron.training calls.
     megatron.training.global_vars.set_args(_validate(
         "--optimizer", "muon", "--muon-dist-mode", "allgather", "--muon-owner-choice", "bytes",
