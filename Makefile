@@ -41,7 +41,9 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 .PHONY: venv demo test test-fast test-lowest test-bridge test-automodel test-gpu bench bench-demo scale clean
 
 # $(1): the venv's folder; $(2): the constraints file that pins its dependencies; $(3): the
-# extras beside `test`.
+# extras beside `test`. The pins go in as PIP_CONSTRAINT, which takes the place of any constraint
+# file pip's configuration names (a machine's global cap on torch, say) for that install: the
+# venv gets the file's versions wherever it is built.
 define make_venv
 	@if [ -z "$(PYTHON)" ]; then \
 		echo "error: megatron-muon needs Python >= 3.12 (megatron-core and emerging-optimizers require it)."; \
@@ -49,7 +51,7 @@ define make_venv
 		exit 1; fi
 	@[ -x $(1)/bin/python ] && $(1)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { rm -rf $(1); $(PYTHON) -m venv $(1); }
 	$(1)/bin/python -m pip install -q --upgrade pip
-	$(1)/bin/python -m pip install -q -c $(2) -e '.[test$(3)]'
+	PIP_CONSTRAINT="$(2)" $(1)/bin/python -m pip install -q -e '.[test$(3)]'
 endef
 
 $(VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt
@@ -65,9 +67,10 @@ $(LOWEST_VENV)/.installed: setup.py megatron_muon/supported_versions.py constrai
 $(BRIDGE_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt \
 		constraints/bridge.txt
 	$(call make_venv,$(BRIDGE_VENV),constraints/newest.txt)
-	$(BRIDGE_VENV)/bin/python -m pip install -q --no-deps -c constraints/bridge.txt megatron-bridge
-	$(BRIDGE_VENV)/bin/python -m pip install -q -c constraints/newest.txt -c constraints/bridge.txt \
-		$$(grep -v '^#\|megatron-bridge' constraints/bridge.txt | cut -d= -f1)
+	PIP_CONSTRAINT=constraints/bridge.txt $(BRIDGE_VENV)/bin/python -m pip install -q --no-deps \
+		megatron-bridge
+	PIP_CONSTRAINT="constraints/newest.txt constraints/bridge.txt" $(BRIDGE_VENV)/bin/python -m \
+		pip install -q $$(grep -v '^#\|megatron-bridge' constraints/bridge.txt | cut -d= -f1)
 	touch $@
 
 # Automodel's wheel without its dependencies (GPU kernels among them), then what its recipes'
@@ -75,9 +78,10 @@ $(BRIDGE_VENV)/.installed: setup.py megatron_muon/supported_versions.py constrai
 $(AUTOMODEL_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt \
 		constraints/automodel.txt
 	$(call make_venv,$(AUTOMODEL_VENV),constraints/newest.txt)
-	$(AUTOMODEL_VENV)/bin/python -m pip install -q -c constraints/automodel.txt \
+	PIP_CONSTRAINT=constraints/automodel.txt $(AUTOMODEL_VENV)/bin/python -m pip install -q \
 		$$(grep -v '^#\|nemo-automodel' constraints/automodel.txt | cut -d= -f1)
-	$(AUTOMODEL_VENV)/bin/python -m pip install -q --no-deps -c constraints/automodel.txt nemo-automodel
+	PIP_CONSTRAINT=constraints/automodel.txt $(AUTOMODEL_VENV)/bin/python -m pip install -q \
+		--no-deps nemo-automodel
 	touch $@
 
 venv: $(VENV)/.installed

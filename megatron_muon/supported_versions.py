@@ -6,8 +6,9 @@ name it borrows: plain data, no imports."""
 SUPPORTED = {
     "python": ">=3.12",
     # The lower bound names the pre-release so NVIDIA's container builds (2.8.0a0+<hash> in NGC
-    # 25.08, up to 2.14.0a0 in 26.09) satisfy it and pip leaves the container's torch alone.
-    "torch": ">=2.8.0a0,<2.15",
+    # 25.08, up to 2.14.0a0 in 26.09, 2.15.0a0 expected after it) satisfy it and pip leaves the
+    # container's torch alone.
+    "torch": ">=2.8.0a0,<2.16",
     # Megatron-FSDP comes with it: megatron-core uses its own copy
     # (megatron.core.distributed.fsdp.src.megatron_fsdp), and so do we.
     "megatron-core": ">=0.19.0,<0.20",

@@ -16,7 +16,9 @@ CONSTRAINTS = Path(__file__).resolve().parents[1] / "constraints"
 NGC_TORCH = {"25.08": "2.8.0a0", "25.09": "2.9.0a0", "25.10": "2.9.0a0", "25.11": "2.10.0a0",
              "25.12": "2.10.0a0", "26.01": "2.10.0a0", "26.02": "2.11.0a0", "26.03": "2.11.0a0",
              "26.04": "2.12.0a0", "26.05": "2.12.0a0", "26.06": "2.13.0a0", "26.07": "2.13.0a0",
-             "26.08": "2.14.0a0", "26.09": "2.14.0a0"}
+             "26.08": "2.14.0a0", "26.09": "2.14.0a0",
+             # The containers after 26.09 are expected to move to torch 2.15 (issue 52).
+             "after 26.09": "2.15.0a0"}
 
 
 def requirement(name: str) -> Requirement:
@@ -35,7 +37,7 @@ def pinned(end: str) -> dict[str, Version]:
 @pytest.mark.parametrize("container", NGC_TORCH)
 def test_every_ngc_containers_torch_satisfies_the_requirement(container):
     torch = requirement("torch")
-    for build in (NGC_TORCH[container], f"{NGC_TORCH[container]}+3c1d3e5e.nv{container}"):
+    for build in (NGC_TORCH[container], f"{NGC_TORCH[container]}+3c1d3e5e.nv{container[-5:]}"):
         # pip's check of an installed distribution allows pre-releases; a fresh resolution does
         # too, since the range names one.
         assert torch.specifier.contains(Version(build), prereleases=True), (container, build, torch)
