@@ -14,7 +14,8 @@
 # (megatron_muon/supported_versions.py) or constraints/newest.txt change, at the newest release
 # of each dependency range that CI tests (constraints/newest.txt).
 # `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint, fake-process-group,
-# upstream-name and outside-Megatron (megatron-fsdp 0.5.0) tests and one demo run at the lowest
+# upstream-name, gradient-accumulation (the upstream fix on megatron-core 0.19.0's Megatron-FSDP)
+# and outside-Megatron (megatron-fsdp 0.5.0) tests and one demo run at the lowest
 # ones (constraints/lowest.txt), in .venv-lowest.
 # `make test-bridge` trains through Megatron-Bridge's own loop (tests_bridge/), in .venv-bridge
 # (constraints/bridge.txt). `make test-automodel` builds and steps ours as NeMo Automodel's recipe
@@ -27,7 +28,7 @@ AUTOMODEL_VENV := .venv-automodel
 PY := $(VENV)/bin/python
 LOWEST_TESTS := tests/test_plan.py tests/test_exchange.py tests/test_numerics.py \
 	tests/test_factory.py tests/test_checkpoint.py tests/test_fake_pg.py tests/test_versions.py \
-	tests/test_upstream.py tests/test_standalone.py \
+	tests/test_upstream.py tests/test_standalone.py tests/test_grad_accumulation.py \
 	tests/test_e2e_training.py::test_muon_on_megatron_fsdp_loss_falls
 NPROC ?= 2
 COMMA := ,
