@@ -6,10 +6,15 @@ what Megatron lacks.
 """
 
 import argparse
+import typing
+
+from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import Moment2MethodT
 
 from . import rules, upstream
 from .plan import MAX_EXCHANGE_BYTES
 from .zero_muon import DIST_MODES, OWNER_CHOICES
+
+MOMENT2_METHODS = typing.get_args(Moment2MethodT)
 
 
 # What each --muon-fp32-matmul-prec does to Newton-Schulz (emerging_optimizers' newton_schulz
@@ -79,6 +84,18 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            'kernel (about half the FLOPs of its symmetric products): CUDA, '
                            'Triton >= 3.4, --muon-fp32-matmul-prec medium; each matrix in its own '
                            'call. Refused, naming why, where it cannot run.')
+    # megatron-core's OptimizerConfig fields for --optimizer adaptive_muon, which
+    # megatron.training has no flags for (it builds OptimizerConfig from the args by field name).
+    group.add_argument('--adaptive-muon-moment2-method', choices=MOMENT2_METHODS,
+                       default='adamuon',
+                       help='--optimizer adaptive_muon\'s second moment after Newton-Schulz: '
+                       '"adamuon" elementwise (AdaMuon), "normuon" per row, or per column of a '
+                       'matrix wider than tall, rescaled to the orthogonalized update\'s '
+                       'Frobenius norm (NorMuon), "namo" a scalar from the gradient\'s norm.')
+    group.add_argument('--adaptive-muon-beta2', type=float, default=0.95,
+                       help='--optimizer adaptive_muon: the second moment\'s decay rate.')
+    group.add_argument('--adaptive-muon-eps', type=float, default=1e-8,
+                       help='--optimizer adaptive_muon: the second moment\'s epsilon.')
     group.add_argument('--muon-max-consecutive-skipped-steps', type=_at_least_0, default=10,
                        help='Stop with an error after this many optimizer steps in a row skipped '
                        'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import megatron.core.datasets.utils
 
-from . import checksums, cpu, factory, fsdp_fixes, qk_clip, rules, upstream
+from . import checksums, cpu, factory, qk_clip, rules, upstream, upstream_fixes
 from .chained import find_megatron_fsdp
 from .plan import MAX_EXCHANGE_BYTES
 from .zero_muon import DIST_MODES, OWNER_CHOICES
@@ -136,7 +136,7 @@ def install(cfg) -> None:
     takes_dist_muon = cfg.optimizer.optimizer == "dist_muon" and _megatron_fsdp(cfg)
     muon = takes_dist_muon or muon_on_megatron_fsdp(cfg)
     if _megatron_fsdp(cfg):
-        fsdp_fixes.apply()
+        upstream_fixes.apply()
         rules.refuse(_reader(cfg), _field_name, training_loop=True, muon=muon,
                      what=("Muon on " if muon else "") + "Megatron-FSDP through Megatron-Bridge")
     if muon:

@@ -10,7 +10,7 @@ from megatron.core.optimizer import get_standard_config_overrides
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from . import fsdp_fixes, rules, upstream
+from . import rules, upstream, upstream_fixes
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
 from .plan import MAX_EXCHANGE_BYTES
 from .qk_clip import build_max_attention_logits
@@ -29,10 +29,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     `owner_choice` ("time" or "bytes"), `check_interval`, `max_exchange_bytes` and `use_syrk`
     (also turned on by `OptimizerConfig.muon_use_syrk`, where megatron-core has it, as main does);
     `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on skipped steps."""
-    on_megatron_fsdp = all(find_megatron_fsdp(c) for c in model_chunks)
-    if on_megatron_fsdp:
-        fsdp_fixes.apply()  # for every optimizer: the gradients it is handed
-    if config.optimizer != "muon" or not on_megatron_fsdp:
+    upstream_fixes.apply()  # for every optimizer, where the installed upstream needs them
+    if config.optimizer != "muon" or not all(find_megatron_fsdp(c) for c in model_chunks):
         return _core_get_megatron_optimizer(
             config, model_chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,

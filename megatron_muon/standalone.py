@@ -10,7 +10,7 @@ picks, torch's AdamW on the rest, stepped under FSDPMuonChainedOptimizer's contr
 import torch
 import torch.distributed as dist
 
-from . import fsdp_fixes, upstream
+from . import upstream, upstream_fixes
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
 from .placement import place
 from .zero_muon import ZeROTensorParallelMuon
@@ -135,7 +135,7 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
     if fsdp is None:
         raise TypeError(f"{type(model).__name__} is not wrapped by Megatron-FSDP: call "
                         "megatron_fsdp.fully_shard_model on it first")
-    fsdp_fixes.apply()
+    upstream_fixes.apply()
     placement = place(fsdp.module, muon, adamw, qkv_splits)
     main_weights = dict(fsdp.param_and_grad_buffer.optimizer_named_parameters)
     for name, rows in placement.qkv_splits.items():  # read through the main weight's orig_param

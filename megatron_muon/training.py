@@ -15,7 +15,7 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   not the one it calls);
 * without CUDA, makes megatron.training run on CPU with gloo (megatron_muon.cpu; inert with CUDA);
 * fixes released Megatron-FSDP's gradients where upstream fixed them after the release, for every
-  optimizer (megatron_muon.fsdp_fixes: a buffer reduced over one rank, e.g. the experts' at
+  optimizer (megatron_muon.upstream_fixes: a buffer reduced over one rank, e.g. the experts' at
   expert parallel = data parallel, rescaled at every micro-batch);
 * lets a megatron-core whose dataset helper is already built start without a Makefile to build it
   with: the wheel ships `helpers_cpp` built and no Makefile, and initialize_megatron's
@@ -51,7 +51,7 @@ from megatron.training.checkpointing import get_checkpoint_name, get_load_checkp
 from megatron.training.utils import print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_muon import checksums, cpu, factory, fsdp_fixes, qk_clip, upstream
+from megatron_muon import checksums, cpu, factory, qk_clip, upstream, upstream_fixes
 from megatron_muon.arguments import (muon_on_megatron_fsdp, offer_fp32_newton_schulz,
                                      validate_muon_args)
 from megatron_muon.cpu import apply_megatron_training_compat
@@ -228,7 +228,7 @@ def install() -> None:
     let it start on this machine (CPU layer without CUDA, the wheel's prebuilt dataset helper).
     Each patch is listed in megatron_muon.upstream; `uninstall()` undoes them all."""
     apply_megatron_training_compat()
-    fsdp_fixes.apply()
+    upstream_fixes.apply()
     if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
         # initialize.py imports compile_helpers from the module when it runs: patch the module.
         upstream.patch('megatron.core.datasets.utils.compile_helpers', skip_dataset_helper_build)

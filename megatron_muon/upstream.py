@@ -180,8 +180,8 @@ def called_by_fully_shard_optimizer() -> bool:
 
 def has_one_rank_reduce_defect(copy: str) -> bool:
     """Whether a Megatron-FSDP copy (MEGATRON_FSDP_COPIES) rescales a gradient buffer reduced
-    over one rank at every micro-batch, read from its code (megatron_muon.fsdp_fixes): upstream's
-    fix (NVIDIA/Megatron-LM#6773) decides the reduce schedule per buffer
+    over one rank at every micro-batch, read from its code (megatron_muon.upstream_fixes):
+    upstream's fix (NVIDIA/Megatron-LM#6773) decides the reduce schedule per buffer
     (MegatronFSDP._reduces_grad_every_backward) and tells gradient_reduce_preprocessing the
     group's size; a copy with neither has the defect."""
     fsdp = importlib.import_module(f"{copy}.megatron_fsdp").MegatronFSDP
@@ -189,6 +189,28 @@ def has_one_rank_reduce_defect(copy: str) -> bool:
                                             ).gradient_reduce_preprocessing
     return not (hasattr(fsdp, "_reduces_grad_every_backward")
                 or "group_size" in inspect.signature(preprocessing).parameters)
+
+
+def has_adaptive_muon_defect() -> bool:
+    """Whether megatron-core's TensorParallelAdaptiveMuon cannot step AdaptiveMuon's algorithm
+    (megatron_muon.upstream_fixes), by a probe on one 2x2 matrix: its step reads `scale_mode`,
+    which only AdaptiveMuon's constructor sets (0.19 runs TensorParallelMuon's alone), or its
+    orthogonalize applies Muon's scale (here an extra factor of 2), which AdaptiveMuon applies
+    after the second moment."""
+    import torch
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
+
+    class Probe(TensorParallelAdaptiveMuon):
+        """A class of its own: torch.optim wraps the step of an optimizer's class when it builds
+        the first instance, which should not be megatron-core's class here."""
+
+    identity = torch.eye(2, device="cpu")  # a probe of the code, wherever the run is
+    p = torch.nn.Parameter(identity.clone())
+    probe = Probe([p], extra_scale_factor=2.0, num_ns_steps=5)
+    if not hasattr(probe, "scale_mode"):
+        return True
+    with torch.no_grad():
+        return not torch.equal(probe.orthogonalize(p, identity), newton_schulz(identity, steps=5))
 
 
 def has_triton_syrk() -> bool:
@@ -240,11 +262,16 @@ def mesh_shard_order(mesh) -> Any:
     return getattr(mesh, "_shard_order", None)
 
 
-# Megatron-FSDP's one-rank gradient reduce (megatron_muon.fsdp_fixes), in each copy that has the
-# defect: the per-micro-batch reduce that holds such buffers back, and the grad sync that reduces
-# them once.
+# Megatron-FSDP's one-rank gradient reduce (megatron_muon.upstream_fixes), in each copy that has
+# the defect: the per-micro-batch reduce that holds such buffers back, and the grad sync that
+# reduces them once.
 ONE_RANK_REDUCE_TARGETS = ("param_and_grad_buffer.GradReducePipeline.reduce_gradients",
                            "megatron_fsdp.MegatronFSDP.synchronize_gradient_reduce")
+# megatron-core's TensorParallelAdaptiveMuon (megatron_muon.upstream_fixes), where it has the
+# defect: its constructor, its orthogonalize (noting the whole matrix's shape) and its Muon scale.
+ADAPTIVE_MUON = "megatron.core.optimizer.emerging_optimizers.TensorParallelAdaptiveMuon"
+ADAPTIVE_MUON_TARGETS = tuple(f"{ADAPTIVE_MUON}.{name}"
+                              for name in ("__init__", "orthogonalize", "_apply_muon_scale"))
 
 # Every attribute the patches may replace, and why.
 PATCHES = {
@@ -272,12 +299,17 @@ PATCHES = {
     "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu":
         "the alltoall MoE dispatcher's split sizes as numpy, as on CUDA: gloo's "
         "all_to_all_single refuses tensors",
-    # Upstream's fix of released Megatron-FSDP (megatron_muon.fsdp_fixes), where it is missing.
+    # Upstream's fix of released Megatron-FSDP (megatron_muon.upstream_fixes), where it is missing.
     **{f"{fsdp}.{target}": "NVIDIA/Megatron-LM#6660, fixed by #6773 after megatron-core 0.19.2: "
                            "a gradient buffer reduced over one rank is rescaled at every "
                            "micro-batch under ZeRO-2/3; held back, then reduced once at the grad "
                            "sync, explicitly scaled"
        for fsdp in MEGATRON_FSDP_COPIES for target in ONE_RANK_REDUCE_TARGETS},
+    # megatron-core's TensorParallelAdaptiveMuon made to step AdaptiveMuon (upstream_fixes).
+    **{target: "megatron-core 0.19's TensorParallelAdaptiveMuon fails in its first step (no "
+               "scale_mode) and scales in orthogonalize: Newton-Schulz unscaled, Muon's scale "
+               "once after the second moment, by the whole (TP-unsharded) matrix's shape"
+       for target in ADAPTIVE_MUON_TARGETS},
     # CPU layer, megatron.training (megatron_muon.cpu.apply_megatron_training_compat).
     "torch.cuda.get_rng_state": "Megatron saves the CUDA RNG state every step: the CPU one",
     "torch.cuda.set_rng_state": "no CUDA generator to restore on CPU",

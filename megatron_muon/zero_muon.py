@@ -22,8 +22,8 @@ from .exchange import OwnerRoutes, all_gather_ints, all_gather_rows, owner_excha
 from .measured_cost import measure, seconds_beyond_noise
 from .muon_math import momentum_update_
 from .plan import (MAX_EXCHANGE_BYTES, Matrix, RowLayout, StepCost, affordable_bytes,
-                   batch_matrices, cost_key, orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
-                   qkv_row_blocks, row_layouts, split_matrices)
+                   batch_matrices, cost_key, orthogonalization_key, owner_bytes, owner_plan,
+                   per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices)
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -277,8 +277,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             return
         largest, plan, i = max(alone, key=lambda item: item[0])
         rows, cols = plan.matrices[i].shape
-        budget = (f"the default, what Muon's state saves a rank against Adam's, {plan.budget / 2**20:.1f} "
-                  f"MiB" if derived else f"{plan.budget / 2**20:.1f} MiB")
+        budget = f"{plan.budget / 2**20:.1f} MiB"
+        if derived:
+            budget = f"the default, what Muon's state saves a rank against Adam's, {budget}"
         print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
               f"--muon-max-exchange-bytes ({budget}) and are orthogonalized alone; the largest, "
               f"{self._name(plan.param_of(i))} ({rows}x{cols}, "

@@ -5,7 +5,7 @@ without --overlap-grad-reduce), then the optimizer, iteration after iteration.
 
 Released Megatron-FSDP rescales a gradient buffer reduced over one rank at every micro-batch
 under ZeRO-2/3 (NVIDIA/Megatron-LM#6660): the experts' when expert parallelism spans the
-data-parallel ranks (EP=2 at W=2, NVIDIA's DP8/EP8 layout), megatron_muon.fsdp_fixes corrects
+data-parallel ranks (EP=2 at W=2, NVIDIA's DP8/EP8 layout), megatron_muon.upstream_fixes corrects
 it. EP=2 at W=4 (expert groups of two) and TP=2 at W=2 (DP=1: a scale of 1) are controls that
 agree with or without the fix."""
 

@@ -54,7 +54,7 @@ DEMO_RUNS = {
     "megatron_core_muon_on_ddp": (*FP32_NEWTON_SCHULZ, "--no-use-megatron-fsdp", "--ckpt-format",
                                   "torch_dist"),
     # Several micro-batches per rank with experts (NVIDIA/Megatron-LM#6660,
-    # megatron_muon.fsdp_fixes): at W=2 with EP=2 the experts' buffer reduces over one rank.
+    # megatron_muon.upstream_fixes): at W=2 with EP=2 the experts' buffer reduces over one rank.
     "experts_accumulated": ACCUMULATED_EXPERTS,
     "experts_accumulated_on_ddp": (*ACCUMULATED_EXPERTS, *MEGATRON_DDP),
 }
@@ -168,7 +168,7 @@ def test_zero3_matches_megatron_core_muon_on_ddp_on_two_gpus():
                     reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
 def test_accumulated_expert_gradients_match_megatron_ddp_on_nccl():
     """EP=2 at W=2, 2 micro-batches per rank, ZeRO-3: the experts' buffer reduces over one rank,
-    which released Megatron-FSDP rescales at every micro-batch (megatron_muon.fsdp_fixes holds it
+    which released Megatron-FSDP rescales at every micro-batch (megatron_muon.upstream_fixes holds it
     to one explicit scale at the grad sync): grad norms and losses equal Megatron DDP's."""
     iterations = 4
     logs = [demo_log_of(name, iterations, 2)

@@ -1,0 +1,198 @@
+"""Defects of released upstream that upstream fixed, or that megatron-muon fixes, where the
+installed version still has them, each decided by reading the installed code or by a cheap probe,
+never by a version list. Every target is listed in megatron_muon.upstream.PATCHES;
+`megatron_muon.training.uninstall()` undoes them. `apply()` is called by `training.install()`,
+`bridge.install(cfg)`, the factory and `standalone.muon_optimizer`, for every optimizer, and says
+what it patched in one line each.
+
+1. Megatron-FSDP's one-rank gradient reduce (megatron-core's copy and the standalone package),
+   NVIDIA/Megatron-LM issue 6660, fixed upstream by PR 6773 (after 0.19.2): a gradient buffer
+   whose data-parallel group has one rank (the experts' when expert parallelism spans the
+   data-parallel ranks, as in DP8/EP8; every buffer at DP=1) is unsharded, so under ZeRO-2/3
+   (`optim_grads`, `optim_grads_params`) each micro-batch's "reduce" scales the whole accumulated
+   buffer in place (gradient_reduce_preprocessing): earlier micro-batches are scaled again at
+   every micro-batch (and with a separate gradient communication dtype, added to themselves).
+   Here such a buffer accumulates its micro-batches unreduced, as ZeRO-1's does, and is reduced
+   once, at the grad sync, with an explicit scale: a one-rank reduction carries no premul-sum
+   multiplier.
+2. megatron-core 0.19's TensorParallelAdaptiveMuon (`--optimizer adaptive_muon` on Megatron DDP)
+   runs TensorParallelMuon's constructor only, so emerging-optimizers' AdaptiveMuon.step finds no
+   `scale_mode` and its first step raises; and TensorParallelMuon's orthogonalize applies Muon's
+   scale, which AdaptiveMuon applies after the second moment. Here Newton-Schulz runs unscaled
+   (TP-aware, as TensorParallelMuon runs it) and the scale comes once, after the second moment,
+   by the whole (TP-unsharded) matrix's shape as TensorParallelMuon's scale reads it.
+"""
+
+import dataclasses
+import functools
+import inspect
+import os
+import weakref
+
+import torch.distributed as dist
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
+
+from . import upstream
+
+# Params each pipeline held back since its last grad sync.
+_held = weakref.WeakKeyDictionary()
+
+
+def _reduces_over_one_rank(pipeline, param) -> bool:
+    bucket_id = pipeline.buffer.param_to_param_group[param]
+    return pipeline.get_fsdp_buffer(bucket_id).data_parallel_group.size() == 1
+
+
+def _holding_back_one_rank_buffers(reduce_gradients):
+    """GradReducePipeline.reduce_gradients, called by the post-backward hooks: params whose
+    buffer reduces over one rank are held for the grad sync. (Without overlap_grad_reduce,
+    which only ZeRO-1 and no_shard allow, the grad sync reduces every buffer once itself.)"""
+
+    def held_back(self, params, *args, **kwargs):
+        params = list(params)
+        if self.buffer.ddp_config.overlap_grad_reduce:
+            one_rank = {p for p in params if _reduces_over_one_rank(self, p)}
+            _held.setdefault(self, set()).update(one_rank)
+            params = [p for p in params if p not in one_rank]
+        return reduce_gradients(self, params, *args, **kwargs)
+
+    return held_back
+
+
+def _reducing_held_buffers_first(synchronize_gradient_reduce, reduce_gradients):
+    """MegatronFSDP.synchronize_gradient_reduce (finish_grad_sync's first step): the held
+    buffers, each holding the sum of its micro-batches' gradients, are scaled once by their
+    factor, then reduced through Megatron-FSDP's own path (over one rank, and over DP-Outer under
+    HSDP) with no scale of its own and no communication dtype of its own (nothing crosses ranks
+    in a one-rank reduction; its closure would add a cast copy to the buffer it came from)."""
+
+    def synchronized(self):
+        pipeline = self.grad_reduce_pipeline
+        held = _held.pop(pipeline, None)
+        if held:
+            buckets = {pipeline.buffer.param_to_param_group[p] for p in held}
+            buffers = [pipeline.get_fsdp_buffer(bucket_id) for bucket_id in sorted(buckets)]
+            factors = [gbuf.gradient_scaling_factor for gbuf in buffers]
+            policy = pipeline.buffer.mp_policy
+            for gbuf, factor in zip(buffers, factors):
+                if factor is not None and factor != 1.0:
+                    gbuf.fetch_bucket().data.mul_(factor)
+                gbuf.gradient_scaling_factor = None
+            pipeline.buffer.mp_policy = dataclasses.replace(policy, grad_comm_dtype=None)
+            try:
+                reduce_gradients(pipeline, held,
+                                 outer_fsdp_group_grad_reduce=self.dist_index.use_hybrid_fsdp)
+            finally:
+                pipeline.buffer.mp_policy = policy
+                for gbuf, factor in zip(buffers, factors):
+                    gbuf.gradient_scaling_factor = factor
+        return synchronize_gradient_reduce(self)
+
+    return synchronized
+
+
+def _adaptive_muon_scaled_once(init):
+    """TensorParallelAdaptiveMuon.__init__: megatron-core's, then what AdaptiveMuon's constructor
+    sets for its step (`scale_mode`, `extra_scale_factor`), and Newton-Schulz without the scale
+    (TensorParallelMuon's own call, TP-aware, minus the scale it applies after)."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        init(*bound.args, **bound.kwargs)
+        settings = bound.arguments
+        self.scale_mode = settings["scale_mode"]
+        self.extra_scale_factor = settings["extra_scale_factor"]
+        tp_mode = "duplicated" if settings["tp_mode"] == "blockwise" else settings["tp_mode"]
+
+        def unscaled(grad, tp_group, partition_dim=None):
+            return newton_schulz_tp(grad, steps=settings["num_ns_steps"],
+                                    coefficient_type=settings["coefficient_type"],
+                                    tp_group=tp_group, partition_dim=partition_dim,
+                                    tp_mode=tp_mode)
+
+        self.scaled_orthogonalize_fn = unscaled
+
+    return __init__
+
+
+def whole_shape(optimizer, p, grad) -> tuple[int, int]:
+    """The shape of the whole matrix `grad` is a TP shard of, as TensorParallelMuon's scale reads
+    it (its orthogonalize's TP group and partition dim)."""
+    size = [grad.size(-2), grad.size(-1)]
+    partition_dim = None if optimizer.tp_mode == "blockwise" else getattr(p, "partition_dim", None)
+    if partition_dim not in (None, -1) and optimizer.pg_collection:
+        collection = optimizer.pg_collection
+        tp_group = collection.expt_tp if getattr(p, "expert_tp", False) else collection.tp
+        size[partition_dim] *= tp_group.size()
+    return tuple(size)
+
+
+def _noting_the_whole_shape(orthogonalize):
+    """TensorParallelAdaptiveMuon.orthogonalize, noting the whole matrix's shape for the Muon
+    scale AdaptiveMuon.step applies next (it passes the TP shard's)."""
+
+    @functools.wraps(orthogonalize)
+    def noted(self, p, grad, **kwargs):
+        self.muon_scale_shape = whole_shape(self, p, grad)
+        return orthogonalize(self, p, grad, **kwargs)
+
+    return noted
+
+
+def _scaled_by_the_whole_shape(apply_muon_scale):
+    @functools.wraps(apply_muon_scale)
+    def scaled(self, update, size_out, size_in):
+        shape = getattr(self, "muon_scale_shape", (size_out, size_in))
+        return apply_muon_scale(self, update, *shape)
+
+    return scaled
+
+
+def _fix_one_rank_reduce() -> list[str]:
+    """The Megatron-FSDP copies patched now."""
+    fixed = []
+    for copy in upstream.INSTALLED_MEGATRON_FSDP_COPIES:
+        reduce_target, sync_target = (f"{copy}.{target}"
+                                      for target in upstream.ONE_RANK_REDUCE_TARGETS)
+        if upstream.is_patched(reduce_target) or not upstream.has_one_rank_reduce_defect(copy):
+            continue
+        reduce_gradients = upstream.current(reduce_target)
+        upstream.patch(reduce_target, _holding_back_one_rank_buffers(reduce_gradients))
+        upstream.patch(sync_target, _reducing_held_buffers_first(
+            upstream.current(sync_target), reduce_gradients))
+        fixed.append(copy)
+    return fixed
+
+
+def _fix_adaptive_muon() -> bool:
+    """Whether TensorParallelAdaptiveMuon was patched now."""
+    init, orthogonalize, scale = upstream.ADAPTIVE_MUON_TARGETS
+    if upstream.is_patched(init) or not upstream.has_adaptive_muon_defect():
+        return False
+    for target, fixed in ((init, _adaptive_muon_scaled_once),
+                          (orthogonalize, _noting_the_whole_shape),
+                          (scale, _scaled_by_the_whole_shape)):
+        upstream.patch(target, fixed(upstream.current(target)))
+    return True
+
+
+def apply() -> None:
+    """Apply each fix where the installed code has the defect (idempotent); one line each, from
+    the first rank."""
+    said = []
+    copies = _fix_one_rank_reduce()
+    if copies:
+        said.append(f"patched Megatron-FSDP ({', '.join(copies)}): a gradient buffer reduced over "
+                    f"one rank (experts at expert parallel = data parallel, or DP=1) is reduced "
+                    f"once per step at the grad sync, not rescaled at every micro-batch "
+                    f"(NVIDIA/Megatron-LM#6660, fixed upstream after megatron-core 0.19.2)")
+    if _fix_adaptive_muon():
+        said.append("patched megatron-core's TensorParallelAdaptiveMuon (--optimizer adaptive_muon "
+                    "on Megatron DDP): it steps emerging-optimizers' AdaptiveMuon, Muon's scale "
+                    "once after the second moment (it failed in its first step, scale_mode unset)")
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    for line in said if rank == 0 else ():
+        print(f"megatron-muon: {line}", flush=True)
