@@ -7,7 +7,9 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
   error (docs/design.md, "Library": the contract);
 - W=1 on NCCL: the demo trains, in fp32 and bf16, and Muon on Megatron-FSDP ZeRO-3 matches
   megatron-core's own Muon on Megatron DDP over the first iterations (fp32 Newton-Schulz);
-- with two GPUs or more, the same comparison at W=2;
+- with two GPUs or more, the same comparison at W=2, and Adam's grad norms and losses with
+  experts over expert-parallel 2 and two micro-batches per rank equal Megatron DDP's on NCCL
+  (the experts' buffer reduces over one rank: megatron_muon.upstream_fixes);
 - --muon-use-syrk (emerging_optimizers' Triton SYRK kernel): its Newton-Schulz differs from the
   plain bf16 kernel's by less than bf16's own error, and the demo trains with it;
 - memory.AllocationTracker reads CUDA's allocator: each phase's peak, and Newton-Schulz within
