@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from fsdp_models import (MUON_KWARGS, ONE_BATCH, fully_shard, matrices_per_newton_schulz_call,
                          same_shape_linears)
-from megatron_muon import ZeROTensorParallelMuon, measured_cost, zero_muon
+from megatron_muon import ZeROTensorParallelMuon, group_planner, measured_cost
+from megatron_muon.group_planner import GroupPlanner
 
 
 def _gathered(value):
@@ -78,8 +79,8 @@ def _batching_follows_the_measured_calls(rank, world_size, batched_faster, preci
     measured, so the rounding never follows a measurement."""
     fsdp = same_shape_linears(world_size)
     batched_seconds = 0.5 if batched_faster else 2.0
-    with mock.patch.object(zero_muon, "measure", _measured(batched_seconds, spread=spread)), \
-            mock.patch.object(ZeROTensorParallelMuon, "_batched_is_exact", return_value=True):
+    with mock.patch.object(group_planner, "measure", _measured(batched_seconds, spread=spread)), \
+            mock.patch.object(GroupPlanner, "_batched_is_exact", return_value=True):
         opt = ZeROTensorParallelMuon(list(fsdp.parameters()), max_exchange_bytes=ONE_BATCH,
                                      **{**MUON_KWARGS, "fp32_matmul_prec": precision})
     batched = (batched_faster and spread < 0.5) or precision == "medium"
@@ -112,7 +113,7 @@ def _owners_move_work_but_no_bit(rank, world_size):
                                      torch.nn.Linear(64, 64, bias=False),
                                      torch.nn.Linear(64, 16, bias=False))
         fsdp = fully_shard(module, "optim_grads_params", world_size, [torch.nn.Sequential])
-        with mock.patch.object(zero_muon, "measure", _measured(1.0, bytes_per_second=1e15)):
+        with mock.patch.object(group_planner, "measure", _measured(1.0, bytes_per_second=1e15)):
             opt = ZeROTensorParallelMuon(list(fsdp.parameters()), owner_choice=choice, **MUON_KWARGS)
         (plan,) = opt.plans
         owners[choice] = plan.owners
