@@ -61,6 +61,14 @@ class ParamAttributes:
             return getattr(self._param.orig_param, name)
 
 
+def tensor_parallel_group(pg_collection, attrs):
+    """The TP group megatron-core's TensorParallelMuon.orthogonalize gives a param with these
+    tags (the expert TP group for expert weights), None without process groups."""
+    if not pg_collection:
+        return None
+    return pg_collection.expt_tp if getattr(attrs, "expert_tp", False) else pg_collection.tp
+
+
 def num_experts(p) -> int:
     """The expert matrices a param stacks (`num_stacked_experts`), 1 for a plain matrix."""
     return getattr(ParamAttributes(p), "num_stacked_experts", 1)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
 
 from . import upstream
+from .dtensor_rows import tensor_parallel_group
 
 # Params each pipeline held back since its last grad sync.
 _held = weakref.WeakKeyDictionary()
@@ -123,9 +124,8 @@ def whole_shape(optimizer, p, grad) -> tuple[int, int]:
     it (its orthogonalize's TP group and partition dim)."""
     size = [grad.size(-2), grad.size(-1)]
     partition_dim = None if optimizer.tp_mode == "blockwise" else getattr(p, "partition_dim", None)
-    if partition_dim not in (None, -1) and optimizer.pg_collection:
-        collection = optimizer.pg_collection
-        tp_group = collection.expt_tp if getattr(p, "expert_tp", False) else collection.tp
+    tp_group = tensor_parallel_group(optimizer.pg_collection, p)
+    if partition_dim not in (None, -1) and tp_group is not None:
         size[partition_dim] *= tp_group.size()
     return tuple(size)
 

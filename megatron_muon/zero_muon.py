@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import syrk, upstream
 from .checks import CheckResult
-from .dtensor_rows import ParamAttributes, data_parallel_layout, num_experts, tp_local_rows
+from .dtensor_rows import (ParamAttributes, data_parallel_layout, num_experts,
+                           tensor_parallel_group, tp_local_rows)
 from .exchange import all_gather_rows, owner_exchange, run_overlapped
 from .group_planner import GroupPlan, GroupPlanner
 from .muon_math import momentum_update_
@@ -252,10 +253,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                     f"{self.name_of(second)} {b}; put dense and expert params in separate groups")
 
     def tp_group_of(self, attrs):
-        # As TensorParallelMuon.orthogonalize chooses it.
-        if not self.pg_collection:
-            return None
-        return self.pg_collection.expt_tp if getattr(attrs, "expert_tp", False) else self.pg_collection.tp
+        return tensor_parallel_group(self.pg_collection, attrs)
 
     def splits_qkv(self, attrs) -> bool:
         return self.split_qkv and self.is_qkv_fn(attrs)
