@@ -82,10 +82,7 @@ def measure(shape, parallel, budget) -> dict:
 
         for step in range(WARMUP):
             forward_backward(step)
-            if step < WARMUP - 1:
-                optimizer.step()
-                continue
-            with observed(Traffic()) as traffic:  # what the step's memory bound costs
+            with observed(Traffic()) as traffic:  # the last one's: what the memory bound costs
                 optimizer.step()
         memory = measure_train_step([model], optimizer, lambda: forward_backward(WARMUP), device,
                                     steps=MEASURED_STEPS)

@@ -20,7 +20,7 @@ from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_layout, num_e
                            shard_index, tp_local_rows)
 from .exchange import OwnerRoutes, all_gather_ints
 from .measured_cost import measure, seconds_beyond_noise
-from .plan import (Matrix, RowLayout, StepCost, affordable_bytes, batch_matrices, cost_key,
+from .plan import (Matrix, RowLayout, StepCost, batch_matrices, cost_key, exchange_budget,
                    orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
                    qkv_row_blocks, row_layouts, split_matrices)
 
@@ -141,7 +141,7 @@ class GroupPlanner:
             representatives.setdefault(cost_key(matrix), (matrix, params[index]))
         batchable = self._batchable(matrices, representatives)
         element_bytes = params[0].element_size()
-        budget = max_exchange_bytes or affordable_bytes(matrices, element_bytes)
+        budget = exchange_budget(matrices, element_bytes, max_exchange_bytes)
         cost = None
         if self.muon.dist_mode == "owner" and self.muon.owner_choice == "time":
             cost = self._measure_cost(matrices, representatives, batchable, group,

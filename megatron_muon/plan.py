@@ -759,6 +759,15 @@ def affordable_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
     return max(1, min(state_saved(matrices, element_bytes), default=1))
 
 
+def exchange_budget(matrices: Sequence[Matrix], element_bytes: int,
+                    max_exchange_bytes: int | None) -> int:
+    """The working-memory budget a group is planned within: `max_exchange_bytes`, or where it
+    is None (the default), affordable_bytes."""
+    if max_exchange_bytes is None:
+        return affordable_bytes(matrices, element_bytes)
+    return max_exchange_bytes
+
+
 def owner_plan(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float | None = None,
                max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
                cost: StepCost | None = None) -> OwnerPlan:
@@ -768,9 +777,7 @@ def owner_plan(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float
     by default BYTE_SLACK). Batches and exchanges keep the step's working memory within
     `max_exchange_bytes` on every rank (working_memory; two exchanges in flight, each within
     half; None: affordable_bytes), except where one matrix alone needs more: it goes alone."""
-    if max_exchange_bytes is None:
-        max_exchange_bytes = affordable_bytes(matrices, element_bytes)
-    share = per_exchange_bytes(max_exchange_bytes)
+    share = per_exchange_bytes(exchange_budget(matrices, element_bytes, max_exchange_bytes))
     batches = batch_matrices(matrices, share, element_bytes)
     if cost is None:
         owners = choose_owners(matrices, element_bytes,
