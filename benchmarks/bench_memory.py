@@ -1,7 +1,8 @@
 """Each rank's peak memory in a whole train step (forward, backward, gradient sync, optimizer step),
-split into what holds it: ours (Muon on Megatron-FSDP's ZeRO-3, ZeRO-2, ZeRO-1), Adam on each of
-those layouts (megatron-core's optimizer), and megatron-core's Muon on Megatron DDP and its
-layer-wise distributed optimizer (dense models).
+split into what holds it: ours (Muon on Megatron-FSDP's ZeRO-3, ZeRO-2, ZeRO-1; --optimizer
+adaptive_muon's AdaMuon and NorMuon on ZeRO-3), Adam on each of those layouts (megatron-core's
+optimizer), and megatron-core's Muon on Megatron DDP and its layer-wise distributed optimizer
+(dense models).
 
     python benchmarks/bench_memory.py [--world-sizes 2 4] [--muon-max-exchange-bytes N --stem S]
 
@@ -41,10 +42,16 @@ MEASURED_STEPS = 3  # each phase's figure: its most over them on CUDA, its least
 MIB = 1 << 20
 
 
+# --optimizer adaptive_muon's variants, ours on ZeRO-3: AdaMuon keeps a second moment as large as
+# Adam's exp_avg_sq beside its momentum, NorMuon a few columns per row.
+ADAPTIVE = {"adamuon": "adaptive_muon", "normuon": "adaptive_muon"}
+
+
 def runs(parallel) -> list[tuple[str, str]]:
-    """(optimizer, layout) pairs measured: ours and Adam on every Megatron-FSDP layout, and
-    megatron-core's Muon modes on the dense models."""
+    """(optimizer, layout) pairs measured: ours and Adam on every Megatron-FSDP layout, the
+    adaptive variants on ZeRO-3, and megatron-core's Muon modes on the dense models."""
     pairs = [(optimizer, layout) for layout in LAYOUTS for optimizer in ("muon", "adam")]
+    pairs += [(variant, "ZeRO-3") for variant in ADAPTIVE]
     if not parallel:
         pairs += [("muon", mode) for mode in MEGATRON_CORE_MODES]
     return pairs
@@ -59,7 +66,9 @@ def built(shape, parallel, optimizer, layout, budget):
         return model, opt
     model = fsdp_gpt(shape, strategy=LAYOUTS[layout], num_experts=parallel.get("num_experts"),
                      **parallel.get("model", {}))
-    config = optimizer_config(optimizer, muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION)
+    variant = ({"adaptive_muon_moment2_method": optimizer} if optimizer in ADAPTIVE else {})
+    config = optimizer_config(ADAPTIVE.get(optimizer, optimizer),
+                              muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION, **variant)
     return model, get_megatron_optimizer(config, [model], muon_max_exchange_bytes=budget)
 
 
@@ -126,6 +135,10 @@ def summarize(world, per_rank) -> dict:
         kept = (max(a["peak"] for a in adam) - max(m["peak"] for m in muon))
         row[layout] = dict(state_saved_bytes=saved, peak_saved_bytes=kept,
                            peak_keeps=kept / saved if saved else None)
+    for variant in ADAPTIVE:
+        row[variant] = {key: max(r[f"{name} ZeRO-3"]["at_rest"]["optimizer state"]
+                                 for r in per_rank)
+                        for key, name in (("state_bytes", variant), ("adam_state_bytes", "adam"))}
     return row
 
 
@@ -145,6 +158,11 @@ def print_table(results):
                       + f"{phases['forward-backward'] / MIB:>9.2f}"
                       + f"{phases['optimizer step'] / MIB:>9.2f}{figures['peak'] / MIB:>9.2f}"
                       + f"{figures['collectives']:>7}")
+            for variant in ADAPTIVE:
+                s = row[variant]
+                print(f"{'':9} ZeRO-3: {variant}'s optimizer state "
+                      f"{s['state_bytes'] / MIB:.2f} MiB on its largest rank, Adam's "
+                      f"{s['adam_state_bytes'] / MIB:.2f} (W={row['world_size']})")
             for layout in LAYOUTS:
                 s = row[layout]
                 keeps = "-" if s["peak_keeps"] is None else f"{s['peak_keeps']:.2f}"

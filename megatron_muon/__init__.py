@@ -5,6 +5,8 @@
 from . import upstream  # noqa: F401  isort: skip
 from .chained import FSDPMuonChainedOptimizer
 from .factory import get_megatron_optimizer
+from .zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from .zero_muon import ZeROTensorParallelMuon
 
-__all__ = ["FSDPMuonChainedOptimizer", "ZeROTensorParallelMuon", "get_megatron_optimizer"]
+__all__ = ["FSDPMuonChainedOptimizer", "ZeROTensorParallelAdaptiveMuon", "ZeROTensorParallelMuon",
+           "get_megatron_optimizer"]

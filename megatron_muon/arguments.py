@@ -6,16 +6,11 @@ what Megatron lacks.
 """
 
 import argparse
-import typing
-
-from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import Moment2MethodT
 
 from . import rules, upstream
 from .plan import MAX_EXCHANGE_BYTES
+from .zero_adaptive_muon import MOMENT2_METHODS, check_adaptive_settings
 from .zero_muon import DIST_MODES, OWNER_CHOICES
-
-MOMENT2_METHODS = typing.get_args(Moment2MethodT)
-
 
 # What each --muon-fp32-matmul-prec does to Newton-Schulz (emerging_optimizers' newton_schulz
 # under torch.set_float32_matmul_precision; docs/newton-schulz-precision.md).
@@ -109,9 +104,14 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+# The --optimizer values megatron_muon steps on Megatron-FSDP (megatron.training refuses them there).
+FSDP_OPTIMIZERS = ('muon', 'adaptive_muon')
+
+
 def muon_on_megatron_fsdp(args: argparse.Namespace) -> bool:
-    """Whether the flags ask for what megatron_muon provides: --optimizer muon on Megatron-FSDP."""
-    return args.optimizer == 'muon' and args.use_megatron_fsdp
+    """Whether the flags ask for what megatron_muon provides: --optimizer muon (or
+    adaptive_muon) on Megatron-FSDP."""
+    return args.optimizer in FSDP_OPTIMIZERS and args.use_megatron_fsdp
 
 
 def validate_muon_args(args: argparse.Namespace) -> None:
@@ -122,11 +122,14 @@ def validate_muon_args(args: argparse.Namespace) -> None:
                      what='--use-megatron-fsdp', muon=False)
     if not muon_on_megatron_fsdp(args):
         return
+    what = f'--optimizer {args.optimizer} with --use-megatron-fsdp'
     if not hasattr(args, 'muon_dist_mode'):
-        raise ValueError('--optimizer muon with --use-megatron-fsdp needs Muon\'s flags: parse the '
-                         'arguments with extra_args_provider=megatron_muon.arguments.add_muon_args')
-    rules.refuse(lambda section, field: getattr(args, field), _flag, training_loop=True,
-                 what='--optimizer muon with --use-megatron-fsdp')
+        raise ValueError(f'{what} needs Muon\'s flags: parse the arguments with '
+                         f'extra_args_provider=megatron_muon.arguments.add_muon_args')
+    rules.refuse(lambda section, field: getattr(args, field), _flag, training_loop=True, what=what)
+    if args.optimizer == 'adaptive_muon':
+        check_adaptive_settings(args.adaptive_muon_moment2_method, args.adaptive_muon_beta2,
+                                args.adaptive_muon_eps, args.muon_use_syrk)
 
 
 def _flag(section: str, field: str) -> str:

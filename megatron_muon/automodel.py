@@ -26,7 +26,8 @@ from .standalone import muon_optimizer
 class MegatronFSDPMuonConfig(OptimizerConfig):
     """muon_optimizer's arguments (megatron_muon.standalone), as YAML gives them: `muon` and
     `adamw` are name patterns that override the placement, `qkv_splits` maps a pattern to the
-    q, k, v rows per query group of a fused projection, `muon_kwargs` passes the rest of
+    q, k, v rows per query group of a fused projection, `moment2_method` ("adamuon",
+    "normuon") makes it adaptive Muon, `muon_kwargs` passes the rest of
     ZeROTensorParallelMuon's (scale_mode, num_ns_steps, ...). Automodel's LR scheduler keeps
     AdamW's learning rate at adamw_lr / lr of Muon's (its lr_mult)."""
 
@@ -43,6 +44,7 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
     qkv_splits: dict[str, list[int]] = field(default_factory=dict)
     fp32_matmul_prec: str = "medium"
     max_consecutive_skipped_steps: int = 10
+    moment2_method: str | None = None
     muon_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -70,7 +72,7 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
             qkv_splits={pattern: tuple(rows) for pattern, rows in self.qkv_splits.items()},
             fp32_matmul_prec=self.fp32_matmul_prec,
             max_consecutive_skipped_steps=self.max_consecutive_skipped_steps,
-            **self.muon_kwargs) for part in parts]
+            moment2_method=self.moment2_method, **self.muon_kwargs) for part in parts]
 
     def _build_optimizer(self, params, *, foreach=None):
         raise TypeError("MegatronFSDPMuonConfig builds from the model (its Megatron-FSDP "

@@ -28,8 +28,10 @@ from pathlib import Path
 import megatron.core.datasets.utils
 
 from . import checksums, cpu, factory, qk_clip, rules, upstream, upstream_fixes
+from .arguments import FSDP_OPTIMIZERS
 from .chained import find_megatron_fsdp
 from .plan import MAX_EXCHANGE_BYTES
+from .zero_adaptive_muon import check_adaptive_settings
 from .zero_muon import DIST_MODES, OWNER_CHOICES
 
 cpu.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
@@ -124,7 +126,7 @@ def _megatron_fsdp(cfg) -> bool:
 
 def muon_on_megatron_fsdp(cfg) -> bool:
     """Whether a ConfigContainer asks for what megatron_muon provides."""
-    return cfg.optimizer.optimizer == "muon" and _megatron_fsdp(cfg)
+    return cfg.optimizer.optimizer in FSDP_OPTIMIZERS and _megatron_fsdp(cfg)
 
 
 def install(cfg) -> None:
@@ -144,6 +146,11 @@ def install(cfg) -> None:
             value = getattr(cfg.optimizer, field, choices[0])
             if value not in choices:
                 raise ValueError(f"cfg.optimizer.{field} {value!r}: choose from {choices}")
+        if cfg.optimizer.optimizer == "adaptive_muon":
+            optimizer = cfg.optimizer
+            check_adaptive_settings(
+                optimizer.adaptive_muon_moment2_method, optimizer.adaptive_muon_beta2,
+                optimizer.adaptive_muon_eps, getattr(optimizer, "muon_use_syrk", False))
         budget = getattr(cfg.optimizer, "muon_max_exchange_bytes", MAX_EXCHANGE_BYTES)
         if budget is not None and (not isinstance(budget, int) or budget <= 0):
             raise ValueError(f"cfg.optimizer.muon_max_exchange_bytes {budget!r}: None (what "

@@ -81,13 +81,13 @@ class OwnerRoutes:
                      [self.elements(s) for s in recvs], moves(self.matrices, owners, self.batch))
 
     def elements(self, segments) -> int:
-        return sum((stop - start) * self.matrices[i].cols for i, start, stop in segments)
+        return sum((stop - start) * self.matrices[i].width for i, start, stop in segments)
 
     def pieces(self, buffer: torch.Tensor, per_rank):
         """(segment, its rows) of a received buffer laid out as `per_rank`'s segments."""
         segments = [segment for segments in per_rank for segment in segments]
         pieces = buffer.split([self.elements([segment]) for segment in segments])
-        return zip(segments, [piece.view(-1, self.matrices[i].cols)
+        return zip(segments, [piece.view(-1, self.matrices[i].width)
                               for (i, _, _), piece in zip(segments, pieces)])
 
 
@@ -160,7 +160,7 @@ def _assembled(routes: OwnerRoutes, local: dict, received: torch.Tensor, work) -
         if layout.held(routes.rank) == layout.num_rows:
             full[i] = local[i]  # held whole: nothing to assemble
             continue
-        full[i] = local[i].new_empty(routes.matrices[i].shape)
+        full[i] = local[i].new_empty((layout.num_rows, routes.matrices[i].width))
         start, stop = layout.row_range(routes.rank)
         full[i][start:stop] = local[i]
     for (i, start, stop), piece in routes.pieces(received, routes.gather.recvs):

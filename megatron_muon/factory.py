@@ -14,7 +14,13 @@ from . import rules, upstream, upstream_fixes
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
 from .plan import MAX_EXCHANGE_BYTES
 from .qk_clip import build_max_attention_logits
+from .arguments import FSDP_OPTIMIZERS
+from .zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from .zero_muon import ZeROTensorParallelMuon
+
+
+# What steps each of arguments.FSDP_OPTIMIZERS on Megatron-FSDP.
+MUON_CLASSES = {"muon": ZeROTensorParallelMuon, "adaptive_muon": ZeROTensorParallelAdaptiveMuon}
 
 
 def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
@@ -22,7 +28,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
                            muon_dist_mode="owner", muon_max_consecutive_skipped_steps=10,
                            muon_check_interval=0, muon_owner_choice="time",
                            muon_max_exchange_bytes=MAX_EXCHANGE_BYTES, muon_use_syrk=False):
-    """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` on Megatron-FSDP chunks.
+    """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` (ZeROTensorParallelMuon)
+    and `optimizer='adaptive_muon'` (ZeROTensorParallelAdaptiveMuon) on Megatron-FSDP chunks.
 
     `muon_dist_mode`, `muon_owner_choice`, `muon_check_interval`, `muon_max_exchange_bytes` and
     `muon_use_syrk` are ZeROTensorParallelMuon's `dist_mode` ("owner" or "allgather"),
@@ -30,13 +37,14 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     (also turned on by `OptimizerConfig.muon_use_syrk`, where megatron-core has it, as main does);
     `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on skipped steps."""
     upstream_fixes.apply()  # for every optimizer, where the installed upstream needs them
-    if config.optimizer != "muon" or not all(find_megatron_fsdp(c) for c in model_chunks):
+    if (config.optimizer not in FSDP_OPTIMIZERS
+            or not all(find_megatron_fsdp(c) for c in model_chunks)):
         return _core_get_megatron_optimizer(
             config, model_chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
             dump_param_to_param_group_map=dump_param_to_param_group_map)
     rules.refuse(_config_field(config, model_chunks), _config_field_name, training_loop=False,
-                 what="Muon on Megatron-FSDP")
+                 what=f"{'Muon' if config.optimizer == 'muon' else 'Adaptive Muon'} on Megatron-FSDP")
     # No part is a DistributedOptimizer, so no gloo groups are needed.
     process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
         pg_collection, model_chunks, use_gloo_process_groups=False)
@@ -143,7 +151,7 @@ def _muon_overrides(config, config_overrides):
     optimizer (`muon_scalar_optimizer`)."""
     overrides = dict(get_standard_config_overrides(config) if config_overrides is None
                      else config_overrides)
-    for key in upstream.EMERGING_OPTIMIZERS["muon"].default_param_overrides:
+    for key in upstream.EMERGING_OPTIMIZERS[config.optimizer].default_param_overrides:
         overrides.pop(key, None)
     scalar = ParamKey(predicate=ParamPredicate(name="muon_scalar_param", fn=is_scalar_param))
     overrides[scalar] = {"optimizer": config.muon_scalar_optimizer}
@@ -198,11 +206,13 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
                     first = names[selected[0]["params"][0]]
                     raise ValueError(f"{first} and the other expert matrices need an expert "
                                      "data-parallel group, but pg_collection.expt_dp is None")
-                muon_kwargs = upstream.muon_config_to_kwargs(config, model_chunks, pg_collection)
+                # megatron-core's own reading of the config (the moment2 fields for adaptive_muon)
+                muon_kwargs = upstream.EMERGING_OPTIMIZERS[config.optimizer].config_to_kwargs(
+                    config, model_chunks, pg_collection)
                 config_syrk = muon_kwargs.pop("use_syrk", False)  # megatron-core main's
                 settings = {**muon_settings, "use_syrk": muon_settings["use_syrk"] or config_syrk}
-                muon = ZeROTensorParallelMuon(selected, dp_group=dp_group, param_names=names,
-                                              **settings, **muon_kwargs)
+                muon = MUON_CLASSES[config.optimizer](selected, dp_group=dp_group,
+                                                      param_names=names, **settings, **muon_kwargs)
                 part = FP32Optimizer(muon, part_config, upstream.eopt_init_state_fn)
             else:
                 scalar_config = copy.copy(part_config)

@@ -4,6 +4,7 @@ collective, the matrices it orthogonalizes, same-shape batches (batched where ex
 the rates owners by time are chosen with (measured_cost), and the owners and exchanges
 (plan.owner_plan) within the working-memory budget: a GroupPlan per exchange group."""
 
+import dataclasses
 import math
 import statistics
 from collections import Counter
@@ -82,7 +83,9 @@ class GroupPlanner:
         rows, cols = plan.matrices[i].shape
         budget = f"{plan.budget / 2**20:.1f} MiB"
         if derived:
-            budget = f"the default, what Muon's state saves a rank against Adam's, {budget}"
+            moment = self.muon.second_moment
+            whose = "Muon's" if moment is None else f"{moment.name}'s"
+            budget = f"the default, what {whose} state saves a rank against Adam's, {budget}"
         print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
               f"--muon-max-exchange-bytes ({budget}) and are orthogonalized alone; the largest, "
               f"{self.muon.name_of(plan.param_of(i))} ({rows}x{cols}, "
@@ -134,7 +137,7 @@ class GroupPlanner:
             cols = p.to_local().shape[-1]
             for start, matrix in split_matrices(layout, num_experts(p), cols,
                                                 self._batch_key(p), self._row_blocks(p)):
-                matrices.append(matrix)
+                matrices.append(self._with_second_moment(matrix))
                 pieces.append((index, *layout.local_range(rank, start, start + matrix.shape[0])))
         representatives = {}  # a matrix and its param of each cost key, in plan order
         for matrix, (index, _, _) in zip(matrices, pieces):
@@ -205,6 +208,15 @@ class GroupPlanner:
             {key: matrix.ns_flops(steps=1) for key, (matrix, _) in representatives.items()}, calls)
         return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second,
                         spread=statistics.median(m.spread for m in per_matrix))
+
+    def _with_second_moment(self, matrix: Matrix) -> Matrix:
+        """`matrix` with the columns of state a Muon variant's second moment sends with its rows
+        and holds per row (second_moment.py)."""
+        moment = self.muon.second_moment
+        if moment is None:
+            return matrix
+        return dataclasses.replace(matrix, state_cols=moment.travelling_columns(*matrix.shape),
+                                   moment2_cols=moment.held_columns(*matrix.shape))
 
     def _row_blocks(self, p) -> tuple[int, ...] | None:
         """Rows of the q, k and v blocks Newton-Schulz sees for a QKV-split param (for its cost)."""

@@ -7,6 +7,7 @@ bit-identical to the unsharded optimizer's rows.
 """
 
 import torch
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
 
 from . import upstream
 from .plan import QKVRows
@@ -21,6 +22,18 @@ def momentum_update_(optimizer, param: torch.Tensor, grad: torch.Tensor, momentu
     if optimizer.nesterov:
         return grad.lerp(momentum_buffer, group["momentum"])
     return momentum_buffer
+
+
+def unscaled_orthogonalize_fn(num_ns_steps: int, coefficient_type: str, tp_mode: str):
+    """TensorParallelMuon's scaled_orthogonalize_fn without Muon's scale (its own
+    newton_schulz_tp call), for AdaptiveMuon's step, which scales after the second moment."""
+    tp_mode = "duplicated" if tp_mode == "blockwise" else tp_mode
+
+    def unscaled(grad, tp_group, partition_dim=None):
+        return newton_schulz_tp(grad, steps=num_ns_steps, coefficient_type=coefficient_type,
+                                tp_group=tp_group, partition_dim=partition_dim, tp_mode=tp_mode)
+
+    return unscaled
 
 
 def _eta(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -170,16 +170,25 @@ def ns_flops(rows: int, cols: int, steps: int) -> int:
 class Matrix:
     """One matrix to orthogonalize: how its rows are spread, its width, which matrices it may
     share a batched Newton-Schulz with (same shape and same orthogonalization), and, when it is
-    orthogonalized in row blocks (QKV split), the total rows of each kind of block."""
+    orthogonalized in row blocks (QKV split), the total rows of each kind of block. A Muon
+    variant's second moment (second_moment.py) may add `state_cols` columns of per-row state
+    that travel with each row both ways, and holds `moment2_cols` elements per row."""
 
     layout: RowLayout
     cols: int
     batch_key: object = None
     row_blocks: tuple[int, ...] | None = None
+    state_cols: int = 0
+    moment2_cols: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.layout.num_rows, self.cols
+
+    @property
+    def width(self) -> int:
+        """Elements per row an exchange moves: the update's and the state's that travels."""
+        return self.cols + self.state_cols
 
     def ns_flops(self, steps: int) -> int:
         return sum(ns_flops(rows, self.cols, steps) for rows in self.row_blocks or (self.shape[0],))
@@ -190,12 +199,12 @@ class Matrix:
         layout = self.layout
         held_elsewhere = layout.held_by_all - layout.held(owner)
         rows_in = layout.num_rows - layout.held(owner)
-        return (rows_in + held_elsewhere) * self.cols * element_bytes
+        return (rows_in + held_elsewhere) * self.width * element_bytes
 
     def least_bytes(self, element_bytes: int) -> int:
         """The fewest bytes any owner moves: bytes_to_owner of a rank holding the most rows."""
         layout = self.layout
-        return (layout.num_rows + layout.held_by_all - 2 * layout.max_rows) * self.cols * element_bytes
+        return (layout.num_rows + layout.held_by_all - 2 * layout.max_rows) * self.width * element_bytes
 
 
 def cost_key(matrix: Matrix) -> tuple:
@@ -212,7 +221,7 @@ def layout_min_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
 def gather_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, list[int]]:
     """{rank: [bytes received, bytes sent]} of assembling one matrix on `owner`: it gets the
     rows it lacks, every shard from one holder (the one in its replica)."""
-    layout, row_bytes = matrix.layout, matrix.cols * element_bytes
+    layout, row_bytes = matrix.layout, matrix.width * element_bytes
     traffic: dict[int, list[int]] = {}
     for shard, rows in layout.nonempty_shards:
         if shard != layout.shard_of[owner]:
@@ -224,7 +233,7 @@ def gather_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, 
 def scatter_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, list[int]]:
     """{rank: [bytes received, bytes sent]} of returning one matrix's result: the owner sends
     every other rank holding rows (replicas too) its rows."""
-    layout, row_bytes = matrix.layout, matrix.cols * element_bytes
+    layout, row_bytes = matrix.layout, matrix.width * element_bytes
     traffic: dict[int, list[int]] = {}
     for shard, rows in layout.nonempty_shards:
         for rank in layout.holders(shard):
@@ -380,7 +389,7 @@ class _Loads:
         """(busy, received, sent) matrix i gives `rank` under `owner`: the owner runs it and gets
         and sends every row it lacks; another holder sends and gets its own rows (from the owner's
         replica's holder, with replicas: not followed here)."""
-        layout, row_bytes = self.matrices[i].layout, self.matrices[i].cols * self.element_bytes
+        layout, row_bytes = self.matrices[i].layout, self.matrices[i].width * self.element_bytes
         if rank == owner:
             return (self.single[i], (layout.num_rows - layout.held(rank)) * row_bytes,
                     (layout.held_by_all - layout.held(rank)) * row_bytes)
@@ -577,13 +586,13 @@ class ExchangeMemory:
         def add(stage, rank, nbytes):
             added[stage][rank] = added[stage].get(rank, self.bytes[stage].get(rank, 0)) + nbytes
 
-        calls: dict[int, list[int]] = {}  # owner -> [Newton-Schulz bytes, input bytes, matrices]
+        calls: dict[int, list] = {}  # owner -> [Newton-Schulz bytes, input bytes, matrices, state?]
         for i in batch:
             matrix, owner = self.matrices[i], self.owners[i]
-            layout, size = matrix.layout, math.prod(matrix.shape) * eb
+            layout, size = matrix.layout, matrix.layout.num_rows * matrix.width * eb
             for shard, rows in layout.nonempty_shards:
                 for rank in layout.holders(shard):
-                    add("local", rank, rows * matrix.cols * eb)
+                    add("local", rank, rows * matrix.width * eb)
             for stage, traffic in (("gathered", gather_traffic(matrix, owner, eb)),
                                    ("scattered", scatter_traffic(matrix, owner, eb))):
                 for rank, (into, out) in traffic.items():
@@ -591,13 +600,15 @@ class ExchangeMemory:
             if layout.held(owner) < layout.num_rows:
                 add("assembled", owner, size)
             add("results", owner, size)
-            call = calls.setdefault(owner, [0, 0, 0])
+            call = calls.setdefault(owner, [0, 0, 0, False])
             call[0] += newton_schulz_bytes(matrix, eb)
-            call[1] += size
+            call[1] += math.prod(matrix.shape) * eb
             call[2] += 1
-        for owner, (newton_schulz, stacked, count) in calls.items():
-            # One matrix runs alone; several are stacked into one batched input first.
-            call = newton_schulz + (stacked if count > 1 else 0)
+            call[3] |= bool(matrix.state_cols)
+        for owner, (newton_schulz, stacked, count, with_state) in calls.items():
+            # One matrix runs alone; several are stacked into one batched input first, as is
+            # the update part of a matrix assembled with its state.
+            call = newton_schulz + (stacked if count > 1 or with_state else 0)
             added["computing"][owner] = max(self.bytes["computing"].get(owner, 0), call)
         return added
 
@@ -744,11 +755,13 @@ class OwnerPlan:
 
 def state_saved(matrices: Sequence[Matrix], element_bytes: int) -> list[int]:
     """What Muon's one state element (momentum) per element saves each rank of the group against
-    Adam's two (exp_avg, exp_avg_sq), on the rows of the matrices it holds."""
+    Adam's two (exp_avg, exp_avg_sq), on the rows of the matrices it holds, less a variant's
+    second moment (AdaMuon's, as large as Adam's, saves nothing)."""
     saved = [0] * (matrices[0].layout.ranks if matrices else 0)
     for matrix in matrices:
         for rank in range(len(saved)):
-            saved[rank] += matrix.layout.held(rank) * matrix.cols * element_bytes
+            saved[rank] += (matrix.layout.held(rank) * (matrix.cols - matrix.moment2_cols)
+                            * element_bytes)
     return saved
 
 

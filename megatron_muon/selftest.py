@@ -3,9 +3,10 @@
 
 For each sharding strategy and, where the world size allows, tensor parallelism 2, expert
 parallelism 2 and HSDP (2 replicas), it builds a small megatron-core GPT on Megatron-FSDP, trains a
-few iterations with Muon in owner mode and the check interval at 2: on iterations 2, 4 and 6 every
-matrix's update from the owner exchange is compared with the update of the whole, unsharded matrix
-(megatron-core's TensorParallelMuon, as single-device Muon computes it from the same momentum),
+few iterations with Muon (or --optimizer adaptive_muon) in owner mode and the check interval at 2:
+on iterations 2, 4 and 6 every matrix's update from the owner exchange is compared with the update
+of the whole, unsharded matrix (megatron-core's TensorParallelMuon, as single-device Muon computes
+it from the same momentum; NorMuon's second moment with it),
 then replicas and compute weights with the main weights. Rank 0 prints one row per configuration
 (the largest |owner - reference|, pass or fail, the median optimizer step of the unchecked
 iterations, Newton-Schulz TFLOP/s, bytes received per rank per step, from the plan, and the
@@ -27,7 +28,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from .arguments import FSDP_OPTIMIZERS
 from .checks import MuonCheckError
+from .second_moment import SECOND_MOMENTS
 
 ITERATIONS, CHECK_INTERVAL = 6, 2
 
@@ -91,7 +94,9 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
                      seq=args.seq, micro_batch=2)
     model = fsdp_gpt(shape, strategy=config["strategy"], overlap=True,
                      num_experts=4 if config.get("expert_parallel", 1) > 1 else None)
-    settings = optimizer_config(muon_fp32_matmul_prec=args.muon_fp32_matmul_prec)
+    settings = optimizer_config(optimizer=args.optimizer,
+                                adaptive_muon_moment2_method=args.adaptive_muon_moment2_method,
+                                muon_fp32_matmul_prec=args.muon_fp32_matmul_prec)
     optimizer = get_megatron_optimizer(settings, [model], muon_check_interval=CHECK_INTERVAL)
     clocks = [_NewtonSchulzClock(muon, settings.muon_num_ns_steps)
               for muon in optimizer.muon_optimizers]
@@ -183,6 +188,11 @@ def parse_args(argv=None):
                         choices=("highest", "high", "medium", "low"),
                         help="Newton-Schulz precision (default highest: fp32, bound 0; a lower one "
                              "is held to its own distance from fp32)")
+    parser.add_argument("--optimizer", default="muon", choices=FSDP_OPTIMIZERS,
+                        help="Megatron's --optimizer: muon, or adaptive_muon (the check covers "
+                             "its second moment too)")
+    parser.add_argument("--adaptive-muon-moment2-method", default="adamuon",
+                        choices=tuple(SECOND_MOMENTS), help="--optimizer adaptive_muon's variant")
     parser.add_argument("--time-limit", type=float, default=600,
                         help="seconds one configuration may take before the run stops as hung")
     parser.add_argument("--corrupt", action="store_true",
@@ -206,7 +216,10 @@ def main(argv=None) -> int:
               else f"CPU, {world_size} processes")
     from importlib.metadata import version
     say(f"megatron-muon self-test: {backend} on {device}; torch {torch.__version__}, megatron-core "
-        f"{version('megatron-core')}, megatron-muon {version('megatron-muon')}; Newton-Schulz "
+        f"{version('megatron-core')}, megatron-muon {version('megatron-muon')}; "
+        f"--optimizer {args.optimizer}"
+        f"{f' ({args.adaptive_muon_moment2_method})' if args.optimizer != 'muon' else ''}; "
+        f"Newton-Schulz "
         f"--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec}; GPT hidden {args.hidden}, "
         f"seq {args.seq}; {ITERATIONS} iterations, checked at every {CHECK_INTERVAL}nd", flush=True)
     header = (f"{'configuration':<30} {'max |diff|':>10}  {'result':<6} {'step ms':>9} "

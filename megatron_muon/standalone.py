@@ -13,6 +13,7 @@ import torch.distributed as dist
 from . import upstream, upstream_fixes
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
 from .placement import place
+from .zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from .zero_muon import ZeROTensorParallelMuon
 
 
@@ -121,7 +122,7 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
                    adamw_weight_decay: float = 0.1, muon: tuple[str, ...] = (),
                    adamw: tuple[str, ...] = (), qkv_splits: dict | None = None,
                    fp32_matmul_prec: str = "medium", max_consecutive_skipped_steps: int = 10,
-                   **muon_kwargs) -> StandaloneMuonOptimizer:
+                   moment2_method: str | None = None, **muon_kwargs) -> StandaloneMuonOptimizer:
     """Muon + AdamW for `model`, a module wrapped by Megatron-FSDP's `fully_shard_model`.
 
     Which parameters get Muon: megatron_muon.placement.place (2-D hidden Linear weights; `muon` and
@@ -129,6 +130,8 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
     projections), said on rank 0 at start. `lr`, `momentum`, `nesterov`, `weight_decay`,
     `fp32_matmul_prec` and `muon_kwargs` (ZeROTensorParallelMuon's and TensorParallelMuon's
     other arguments: scale_mode, num_ns_steps, dist_mode, ...) are Muon's; `adamw_*` AdamW's.
+    `moment2_method` ("adamuon" or "normuon") makes it adaptive Muon
+    (ZeROTensorParallelAdaptiveMuon; `beta2` and `eps` among `muon_kwargs`).
     `optimizer.step()` syncs the gradients (unless the model or the caller already did), steps
     both, installs the weights the next forward reads and starts their gather, once."""
     fsdp = find_megatron_fsdp(model)
@@ -144,11 +147,14 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
     parts = []
     if placement.muon:
         params = [main_weights[name] for name in placement.muon]
-        parts.append(_Part(ZeROTensorParallelMuon(
+        variant = {} if moment2_method is None else {"moment2_method": moment2_method}
+        muon_class = ZeROTensorParallelAdaptiveMuon if variant else ZeROTensorParallelMuon
+        parts.append(_Part(muon_class(
             params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
             fp32_matmul_prec=fp32_matmul_prec, split_qkv=bool(placement.qkv_splits),
             is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
-            param_names={main_weights[name]: name for name in placement.muon}, **muon_kwargs),
+            param_names={main_weights[name]: name for name in placement.muon}, **variant,
+            **muon_kwargs),
             upstream.eopt_init_state_fn))
     if placement.adamw:
         parts.append(_Part(torch.optim.AdamW(

@@ -52,7 +52,7 @@ from megatron.training.utils import print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_muon import checksums, cpu, factory, qk_clip, upstream, upstream_fixes
-from megatron_muon.arguments import (muon_on_megatron_fsdp, offer_fp32_newton_schulz,
+from megatron_muon.arguments import (FSDP_OPTIMIZERS, muon_on_megatron_fsdp, offer_fp32_newton_schulz,
                                      validate_muon_args)
 from megatron_muon.cpu import apply_megatron_training_compat
 from megatron_muon.plan import MAX_EXCHANGE_BYTES
@@ -117,9 +117,11 @@ def _validate_args(args, defaults={}):
         return _megatron_validate_args(args, defaults)
     print_args = upstream.current('megatron.training.arguments._print_args')
 
+    optimizer = args.optimizer
+
     def print_args_as_given(title, args_to_print):
         # validate_args prints the arguments once every check has run: show the real optimizer.
-        args_to_print.optimizer = 'muon'
+        args_to_print.optimizer = optimizer
         print_args(title, args_to_print)
 
     # Megatron measures max attention logits only in TransformerEngine's attention (it asserts
@@ -133,7 +135,7 @@ def _validate_args(args, defaults={}):
         with upstream.temporarily('megatron.training.arguments._print_args', print_args_as_given):
             return _megatron_validate_args(args, defaults)
     finally:
-        args.optimizer = 'muon'
+        args.optimizer = optimizer
         vars(args).update(qk_flags)
 
 
@@ -154,7 +156,7 @@ def _load_base_checkpoint(*args, **kwargs):
         return _megatron_load_base_checkpoint(*args, **kwargs)
     except CheckpointException as error:  # a BaseException
         missing = MISSING_OPTIMIZER_STATE.search(str(error))
-        if missing is None or megatron.training.get_args().optimizer != 'muon':
+        if missing is None or megatron.training.get_args().optimizer not in FSDP_OPTIMIZERS:
             raise
         raise RuntimeError(
             f'the checkpoint has no optimizer state for this run (first missing: {missing[1]}): '

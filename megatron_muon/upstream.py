@@ -105,16 +105,14 @@ get_qkv_split_shapes = _borrow(
     "the q/k/v row counts of a fused QKV weight, as megatron-core's Muon splits it")
 EMERGING_OPTIMIZERS = _borrow(
     "megatron.core.optimizer.emerging_optimizers._EMERGING_OPTIMIZERS",
-    "megatron-core's Muon param overrides, replaced by ours for Megatron-FSDP's main weights")
+    "megatron-core's Muon family: its param overrides (replaced by ours for Megatron-FSDP's main "
+    "weights) and its reading of OptimizerConfig into each optimizer's arguments")
 eopt_init_state_fn = _borrow(
     "megatron.core.optimizer.emerging_optimizers._eopt_init_state_fn",
     "initializes Muon's state as megatron-core does (checkpoints before the first step)")
 is_nonlinear_or_embedding = _borrow(
     "megatron.core.optimizer.emerging_optimizers._is_nonlinear_or_embedding",
     "megatron-core's rule for which params Muon leaves to the scalar optimizer")
-muon_config_to_kwargs = _borrow(
-    "megatron.core.optimizer.emerging_optimizers._muon_config_to_kwargs",
-    "turns OptimizerConfig's muon_* fields into TensorParallelMuon's arguments")
 
 # emerging_optimizers
 COEFFICIENT_SETS = _borrow(
@@ -124,6 +122,15 @@ apply_weight_decay_inplace = _borrow(
     "emerging_optimizers.orthogonalized_optimizers.OrthogonalizedOptimizer."
     "_apply_weight_decay_inplace",
     "every weight-decay method of OrthogonalizedOptimizer.step, on each rank's rows")
+
+apply_moment2_normalization = _borrow(
+    "emerging_optimizers.orthogonalized_optimizers.adaptive_muon.AdaptiveMuon."
+    "_apply_moment2_normalization",
+    "AdaptiveMuon's second moment (AdaMuon, NorMuon) on a matrix or on a rank's rows of it, "
+    "for --optimizer adaptive_muon on Megatron-FSDP")
+apply_muon_scale = _borrow(
+    "emerging_optimizers.orthogonalized_optimizers.adaptive_muon.AdaptiveMuon._apply_muon_scale",
+    "AdaptiveMuon's Muon scale after the second moment, for --optimizer adaptive_muon")
 
 newton_schulz = _borrow(
     "emerging_optimizers.orthogonalized_optimizers.muon_utils.newton_schulz",

@@ -30,10 +30,9 @@ import os
 import weakref
 
 import torch.distributed as dist
-from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
-
 from . import upstream
 from .dtensor_rows import tensor_parallel_group
+from .muon_math import unscaled_orthogonalize_fn
 
 # Params each pipeline held back since its last grad sync.
 _held = weakref.WeakKeyDictionary()
@@ -106,23 +105,16 @@ def _adaptive_muon_scaled_once(init):
         settings = bound.arguments
         self.scale_mode = settings["scale_mode"]
         self.extra_scale_factor = settings["extra_scale_factor"]
-        tp_mode = "duplicated" if settings["tp_mode"] == "blockwise" else settings["tp_mode"]
-
-        def unscaled(grad, tp_group, partition_dim=None):
-            return newton_schulz_tp(grad, steps=settings["num_ns_steps"],
-                                    coefficient_type=settings["coefficient_type"],
-                                    tp_group=tp_group, partition_dim=partition_dim,
-                                    tp_mode=tp_mode)
-
-        self.scaled_orthogonalize_fn = unscaled
+        self.scaled_orthogonalize_fn = unscaled_orthogonalize_fn(
+            settings["num_ns_steps"], settings["coefficient_type"], settings["tp_mode"])
 
     return __init__
 
 
-def whole_shape(optimizer, p, grad) -> tuple[int, int]:
-    """The shape of the whole matrix `grad` is a TP shard of, as TensorParallelMuon's scale reads
-    it (its orthogonalize's TP group and partition dim)."""
-    size = [grad.size(-2), grad.size(-1)]
+def whole_shape(optimizer, p, shape) -> tuple[int, int]:
+    """The shape of the whole matrix a TP shard of `shape` belongs to, as TensorParallelMuon's
+    scale reads it (its orthogonalize's TP group and partition dim); `p`: the param's tags."""
+    size = list(shape[-2:])
     partition_dim = None if optimizer.tp_mode == "blockwise" else getattr(p, "partition_dim", None)
     tp_group = tensor_parallel_group(optimizer.pg_collection, p)
     if partition_dim not in (None, -1) and tp_group is not None:
@@ -136,7 +128,7 @@ def _noting_the_whole_shape(orthogonalize):
 
     @functools.wraps(orthogonalize)
     def noted(self, p, grad, **kwargs):
-        self.muon_scale_shape = whole_shape(self, p, grad)
+        self.muon_scale_shape = whole_shape(self, p, grad.shape)
         return orthogonalize(self, p, grad, **kwargs)
 
     return noted

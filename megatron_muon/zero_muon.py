@@ -145,6 +145,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     the setting (or Megatron flag) and the param.
     """
 
+    # A variant's second moment after Newton-Schulz (second_moment.py); Muon has none.
+    second_moment = None
+
     def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
                  owner_choice: OwnerChoice = "time", byte_slack: float | None = None,
                  max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
@@ -167,8 +170,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._group_index = {p: index for index, group in enumerate(self.param_groups)
                              for p in group["params"]}
         self._validate_all()
-        if use_syrk:
-            self._use_syrk(_with_defaults(kwargs), upstream_runs_syrk)
+        self._set_newton_schulz(_with_defaults(kwargs), use_syrk, upstream_runs_syrk)
         # What this rank carries out each step, per exchange group (the bench and tests read it),
         # the rows of each param it holds, and where same-shape matrices run batched.
         planner = GroupPlanner(self)
@@ -178,6 +180,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._check = OwnerCheck(self)
         if dist.get_rank() == 0 and dist_mode == "owner":
             planner.say_which_go_alone(self.plans, derived=max_exchange_bytes is None)
+
+    def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
+        """Newton-Schulz as TensorParallelMuon's orthogonalize runs it (scaled), through the SYRK
+        kernel with --muon-use-syrk. A variant may run it otherwise (before planning, which
+        times it)."""
+        if use_syrk:
+            self._use_syrk(settings, upstream_runs_syrk)
 
     def _use_syrk(self, settings: dict, upstream_runs_it: bool) -> None:
         """Refuse --muon-use-syrk where the kernel cannot run (before any state), else route
@@ -271,11 +280,14 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         # Every rank holds momentum for every param, empty where its shard is empty, so state
         # keys agree across ranks (megatron-core's checkpoint init calls this too).
         for p in group["params"]:
-            state = self.state[p]
-            if len(state) == 0:
-                state["momentum_buffer"] = DTensor.from_local(
-                    torch.zeros_like(p.to_local()), p.device_mesh, p.placements, run_check=False,
-                    shape=p.shape, stride=p.stride())
+            if len(self.state[p]) == 0:
+                self.state[p].update(self.initial_state(p))
+
+    def initial_state(self, p: DTensor) -> dict:
+        """A param's state before its first step, placed as the param is."""
+        return {"momentum_buffer": DTensor.from_local(
+            torch.zeros_like(p.to_local()), p.device_mesh, p.placements, run_check=False,
+            shape=p.shape, stride=p.stride())}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -295,29 +307,30 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                     and self.iteration % self.check_interval == 0)
         for group in self.param_groups:
             self._init_group(group)
-
-        def apply(plan, i, rows):
-            p = plan.param_of(i)
-            plan.rows_of(i, p.to_local()).add_(rows, alpha=-self._group_of(p)["lr"])
-
+        apply = self.apply_update
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
             if checking:
                 self._check.step(apply)
                 return None
             for plan in self.plans:
                 if self.dist_mode == "owner":
-                    self.owner_orthogonalize(plan, partial(self._update_rows, plan), apply)
+                    self.owner_orthogonalize(plan, partial(self.update_rows, plan), apply)
                 else:
                     self.allgather_orthogonalize(plan, self.all_update_rows(plan), apply)
         return None
 
-    def _group_of(self, p) -> dict:
+    def apply_update(self, plan: GroupPlan, i: int, rows: torch.Tensor) -> None:
+        """p -= lr * update on this rank's rows of matrix i (`rows`: what its owner sent back)."""
+        p = plan.param_of(i)
+        plan.rows_of(i, p.to_local()).add_(rows, alpha=-self.group_of(p)["lr"])
+
+    def group_of(self, p) -> dict:
         return self.param_groups[self._group_index[p]]
 
     def all_update_rows(self, plan: GroupPlan) -> dict[int, torch.Tensor]:
-        return {i: self._update_rows(plan, i) for i in range(len(plan.matrices))}
+        return {i: self.update_rows(plan, i) for i in range(len(plan.matrices))}
 
-    def _update_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
+    def update_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
         """Weight decay and momentum on this rank's rows of matrix i (in place), and the rows of
         its update to orthogonalize (muon_math.momentum_update_)."""
         p = plan.param_of(i)
@@ -327,13 +340,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                      else torch.zeros_like(param_rows))
         return momentum_update_(self, param_rows, grad_rows,
                                 plan.rows_of(i, self.state[p]["momentum_buffer"].to_local()),
-                                self._group_of(p))
+                                self.group_of(p))
 
     def allgather_orthogonalize(self, plan: GroupPlan, local: dict, apply) -> None:
         for i, matrix in enumerate(plan.matrices):
             full = all_gather_rows(local[i], matrix.layout, plan.group)
             start, stop = matrix.layout.row_range(plan.rank)
-            apply(plan, i, self.orthogonalize_full(plan.param_of(i), full)[start:stop])
+            apply(plan, i, self.orthogonalize_owned([plan.param_of(i)], [full], None)[0][start:stop])
 
     def owner_orthogonalize(self, plan: GroupPlan, local_rows, apply) -> None:
         """Each exchange's matrices gathered to their owners, orthogonalized there batch by

@@ -12,11 +12,11 @@ import torch.distributed.checkpoint as dcp
 from megatron.core.distributed.fsdp.src import megatron_fsdp
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
     gather_and_compute_chunk_metadata
-from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon, TensorParallelMuon
 from megatron.core.utils import unwrap_model
 from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from megatron_muon import upstream
+from megatron_muon import upstream, upstream_fixes
 from megatron_muon.chained import find_megatron_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
@@ -33,6 +33,8 @@ ONE_BATCH = 1 << 20
 MUON_KWARGS = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01,
                    fp32_matmul_prec="highest", split_qkv=True,
                    is_qkv_fn=lambda p: getattr(p, "is_qkv", False), qkv_split_shapes=QKV_SPLIT)
+# --optimizer adaptive_muon's second moment (a beta2 off megatron-core's default).
+ADAPTIVE_KWARGS = dict(beta2=0.9, eps=1e-8)
 
 
 class Net(torch.nn.Module):
@@ -167,10 +169,18 @@ def muon_param_groups(matrices):
             {"params": matrices[1::2], "lr": 0.05, "weight_decay": 0.1, "momentum": 0.8}]
 
 
-def reference_optimizers(ref):
+def reference_optimizers(ref, moment2_method=None):
+    """megatron-core's optimizers on the unsharded model: TensorParallelMuon, or with
+    `moment2_method` TensorParallelAdaptiveMuon (--optimizer adaptive_muon, as
+    megatron_muon.upstream_fixes repairs it), and Adam for the rest."""
     matrices, vectors = split_params(ref)
-    return [TensorParallelMuon(muon_param_groups(matrices), **MUON_KWARGS),
-            torch.optim.Adam(vectors, lr=0.01, foreach=False)]
+    if moment2_method is None:
+        muon = TensorParallelMuon(muon_param_groups(matrices), **MUON_KWARGS)
+    else:
+        upstream_fixes.apply()
+        muon = TensorParallelAdaptiveMuon(muon_param_groups(matrices), **MUON_KWARGS,
+                                          **ADAPTIVE_KWARGS, moment2_method=moment2_method)
+    return [muon, torch.optim.Adam(vectors, lr=0.01, foreach=False)]
 
 
 class ForwardReads:

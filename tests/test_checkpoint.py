@@ -16,15 +16,20 @@ from megatron_muon.testing import (GLOBAL_BATCH, TINY, fsdp_gpt, global_batch_lo
                                    init_parallel_state, optimizer_config)
 from tolerances import adam_drift, assert_within, muon_drift, reordering_error, state_drift
 
-CASES = {  # name: (sharding strategy, Muon dist mode, experts over expert-parallel 2)
-    "zero3": ("optim_grads_params", "owner", None),
-    "zero3-allgather": ("optim_grads_params", "allgather", None),
-    "zero2": ("optim_grads", "owner", None),
-    "zero1": ("optim", "owner", None),
-    "no_shard": ("no_shard", "owner", None),
-    "experts": ("optim_grads_params", "owner", 4),
+CASES = {  # name: (sharding strategy, Muon dist mode, experts over expert-parallel 2,
+    #                 --optimizer adaptive_muon's moment2 method or None for muon)
+    "zero3": ("optim_grads_params", "owner", None, None),
+    "zero3-allgather": ("optim_grads_params", "allgather", None, None),
+    "zero2": ("optim_grads", "owner", None, None),
+    "zero1": ("optim", "owner", None, None),
+    "no_shard": ("no_shard", "owner", None, None),
+    "experts": ("optim_grads_params", "owner", 4, None),
+    # The second moment: AdaMuon's shaped like the params, NorMuon's a few columns per row
+    # (its wide matrices' column moment laid along their rows, resharded with them).
+    "adamuon-experts": ("optim_grads_params", "owner", 4, "adamuon"),
+    "normuon-zero3": ("optim_grads_params", "owner", None, "normuon"),
 }
-RESHARDED = ["zero3", "experts"]
+RESHARDED = ["zero3", "experts", "normuon-zero3"]
 SAVED_AT, LAST = 3, 6
 LR = optimizer_config().lr
 # At another world size the gradients add in another order (tolerances.py).
@@ -32,11 +37,13 @@ REORDERING = reordering_error(GLOBAL_BATCH * TINY.seq)
 
 
 def _build(case):
-    strategy, dist_mode, num_experts = CASES[case]
+    strategy, dist_mode, num_experts, moment2_method = CASES[case]
     init_parallel_state(expert_parallel=2 if num_experts else 1)
     model = fsdp_gpt(strategy=strategy, num_experts=num_experts)
-    optimizer = get_megatron_optimizer(optimizer_config(clip_grad=1.0, weight_decay=0.1), [model],
-                                       muon_dist_mode=dist_mode)
+    adaptive = {"optimizer": "adaptive_muon", "adaptive_muon_moment2_method": moment2_method}
+    optimizer = get_megatron_optimizer(
+        optimizer_config(clip_grad=1.0, weight_decay=0.1, **(adaptive if moment2_method else {})),
+        [model], muon_dist_mode=dist_mode)
     return model, optimizer
 
 
@@ -199,7 +206,7 @@ def test_a_load_that_finds_no_checkpoint_trains_as_from_scratch():
     run_distributed(_prepared_load_without_checkpoint_trains_as_from_scratch, 2)
 
 
-OPTIMIZER_STATE = (".momentum_buffer", ".exp_avg", ".exp_avg_sq", ".step")
+OPTIMIZER_STATE = (".momentum_buffer", ".moment2_buffer", ".exp_avg", ".exp_avg_sq", ".step")
 
 
 def _torch_state_dict_round_trip(rank, world_size):

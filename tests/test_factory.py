@@ -140,15 +140,18 @@ def _tag_as_megatron_core(ref, name, model_param, config):
 
 
 def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, tp_mode, outer,
-                            dist_mode, strategy="optim_grads_params", flagship=None):
+                            dist_mode, strategy="optim_grads_params", flagship=None,
+                            moment2_method=None):
     """Every Muon matrix equals megatron-core's TensorParallelMuon run on the full (TP-local)
     matrices with the same gradients: dense matrices sharded over dp_cp, experts over expt_dp
     (expert TP 1, as MoE runs usually have it, also beside TP 2), TP Newton-Schulz over the tp
     group, experts' over expt_tp; with `outer`, HSDP over 2 replicas; `flagship`, the name of a
     megatron_muon.testing model's settings (MLA, shared experts, a dense first layer), with 4
-    experts. Returns whether some rank's shard of a Muon matrix is empty, and whether some
-    matrix's shards are uneven."""
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+    experts; `moment2_method`: --optimizer adaptive_muon against megatron-core's
+    TensorParallelAdaptiveMuon (repaired). Returns whether some rank's shard of a Muon matrix is
+    empty, and whether some matrix's shards are uneven."""
+    from megatron.core.optimizer.emerging_optimizers import (TensorParallelAdaptiveMuon,
+                                                             TensorParallelMuon)
 
     from fsdp_models import full_tensor
     from megatron_muon.chained import named_main_weights
@@ -165,7 +168,9 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
         # mode serves (no dropout here either way; only the router's aux loss is left out).
         model.eval()
     # No clipping: the reference gets the gradients unscaled.
-    config = optimizer_config(muon_tp_mode=tp_mode, clip_grad=0.0)
+    adaptive = dict(optimizer="adaptive_muon", adaptive_muon_moment2_method=moment2_method)
+    config = optimizer_config(muon_tp_mode=tp_mode, clip_grad=0.0,
+                              **(adaptive if moment2_method else {}))
     optimizer = get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode)
     if flagship:
         _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts)
@@ -183,7 +188,9 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
                 ref_params.append(ref)
             ref_groups.append({"params": ref_params, "lr": group["lr"],
                                "weight_decay": group["weight_decay"]})
-    reference = TensorParallelMuon(ref_groups, **upstream.muon_config_to_kwargs(config, [model], pg_collection))
+    reference_class = TensorParallelAdaptiveMuon if moment2_method else TensorParallelMuon
+    reference = reference_class(ref_groups, **upstream.EMERGING_OPTIMIZERS[
+        config.optimizer].config_to_kwargs(config, [model], pg_collection))
     for step in range(3):
         optimizer.zero_grad()
         with model.no_sync():  # as megatron's schedules mark the last micro-batch, whose
@@ -251,6 +258,19 @@ def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, e
     fresh = tensor_parallel > 1 and expert_parallel > 1
     distributed(_matches_reference_muon, 4, tensor_parallel, expert_parallel, tp_mode, outer,
                 dist_mode, fresh=fresh)
+
+
+@pytest.mark.parametrize("moment2_method, tensor_parallel, expert_parallel, tp_mode, outer", [
+    ("normuon", 2, 1, "duplicated", None), ("adamuon", 2, 1, "distributed", None),
+    ("normuon", 1, 2, "duplicated", None), ("adamuon", 1, 2, "duplicated", "no_shard")])
+def test_adaptive_muon_matches_reference_adaptive_muon_on_full_matrices(
+        distributed, moment2_method, tensor_parallel, expert_parallel, tp_mode, outer):
+    """--optimizer adaptive_muon through the factory: TP=2 (its Newton-Schulz over TP, the QKV
+    split, Muon's scale by the TP-unsharded shape), experts over EP=2, HSDP."""
+    # In processes of their own: after the cases above, the reference's gathers
+    # (fsdp_models.full_tensor) hung, under TP=2 and under EP=2 alike.
+    distributed(_matches_reference_muon, 4, tensor_parallel, expert_parallel, tp_mode, outer,
+                "owner", "optim_grads_params", None, moment2_method, fresh=True)
 
 
 # Kimi K2's and DeepSeek's layers (megatron_muon.testing: MLA with and without a q low rank, 4

@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_models import (MUON_KWARGS, ONE_BATCH, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
+from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, ONE_BATCH, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
                          matrices_per_newton_schulz_call, muon_param_groups,
                          reference_optimizers, same_shape_linears, split_params)
-from megatron_muon import ZeROTensorParallelMuon
+from megatron_muon import ZeROTensorParallelMuon, second_moment, upstream
+from megatron_muon.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from megatron_muon.exchange import Traffic, observed
 
 STEPS = 6
@@ -37,20 +38,27 @@ CASES = [_case(strategy, dist_mode, unit_modules, world_size) for world_size in 
 
 
 def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
-             main_params_dtype=torch.float32):
+             main_params_dtype=torch.float32, moment2_method=None, muon_class=None):
     """Megatron-FSDP buckets per Linear (unit_modules: every matrix crosses shard boundaries) or
-    the whole model as one unit (most matrices sit whole on one rank); HSDP with `outer`."""
+    the whole model as one unit (most matrices sit whole on one rank); HSDP with `outer`;
+    --optimizer adaptive_muon with `moment2_method`."""
     ref, fsdp = make_models(strategy, world_size, unit_modules, outer, main_params_dtype)
     if main_params_dtype is None:  # the layout the case names
         assert all(group.main_weight_buffer is None
                    for group in fsdp.param_and_grad_buffer.parameter_groups)
-    ref_opts = reference_optimizers(ref)
+    ref_opts = reference_optimizers(ref, moment2_method)
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
     case = (f"{strategy} outer={outer} {dist_mode} units={unit_modules} W={world_size} "
-            f"main_params_dtype={main_params_dtype}")
-    opts = [ZeROTensorParallelMuon(muon_param_groups(matrices), dist_mode=dist_mode, **MUON_KWARGS),
-            torch.optim.Adam(vectors, lr=0.01, foreach=False)]
+            f"main_params_dtype={main_params_dtype} moment2_method={moment2_method}")
+    if moment2_method is None:
+        muon = ZeROTensorParallelMuon(muon_param_groups(matrices), dist_mode=dist_mode,
+                                      **MUON_KWARGS)
+    else:
+        muon = (muon_class or ZeROTensorParallelAdaptiveMuon)(
+            muon_param_groups(matrices), dist_mode=dist_mode, moment2_method=moment2_method,
+            **MUON_KWARGS, **ADAPTIVE_KWARGS)
+    opts = [muon, torch.optim.Adam(vectors, lr=0.01, foreach=False)]
     names = {id(p): n for n, p in fsdp.named_parameters()}
 
     for step in range(STEPS):
@@ -78,8 +86,24 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
         momentum = opts[0].state[p]["momentum_buffer"]
         assert isinstance(momentum, DTensor) and momentum.placements == p.placements
         assert momentum.to_local().shape == p.to_local().shape
+        if moment2_method is not None:  # sharded as the main weights are, its rows beside theirs
+            moment2 = opts[0].state[p]["moment2_buffer"]
+            assert isinstance(moment2, DTensor) and moment2.placements == p.placements
+            assert moment2.to_local().shape[0] == p.to_local().shape[0]
+            reference = ref_opts[0].state[ref_params[names[id(p)].removeprefix("module.")]]
+            assert _as_reference_moment2(full_tensor(moment2, p), reference["moment2_buffer"])
     if rank == 0:
         print(f"{case}: max |diff| 0 after {STEPS} steps")
+
+
+def _as_reference_moment2(ours: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether our whole second moment is AdaptiveMuon's: the same tensor, or NorMuon's [1, cols]
+    of a wide matrix laid along its rows (second_moment.NorMuon), the rest zero padding."""
+    if ours.shape == reference.shape:
+        return torch.equal(ours, reference)
+    flat = ours.reshape(-1)
+    return (torch.equal(flat[:reference.numel()], reference.reshape(-1))
+            and not flat[reference.numel():].any())
 
 
 def _inner_boundaries(p) -> set[int]:
@@ -138,6 +162,72 @@ HSDP_CASES = [("no_shard", "optim"), ("no_shard", "optim_grads"), ("no_shard", "
     for outer, strategy in HSDP_CASES for dist_mode in DIST_MODES])
 def test_hsdp_matches_single_device_muon(distributed, outer, strategy, dist_mode):
     distributed(_compare, 4, strategy, dist_mode, True, outer)
+
+
+# --optimizer adaptive_muon: each update bit-identical to megatron-core's TensorParallelAdaptiveMuon
+# (repaired) on the unsharded model; every strategy with owners at W=2, ZeRO-3 at W=1 and 4, and
+# allgather mode, the one-unit layout (W=2) and HSDP (W=4).
+MOMENT2_METHODS = ("adamuon", "normuon")
+ADAPTIVE_CASES = [
+    pytest.param(strategy, "owner", True, None, world_size, method,
+                 id=f"{method}-{strategy}-owner-units-W{world_size}")
+    for world_size, strategies in ((1, STRATEGIES[-1:]), (2, STRATEGIES), (4, STRATEGIES[-1:]))
+    for strategy in strategies for method in MOMENT2_METHODS]
+ADAPTIVE_CASES += [
+    pytest.param(strategy, dist_mode, unit_modules, outer, world_size, method,
+                 id=f"{method}-{outer or ''}{'-' if outer else ''}{strategy}-{dist_mode}-"
+                    f"{UNITS[unit_modules]}-W{world_size}")
+    for strategy, dist_mode, unit_modules, outer, world_size in (
+        ("optim_grads_params", "allgather", True, None, 2),
+        ("optim_grads", "owner", False, None, 2),
+        ("optim_grads_params", "owner", True, "optim", 4))
+    for method in MOMENT2_METHODS]
+
+
+@pytest.mark.parametrize("strategy, dist_mode, unit_modules, outer, world_size, method",
+                         ADAPTIVE_CASES)
+def test_adaptive_muon_matches_single_device_adaptive_muon(distributed, strategy, dist_mode,
+                                                          unit_modules, outer, world_size, method):
+    distributed(_compare, world_size, strategy, dist_mode, unit_modules, outer, torch.float32,
+                method)
+
+
+class RowsOnlyNorMuon(second_moment.NorMuon):
+    """NorMuon on each rank's rows alone, as if its statistics needed no whole matrix: the
+    column means of a wide matrix and the Frobenius-norm match over a part of it."""
+
+    @staticmethod
+    def travelling_columns(rows, cols):
+        return 0
+
+    @staticmethod
+    def on_owner(optimizer, orthogonalized, state, group, whole_shape):
+        return orthogonalized
+
+    @staticmethod
+    def on_holder(optimizer, rows, moment2, group, whole_shape):
+        if not rows.numel():
+            return rows
+        tall = rows.shape[0] >= rows.shape[1]
+        moments = optimizer.__dict__.setdefault("rows_only_moments", {})
+        moment = moments.setdefault(moment2.data_ptr(), rows.new_zeros(
+            (rows.shape[0], 1) if tall else (1, rows.shape[1])))
+        update = upstream.apply_moment2_normalization(optimizer, rows, moment, group["beta2"],
+                                                      group["eps"])
+        return upstream.apply_muon_scale(optimizer, update, *whole_shape)
+
+
+def _rows_only_normuon_differs(rank, world_size):
+    with mock.patch.dict(second_moment.SECOND_MOMENTS, normuon=RowsOnlyNorMuon):
+        with pytest.raises(AssertionError, match=r"step 0: max \|diff\|"):
+            _compare(rank, world_size, "optim_grads_params", "owner", True, None, torch.float32,
+                     "normuon")
+
+
+def test_normuon_on_a_partial_matrix_fails_the_comparison(distributed):
+    """The comparison above catches NorMuon's statistic taken over a rank's rows where the whole
+    matrix is needed (W=2: the wide 9x40 and 3x9 matrices are split across the ranks)."""
+    distributed(_rows_only_normuon_differs, 2)
 
 
 # (strategy, HSDP's outer strategy, dist mode, how often each matrix is orthogonalized at W=4)

@@ -1,6 +1,7 @@
 """`python -m megatron_muon.selftest` as a user runs it on a cluster (here torchrun on gloo): a
 table with every configuration the world size allows, each exact (0 with fp32 Newton-Schulz) and
-passed, with its peak memory, exit status 0; a corrupted owner result makes its configuration fail and the run exit 1;
+passed, with its peak memory, exit status 0; a corrupted owner result makes its configuration fail
+and the run exit 1 (run with --optimizer adaptive_muon);
 a configuration past the time limit stops the run with status 2, named."""
 
 import re
@@ -49,12 +50,17 @@ def test_every_configuration_is_exact_and_passes(world_size):
 
 
 def test_a_corrupted_owner_result_fails_its_configuration_and_the_run():
-    run = selftest(2, "--corrupt")
+    """With --optimizer adaptive_muon (NorMuon, its second moment on the owners): the other
+    configurations pass, exact."""
+    run = selftest(2, "--corrupt", "--optimizer", "adaptive_muon",
+                   "--adaptive-muon-moment2-method", "normuon")
     assert run.returncode == 1, f"{run.stdout}\n{run.stderr[-4000:]}"
+    assert "--optimizer adaptive_muon (normuon)" in run.stdout, run.stdout
     table = rows(run.stdout)
     first, *others = CONFIGURATIONS[2]
     assert table[first]["result"] == "FAIL", run.stdout
-    assert all(table[name]["result"] == "pass" for name in others), run.stdout
+    assert all(table[name]["result"] == "pass" and float(table[name]["diff"]) == 0.0
+               for name in others), run.stdout
     assert re.search(r"muon check at iteration 2: the owner exchange's update differs .*\n  "
                      r"module\.module\.\S+\.weight: shape \(\d+, \d+\), owner rank \d", run.stdout)
     assert run.stdout.rstrip().endswith(f"self-test FAILED: {first}"), run.stdout

@@ -17,9 +17,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
     preprocess_state_dict_for_uneven_dtensor
-from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon, TensorParallelMuon
 
 from fsdp_models import MEGATRON_FSDP, STRATEGIES, ForwardReads, fully_shard, full_tensor
+from megatron_muon import upstream_fixes
 from megatron_muon.placement import place
 from megatron_muon.standalone import muon_optimizer
 from megatron_muon.testing import hugging_face_model
@@ -129,14 +130,19 @@ def test_what_muon_cannot_step_is_refused_naming_the_parameter(settings, refusal
         place(TinyLM(), **settings)
 
 
-def _reference(model, placement):
-    """Single-device Muon + AdamW on the unsharded model, with the same placement."""
+def _reference(model, placement, moment2_method=None):
+    """Single-device Muon (with `moment2_method`: megatron-core's adaptive Muon, repaired) +
+    AdamW on the unsharded model, with the same placement."""
     params = dict(model.named_parameters())
     for name, rows in placement.qkv_splits.items():
         params[name].is_qkv, params[name].qkv_split_shapes = True, list(rows)
-    muon = TensorParallelMuon([params[n] for n in placement.muon], **MUON,
-                              fp32_matmul_prec="highest", split_qkv=True,
-                              is_qkv_fn=lambda p: getattr(p, "is_qkv", False))
+    muon_class, variant = TensorParallelMuon, {}
+    if moment2_method:
+        upstream_fixes.apply()
+        muon_class, variant = TensorParallelAdaptiveMuon, {"moment2_method": moment2_method}
+    muon = muon_class([params[n] for n in placement.muon], **MUON, **variant,
+                      fp32_matmul_prec="highest", split_qkv=True,
+                      is_qkv_fn=lambda p: getattr(p, "is_qkv", False))
     return params, [muon, torch.optim.AdamW([params[n] for n in placement.adamw], **ADAMW,
                                             foreach=True)]
 
@@ -170,7 +176,8 @@ MODELS = {
 }
 
 
-def _built(world_size, strategy, model_name, package="megatron-core", wrapped=False):
+def _built(world_size, strategy, model_name, package="megatron-core", wrapped=False,
+           moment2_method=None):
     """(an unsharded copy of the model as built, the model on `package`'s fully_shard_model, our
     optimizer), `wrapped`: then given to that package's fully_shard_optimizer."""
     build, qkv_splits = MODELS[model_name]
@@ -180,7 +187,8 @@ def _built(world_size, strategy, model_name, package="megatron-core", wrapped=Fa
     model = fully_shard(module, strategy, world_size, units, package=package)
     optimizer = muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
                                adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"],
-                               qkv_splits=qkv_splits, fp32_matmul_prec="highest")
+                               qkv_splits=qkv_splits, fp32_matmul_prec="highest",
+                               moment2_method=moment2_method)
     if wrapped:
         assert MEGATRON_FSDP[package].fully_shard_optimizer(optimizer) is optimizer
     return unsharded, model, optimizer
@@ -197,7 +205,8 @@ def _count_calls(model, *names) -> dict:
     return calls
 
 
-def steps_match_single_device(rank, reference, model, optimizer, qkv_splits, case, wrap=None):
+def steps_match_single_device(rank, reference, model, optimizer, qkv_splits, case, wrap=None,
+                              moment2_method=None):
     """STEPS steps of our `optimizer` on `model` (on Megatron-FSDP; `reference`: the unsharded
     model as built), each bit-identical to single-device Muon + AdamW fed the same reduced
     gradients, the next forward reading the weights, and one install per step. `wrap`: applies
@@ -208,7 +217,8 @@ def steps_match_single_device(rank, reference, model, optimizer, qkv_splits, cas
     if wrap:  # counted from before it
         assert wrap(optimizer) is optimizer
         assert calls == {"finish_grad_sync": 0, "install_optimized_model_weights": 0}, calls
-    ref_params, ref_optimizers = _reference(reference, place(reference, qkv_splits=qkv_splits))
+    ref_params, ref_optimizers = _reference(reference, place(reference, qkv_splits=qkv_splits),
+                                            moment2_method)
     main_weights = dict(model.param_and_grad_buffer.optimizer_named_parameters)
     reads = ForwardReads(model)
     for step in range(STEPS):
@@ -243,6 +253,23 @@ def _matches_single_device(rank, world_size, strategy, model_name, package="mega
         rank, reference, model, optimizer, MODELS[model_name][1],
         f"{model_name} {strategy} W={world_size} {package}{' wrapped' * wrapped}",
         MEGATRON_FSDP[package].fully_shard_optimizer if wrapped else None)
+
+
+def _adaptive_matches_single_device(rank, world_size, strategy, model_name, moment2_method):
+    reference, model, optimizer = _built(world_size, strategy, model_name,
+                                         moment2_method=moment2_method)
+    steps_match_single_device(rank, reference, model, optimizer, MODELS[model_name][1],
+                              f"{moment2_method} {model_name} {strategy} W={world_size}",
+                              moment2_method=moment2_method)
+
+
+@pytest.mark.parametrize("world_size, strategy, model_name, moment2_method", [
+    (2, "optim_grads_params", "hf-llama", "normuon"), (2, "optim", "fused-qkv", "adamuon"),
+    (4, "optim_grads_params", "fused-qkv", "normuon")])
+def test_adaptive_muon_steps_are_single_device_adaptive_muon(distributed, world_size, strategy,
+                                                             model_name, moment2_method):
+    """muon_optimizer(..., moment2_method=...): --optimizer adaptive_muon outside Megatron."""
+    distributed(_adaptive_matches_single_device, world_size, strategy, model_name, moment2_method)
 
 
 needs_standalone = pytest.mark.skipif(

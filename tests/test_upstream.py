@@ -29,14 +29,14 @@ def test_a_name_gone_from_upstream_is_named_at_import():
     run = _python("""
         import megatron.core.optimizer.emerging_optimizers as core_muon
         import torch.distributed.device_mesh as device_mesh
-        del core_muon._muon_config_to_kwargs
+        del core_muon._eopt_init_state_fn
         del device_mesh.DeviceMesh._flatten
         import megatron_muon
     """)
     assert run.returncode != 0
     error = run.stderr[run.stderr.index("ImportError: "):]
     for distribution, name in (
-            ("megatron-core", "megatron.core.optimizer.emerging_optimizers._muon_config_to_kwargs"),
+            ("megatron-core", "megatron.core.optimizer.emerging_optimizers._eopt_init_state_fn"),
             ("torch", "torch.distributed.device_mesh.DeviceMesh._flatten")):
         assert (f"{distribution} {version(distribution)} (supported: "
                 f"{distribution}{SUPPORTED[distribution]}) has no\n  {name}: ") in error, error

@@ -1,0 +1,120 @@
+"""megatron-core's `--optimizer adaptive_muon` (emerging-optimizers' AdaptiveMuon: AdaMuon,
+NorMuon) on Megatron-FSDP's sharded main weights: ZeROTensorParallelMuon's step and exchange,
+Newton-Schulz unscaled, then the variant's second moment (second_moment.py) where it needs to
+run, and Muon's scale once, by the whole (TP-unsharded) matrix's shape."""
+
+import math
+import typing
+
+import torch
+from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
+from torch.distributed.tensor import DTensor, Shard
+
+from .dtensor_rows import ParamAttributes, num_experts, tp_local_rows
+from .group_planner import GroupPlan
+from .muon_math import unscaled_orthogonalize_fn
+from .second_moment import SECOND_MOMENTS
+from .upstream_fixes import whole_shape
+from .zero_muon import ZeROTensorParallelMuon
+
+MOMENT2_METHODS = typing.get_args(Moment2MethodT)
+
+
+def check_adaptive_settings(moment2_method, beta2, eps, use_syrk) -> None:
+    """Refuse, before any state, what the variants cannot run here, naming Megatron's flag."""
+    def setting(name):
+        return (f"ZeROTensorParallelAdaptiveMuon: {name} (OptimizerConfig.adaptive_muon_{name}, "
+                f"--adaptive-muon-{name.replace('_', '-')})")
+
+    if moment2_method not in SECOND_MOMENTS:
+        why = (" (NAMO scales by the whole raw gradient's norm, which no rank holds on "
+               "Megatron-FSDP without a second gather; it runs on Megatron DDP)"
+               if moment2_method in MOMENT2_METHODS else "")
+        raise ValueError(f"{setting('moment2_method')} must be one of {tuple(SECOND_MOMENTS)} on "
+                         f"Megatron-FSDP, got {moment2_method!r}{why}")
+    if not 0 <= beta2 < 1:
+        raise ValueError(f"{setting('beta2')} must be in [0, 1), got {beta2!r}")
+    if not eps >= 0:
+        raise ValueError(f"{setting('eps')} must be at least 0, got {eps!r}")
+    if use_syrk:
+        raise ValueError("ZeROTensorParallelAdaptiveMuon: --muon-use-syrk runs Muon's scaled "
+                         "Newton-Schulz; adaptive_muon scales after its second moment: drop it")
+
+
+class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
+    """megatron-core's TensorParallelAdaptiveMuon (as megatron_muon.upstream_fixes repairs it)
+    for Megatron-FSDP main weights: each update bit-identical (fp32 `highest`) to it on the
+    unsharded model. An AdaptiveMuon as megatron-core's is (its second-moment methods), stepped
+    by ZeROTensorParallelMuon.
+
+    Args:
+        moment2_method: "adamuon" (elementwise, on each rank's rows) or "normuon" (per row, or
+            per column of a wider matrix, on the matrix's owner); OptimizerConfig's
+            adaptive_muon_moment2_method.
+        beta2, eps: the second moment's decay and epsilon (param groups may set their own).
+        **kwargs: ZeROTensorParallelMuon's arguments (--muon-use-syrk refused).
+
+    State: "momentum_buffer" as ZeROTensorParallelMuon's; "moment2_buffer" sharded as the main
+    weights are: AdaMuon's shaped like the param, NorMuon's `k` columns per row
+    (second_moment.NorMuon).
+    """
+
+    def __init__(self, params, *, moment2_method: str = "adamuon", beta2: float = 0.95,
+                 eps: float = 1e-8, use_syrk: bool = False, **kwargs):
+        check_adaptive_settings(moment2_method, beta2, eps, use_syrk)
+        self.second_moment = SECOND_MOMENTS[moment2_method]  # the planner reads it
+        self.moment2_method = moment2_method
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            group.setdefault("beta2", beta2)
+            group.setdefault("eps", eps)
+
+    def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
+        # AdaptiveMuon's step reads these for the scale it applies after the second moment.
+        self.scale_mode = settings["scale_mode"]
+        self.extra_scale_factor = settings["extra_scale_factor"]
+        self.scaled_orthogonalize_fn = unscaled_orthogonalize_fn(
+            settings["num_ns_steps"], settings["coefficient_type"], settings["tp_mode"])
+
+    def initial_state(self, p: DTensor) -> dict:
+        """Muon's state and the second moment, placed as `p` is: its columns per row
+        (second_moment.py) beside each of this rank's rows."""
+        rows, cols = tp_local_rows(p) // num_experts(p), p.to_local().shape[-1]
+        columns = self.second_moment.held_columns(rows, cols)
+        local = p.to_local()
+        local = torch.zeros((*local.shape[:-1], columns), dtype=local.dtype, device=local.device)
+        # The last dim's TP shards (a partition along it) each hold `columns`.
+        last = Shard(p.dim() - 1)
+        shards = math.prod(p.device_mesh.size(dim) for dim, placement in enumerate(p.placements)
+                           if placement == last)
+        shape = torch.Size((*p.shape[:-1], columns * shards))
+        moment2 = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                     shape=shape, stride=torch.empty(shape, device="meta").stride())
+        return {**super().initial_state(p), "moment2_buffer": moment2}
+
+    def _moment2_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
+        return plan.rows_of(i, self.state[plan.param_of(i)]["moment2_buffer"].to_local())
+
+    def update_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
+        """Muon's update rows, with the second moment's travelling columns beside them."""
+        rows = super().update_rows(plan, i)
+        if not plan.matrices[i].state_cols:
+            return rows
+        return torch.cat([rows, self._moment2_rows(plan, i)], dim=1)
+
+    def orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
+        """Newton-Schulz (unscaled) on the update's columns, then the second moment's owner part
+        on each whole matrix with its state's columns."""
+        cols = params[0].to_local().shape[-1]
+        orthogonalized = super().orthogonalize_owned(
+            params, [full[:, :cols].contiguous() for full in fulls], batch_key)
+        return [self.second_moment.on_owner(self, result, full[:, cols:], self.group_of(p),
+                                            whole_shape(self, ParamAttributes(p), result.shape))
+                for p, full, result in zip(params, fulls, orthogonalized)]
+
+    def apply_update(self, plan: GroupPlan, i: int, rows: torch.Tensor) -> None:
+        p = plan.param_of(i)
+        update = self.second_moment.on_holder(
+            self, rows, self._moment2_rows(plan, i), self.group_of(p),
+            whole_shape(self, ParamAttributes(p), plan.matrices[i].shape))
+        super().apply_update(plan, i, update)
