@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from megatron_muon import ZeROTensorParallelMuon, get_megatron_optimizer
+from megatron_muon import (ZeROTensorParallelAdaptiveMuon, ZeROTensorParallelMuon,
+                           get_megatron_optimizer)
 from megatron_muon.testing import optimizer_config
 
 
@@ -30,11 +31,11 @@ def matrix(shape=(6, 4), placements=(Shard(0),), mesh_dims=("dp",), **tags):
     return p
 
 
-def refused(error, match, params, **kwargs):
+def refused(error, match, params, optimizer_class=ZeROTensorParallelMuon, **kwargs):
     """The construction fails with `error` matching `match`, and leaves the params as they were."""
     before = [p.to_local().clone() if isinstance(p, DTensor) else p.detach().clone() for p in params]
     with pytest.raises(error, match=match):
-        ZeROTensorParallelMuon(params, **kwargs)
+        optimizer_class(params, **kwargs)
     after = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in params]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -88,6 +89,17 @@ def test_mismatched_meshes_inside_one_param_group():
 ])
 def test_an_unknown_or_out_of_range_setting(setting, value, flag):
     refused(ValueError, f"{setting}.*{flag}|{flag}.*{value!r}", [matrix()], **{setting: value})
+
+
+@pytest.mark.parametrize("setting, value, flag", [
+    ("moment2_method", "namo", "--adaptive-muon-moment2-method"),
+    ("moment2_method", "adam", "--adaptive-muon-moment2-method"),
+    ("beta2", 1.0, "--adaptive-muon-beta2"),
+    ("eps", -1e-8, "--adaptive-muon-eps"),
+    ("use_syrk", True, "--muon-use-syrk"),
+])
+def test_an_adaptive_muon_setting_it_cannot_run(setting, value, flag):
+    refused(ValueError, flag, [matrix()], ZeROTensorParallelAdaptiveMuon, **{setting: value})
 
 
 def test_qkv_split_without_a_qkv_predicate():
