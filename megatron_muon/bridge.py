@@ -137,8 +137,8 @@ def install(cfg) -> None:
     # ours distributes Muon.
     takes_dist_muon = cfg.optimizer.optimizer == "dist_muon" and _megatron_fsdp(cfg)
     muon = takes_dist_muon or muon_on_megatron_fsdp(cfg)
+    upstream_fixes.apply()  # for every optimizer, where the installed upstream needs them
     if _megatron_fsdp(cfg):
-        upstream_fixes.apply()
         rules.refuse(_reader(cfg), _field_name, training_loop=True, muon=muon,
                      what=("Muon on " if muon else "") + "Megatron-FSDP through Megatron-Bridge")
     if muon:

@@ -103,14 +103,23 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
         return torch.cat([rows, self._moment2_rows(plan, i)], dim=1)
 
     def orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
-        """Newton-Schulz (unscaled) on the update's columns, then the second moment's owner part
-        on each whole matrix with its state's columns."""
+        """Newton-Schulz (unscaled) on the update's columns, batched as Muon's, then the second
+        moment's owner part on each whole matrix with its state's columns."""
         cols = params[0].to_local().shape[-1]
         orthogonalized = super().orthogonalize_owned(
             params, [full[:, :cols].contiguous() for full in fulls], batch_key)
-        return [self.second_moment.on_owner(self, result, full[:, cols:], self.group_of(p),
-                                            whole_shape(self, ParamAttributes(p), result.shape))
+        return [self._on_owner(p, result, full[:, cols:])
                 for p, full, result in zip(params, fulls, orthogonalized)]
+
+    def orthogonalize_whole(self, p, full: torch.Tensor) -> torch.Tensor:
+        cols = p.to_local().shape[-1]
+        return self._on_owner(p, super().orthogonalize_whole(p, full[:, :cols].contiguous()),
+                              full[:, cols:])
+
+    def _on_owner(self, p, orthogonalized: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        return self.second_moment.on_owner(self, orthogonalized, state, self.group_of(p),
+                                           whole_shape(self, ParamAttributes(p),
+                                                       orthogonalized.shape))
 
     def apply_update(self, plan: GroupPlan, i: int, rows: torch.Tensor) -> None:
         p = plan.param_of(i)

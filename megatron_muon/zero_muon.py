@@ -346,7 +346,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for i, matrix in enumerate(plan.matrices):
             full = all_gather_rows(local[i], matrix.layout, plan.group)
             start, stop = matrix.layout.row_range(plan.rank)
-            apply(plan, i, self.orthogonalize_owned([plan.param_of(i)], [full], None)[0][start:stop])
+            apply(plan, i, self.orthogonalize_whole(plan.param_of(i), full)[start:stop])
 
     def owner_orthogonalize(self, plan: GroupPlan, local_rows, apply) -> None:
         """Each exchange's matrices gathered to their owners, orthogonalized there batch by
@@ -360,6 +360,11 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         run_overlapped(owner_exchange(routes, plan.group, {i: local_rows(i) for i in routes.batch},
                                       orthogonalize, lambda i, rows: apply(plan, i, rows))
                        for routes in plan.routes)
+
+    def orthogonalize_whole(self, p, full: torch.Tensor) -> torch.Tensor:
+        """One matrix's update as "allgather" mode computes it, on its own (the check's
+        reference, apart from the owners' orthogonalize_owned)."""
+        return self.orthogonalize_full(p, full)
 
     def orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
         """Newton-Schulz on the full matrices this rank owns in one batch: one batched call per

@@ -113,8 +113,12 @@ def main():
     parser.add_argument("--load")
     parser.add_argument("--save-interval", type=int, default=None)
     parser.add_argument("--check-interval", type=int, default=0, help="muon_check_interval")
+    parser.add_argument("--moment2-method", help="adaptive_muon's, in place of muon")
     args = parser.parse_args()
     cfg = config(args)
+    if args.moment2_method:
+        cfg.optimizer.optimizer = "adaptive_muon"
+        cfg.optimizer.adaptive_muon_moment2_method = args.moment2_method
     megatron_muon.bridge.install(cfg)
     if args.check_interval:  # a field of the MuonOptimizerConfig install() put in place
         cfg.optimizer.muon_check_interval = args.check_interval

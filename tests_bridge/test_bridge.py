@@ -128,6 +128,18 @@ def test_bridge_trains_muon_on_megatron_fsdp_as_megatron_core_on_ddp(strategy):
     assert losses[ITERATIONS] < losses[1] - 0.4  # it trains: 4.87 -> 4.29 here
 
 
+def test_bridge_trains_normuon_on_megatron_fsdp_as_megatron_core_on_ddp():
+    """--optimizer adaptive_muon (NorMuon) through Bridge: ours on ZeRO-3 (its check covering the
+    second moment) against megatron-core's TensorParallelAdaptiveMuon on DDP, repaired by
+    install()."""
+    method = ("--moment2-method", "normuon")
+    ours, reference = _train(*method, *CHECKED), _train(*method, "--ddp")
+    assert "optimizer: FSDPMuonChainedOptimizer" in ours
+    assert _checked_iterations(ours) == [3, 6], ours[-3000:]
+    assert "patched megatron-core's TensorParallelAdaptiveMuon" in reference
+    _assert_same_values(ours, reference, tolerances.RTOL, "normuon")
+
+
 def test_muon_clip_through_bridge_clips_once_as_megatron_core_does_on_ddp():
     """MuonClip on: Bridge's train step clips after optimizer.step(). Ours has clipped the sharded
     main weights inside the step, so Bridge's clip only logs; the reference is megatron-core's
@@ -212,6 +224,8 @@ def _config(**changes):
     ({"optimizer.muon_dist_mode": "everywhere"}, "cfg.optimizer.muon_dist_mode 'everywhere'"),
     ({"optimizer.muon_owner_choice": "flops"}, "cfg.optimizer.muon_owner_choice 'flops'"),
     ({"optimizer.muon_max_exchange_bytes": 0}, "cfg.optimizer.muon_max_exchange_bytes 0"),
+    ({"optimizer.optimizer": "adaptive_muon", "optimizer.adaptive_muon_moment2_method": "namo"},
+     "OptimizerConfig.adaptive_muon_moment2_method"),
 ])
 def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refusal):
     import megatron_muon.bridge
