@@ -15,23 +15,25 @@ from .group_planner import GroupPlan
 from .muon_math import unscaled_orthogonalize_fn
 from .second_moment import SECOND_MOMENTS
 from .upstream_fixes import whole_shape
-from .zero_muon import ZeROTensorParallelMuon
+from .zero_muon import ZeROTensorParallelMuon, tensor_parallel_muon_settings
 
 MOMENT2_METHODS = typing.get_args(Moment2MethodT)
 
 
-def check_adaptive_settings(moment2_method, beta2, eps, use_syrk) -> None:
+def check_adaptive_settings(moment2_method, beta2, eps, use_syrk,
+                            decoupled_weight_decay=True) -> None:
     """Refuse, before any state, what the variants cannot run here, naming Megatron's flag."""
     def setting(name):
         return (f"ZeROTensorParallelAdaptiveMuon: {name} (OptimizerConfig.adaptive_muon_{name}, "
                 f"--adaptive-muon-{name.replace('_', '-')})")
 
     if moment2_method not in SECOND_MOMENTS:
-        why = (" (NAMO scales by the whole raw gradient's norm, which no rank holds on "
-               "Megatron-FSDP without a second gather; it runs on Megatron DDP)"
-               if moment2_method in MOMENT2_METHODS else "")
         raise ValueError(f"{setting('moment2_method')} must be one of {tuple(SECOND_MOMENTS)} on "
-                         f"Megatron-FSDP, got {moment2_method!r}{why}")
+                         f"Megatron-FSDP, got {moment2_method!r}")
+    if moment2_method == "namo" and not decoupled_weight_decay:
+        raise ValueError(f"{setting('moment2_method')} 'namo' needs decoupled weight decay "
+                         f"(use_decoupled_weight_decay=True): emerging-optimizers' AdaptiveMuon "
+                         f"refuses it with L2")
     if not 0 <= beta2 < 1:
         raise ValueError(f"{setting('beta2')} must be in [0, 1), got {beta2!r}")
     if not eps >= 0:
@@ -48,9 +50,9 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
     by ZeROTensorParallelMuon.
 
     Args:
-        moment2_method: "adamuon" (elementwise, on each rank's rows) or "normuon" (per row, or
-            per column of a wider matrix, on the matrix's owner); OptimizerConfig's
-            adaptive_muon_moment2_method.
+        moment2_method: "adamuon" (elementwise, on each rank's rows), "normuon" (per row, or
+            per column of a wider matrix, on the matrix's owner) or "namo" (a scalar from whole
+            norms, on the owner); OptimizerConfig's adaptive_muon_moment2_method.
         beta2, eps: the second moment's decay and epsilon (param groups may set their own).
         **kwargs: ZeROTensorParallelMuon's arguments (--muon-use-syrk refused).
 
@@ -61,7 +63,8 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
 
     def __init__(self, params, *, moment2_method: str = "adamuon", beta2: float = 0.95,
                  eps: float = 1e-8, use_syrk: bool = False, **kwargs):
-        check_adaptive_settings(moment2_method, beta2, eps, use_syrk)
+        decoupled = tensor_parallel_muon_settings(kwargs)["use_decoupled_weight_decay"]
+        check_adaptive_settings(moment2_method, beta2, eps, use_syrk, decoupled)
         self.second_moment = SECOND_MOMENTS[moment2_method]  # the planner reads it
         self.moment2_method = moment2_method
         super().__init__(params, **kwargs)
@@ -98,26 +101,25 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
     def update_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
         """Muon's update rows, with the second moment's travelling columns beside them."""
         rows = super().update_rows(plan, i)
-        if not plan.matrices[i].state_cols:
-            return rows
-        return torch.cat([rows, self._moment2_rows(plan, i)], dim=1)
+        beside = self.second_moment.travelling(self.grad_rows(plan, i), self._moment2_rows(plan, i))
+        return rows if beside is None else torch.cat([rows, beside], dim=1)
 
     def orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
         """Newton-Schulz (unscaled) on the update's columns, batched as Muon's, then the second
         moment's owner part on each whole matrix with its state's columns."""
         cols = params[0].to_local().shape[-1]
-        orthogonalized = super().orthogonalize_owned(
-            params, [full[:, :cols].contiguous() for full in fulls], batch_key)
-        return [self._on_owner(p, result, full[:, cols:])
-                for p, full, result in zip(params, fulls, orthogonalized)]
+        updates = [full[:, :cols].contiguous() for full in fulls]
+        orthogonalized = super().orthogonalize_owned(params, updates, batch_key)
+        return [self._on_owner(p, update, result, full[:, cols:])
+                for p, full, update, result in zip(params, fulls, updates, orthogonalized)]
 
     def orthogonalize_whole(self, p, full: torch.Tensor) -> torch.Tensor:
         cols = p.to_local().shape[-1]
-        return self._on_owner(p, super().orthogonalize_whole(p, full[:, :cols].contiguous()),
-                              full[:, cols:])
+        update = full[:, :cols].contiguous()
+        return self._on_owner(p, update, super().orthogonalize_whole(p, update), full[:, cols:])
 
-    def _on_owner(self, p, orthogonalized: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        return self.second_moment.on_owner(self, orthogonalized, state, self.group_of(p),
+    def _on_owner(self, p, update, orthogonalized, state) -> torch.Tensor:
+        return self.second_moment.on_owner(self, update, orthogonalized, state, self.group_of(p),
                                            whole_shape(self, ParamAttributes(p),
                                                        orthogonalized.shape))
 

@@ -30,7 +30,7 @@ OWNER_CHOICES = typing.get_args(OwnerChoice)
 TP_MODES = typing.get_args(inspect.signature(TensorParallelMuon.__init__).parameters["tp_mode"].annotation)
 
 
-def _with_defaults(muon_kwargs: dict) -> dict:
+def tensor_parallel_muon_settings(muon_kwargs: dict) -> dict:
     """TensorParallelMuon's arguments as it takes them: `muon_kwargs` over its defaults."""
     defaults = {name: parameter.default for name, parameter
                 in inspect.signature(TensorParallelMuon.__init__).parameters.items()}
@@ -41,7 +41,8 @@ def _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, che
                     muon_kwargs) -> None:
     """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
     after momentum has changed), naming Megatron's flag."""
-    given = {**_with_defaults(muon_kwargs), "dist_mode": dist_mode, "owner_choice": owner_choice,
+    given = {**tensor_parallel_muon_settings(muon_kwargs), "dist_mode": dist_mode,
+             "owner_choice": owner_choice,
              "byte_slack": byte_slack, "max_exchange_bytes": max_exchange_bytes,
              "check_interval": check_interval}
     scale_modes = typing.get_args(MuonScaleT)
@@ -170,7 +171,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._group_index = {p: index for index, group in enumerate(self.param_groups)
                              for p in group["params"]}
         self._validate_all()
-        self._set_newton_schulz(_with_defaults(kwargs), use_syrk, upstream_runs_syrk)
+        self._set_newton_schulz(tensor_parallel_muon_settings(kwargs), use_syrk,
+                                upstream_runs_syrk)
         # What this rank carries out each step, per exchange group (the bench and tests read it),
         # the rows of each param it holds, and where same-shape matrices run batched.
         planner = GroupPlanner(self)
@@ -334,13 +336,17 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         """Weight decay and momentum on this rank's rows of matrix i (in place), and the rows of
         its update to orthogonalize (muon_math.momentum_update_)."""
         p = plan.param_of(i)
-        param_rows = plan.rows_of(i, p.to_local())
-        # Megatron-FSDP leaves grad=None where a rank's shard is empty.
-        grad_rows = (plan.rows_of(i, p.grad.to_local()) if p.grad is not None
-                     else torch.zeros_like(param_rows))
-        return momentum_update_(self, param_rows, grad_rows,
+        return momentum_update_(self, plan.rows_of(i, p.to_local()), self.grad_rows(plan, i),
                                 plan.rows_of(i, self.state[p]["momentum_buffer"].to_local()),
                                 self.group_of(p))
+
+    def grad_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
+        """This rank's rows of matrix i's gradient (zeros where Megatron-FSDP leaves grad=None:
+        an empty shard)."""
+        p = plan.param_of(i)
+        if p.grad is None:
+            return torch.zeros_like(plan.rows_of(i, p.to_local()))
+        return plan.rows_of(i, p.grad.to_local())
 
     def allgather_orthogonalize(self, plan: GroupPlan, local: dict, apply) -> None:
         for i, matrix in enumerate(plan.matrices):

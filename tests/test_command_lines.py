@@ -175,8 +175,8 @@ def test_the_documents_show_runnable_command_lines_and_tests_gpu_its_runs():
     (CommandLine("run", 2, ("--tensor-model-parallel-size", "4")), "not divisible"),
     (CommandLine("run", 2, ("--optimizer", "adam", "--save", "2", "--save-interval", "1")),
      "cannot --save"),
-    (CommandLine("run", 2, ("--optimizer", "adaptive_muon", "--adaptive-muon-moment2-method",
-                            "namo")), "--adaptive-muon-moment2-method"),
+    (CommandLine("run", 2, ("--optimizer", "adaptive_muon", "--adaptive-muon-beta2", "1.0")),
+     "--adaptive-muon-beta2"),
 ])
 def test_what_megatron_or_the_demo_refuses_fails_the_check(line, refusal):
     failure = failure_of(line)

@@ -262,7 +262,8 @@ def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, e
 
 @pytest.mark.parametrize("moment2_method, tensor_parallel, expert_parallel, tp_mode, outer", [
     ("normuon", 2, 1, "duplicated", None), ("adamuon", 2, 1, "distributed", None),
-    ("normuon", 1, 2, "duplicated", None), ("adamuon", 1, 2, "duplicated", "no_shard")])
+    ("normuon", 1, 2, "duplicated", None), ("adamuon", 1, 2, "duplicated", "no_shard"),
+    ("namo", 2, 2, "duplicated", None)])
 def test_adaptive_muon_matches_reference_adaptive_muon_on_full_matrices(
         distributed, moment2_method, tensor_parallel, expert_parallel, tp_mode, outer):
     """--optimizer adaptive_muon through the factory: TP=2 (its Newton-Schulz over TP, the QKV

@@ -92,7 +92,6 @@ def test_an_unknown_or_out_of_range_setting(setting, value, flag):
 
 
 @pytest.mark.parametrize("setting, value, flag", [
-    ("moment2_method", "namo", "--adaptive-muon-moment2-method"),
     ("moment2_method", "adam", "--adaptive-muon-moment2-method"),
     ("beta2", 1.0, "--adaptive-muon-beta2"),
     ("eps", -1e-8, "--adaptive-muon-eps"),
@@ -100,6 +99,12 @@ def test_an_unknown_or_out_of_range_setting(setting, value, flag):
 ])
 def test_an_adaptive_muon_setting_it_cannot_run(setting, value, flag):
     refused(ValueError, flag, [matrix()], ZeROTensorParallelAdaptiveMuon, **{setting: value})
+
+
+def test_namo_with_l2_weight_decay():
+    refused(ValueError, "'namo' needs decoupled weight decay", [matrix()],
+            ZeROTensorParallelAdaptiveMuon, moment2_method="namo",
+            use_decoupled_weight_decay=False)
 
 
 def test_qkv_split_without_a_qkv_predicate():

@@ -167,7 +167,7 @@ def test_hsdp_matches_single_device_muon(distributed, outer, strategy, dist_mode
 # --optimizer adaptive_muon: each update bit-identical to megatron-core's TensorParallelAdaptiveMuon
 # (repaired) on the unsharded model; every strategy with owners at W=2, ZeRO-3 at W=1 and 4, and
 # allgather mode, the one-unit layout (W=2) and HSDP (W=4).
-MOMENT2_METHODS = ("adamuon", "normuon")
+MOMENT2_METHODS = ("adamuon", "normuon", "namo")
 ADAPTIVE_CASES = [
     pytest.param(strategy, "owner", True, None, world_size, method,
                  id=f"{method}-{strategy}-owner-units-W{world_size}")
@@ -201,7 +201,11 @@ class RowsOnlyNorMuon(second_moment.NorMuon):
         return 0
 
     @staticmethod
-    def on_owner(optimizer, orthogonalized, state, group, whole_shape):
+    def travelling(grad_rows, moment2_rows):
+        return None
+
+    @staticmethod
+    def on_owner(optimizer, update, orthogonalized, state, group, whole_shape):
         return orthogonalized
 
     @staticmethod
