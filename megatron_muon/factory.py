@@ -11,10 +11,10 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from . import rules, upstream, upstream_fixes
+from .arguments import FSDP_OPTIMIZERS
 from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
 from .plan import MAX_EXCHANGE_BYTES
 from .qk_clip import build_max_attention_logits
-from .arguments import FSDP_OPTIMIZERS
 from .zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from .zero_muon import ZeROTensorParallelMuon
 
@@ -43,8 +43,9 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
             config, model_chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
             dump_param_to_param_group_map=dump_param_to_param_group_map)
+    muon = "Muon" if config.optimizer == "muon" else "Adaptive Muon"
     rules.refuse(_config_field(config, model_chunks), _config_field_name, training_loop=False,
-                 what=f"{'Muon' if config.optimizer == 'muon' else 'Adaptive Muon'} on Megatron-FSDP")
+                 what=f"{muon} on Megatron-FSDP")
     # No part is a DistributedOptimizer, so no gloo groups are needed.
     process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
         pg_collection, model_chunks, use_gloo_process_groups=False)

@@ -1,5 +1,5 @@
 """megatron-core's `--optimizer adaptive_muon` (emerging-optimizers' AdaptiveMuon: AdaMuon,
-NorMuon) on Megatron-FSDP's sharded main weights: ZeROTensorParallelMuon's step and exchange,
+NorMuon, NAMO) on Megatron-FSDP's sharded main weights: ZeROTensorParallelMuon's step and exchange,
 Newton-Schulz unscaled, then the variant's second moment (second_moment.py) where it needs to
 run, and Muon's scale once, by the whole (TP-unsharded) matrix's shape."""
 
@@ -57,8 +57,8 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
         **kwargs: ZeROTensorParallelMuon's arguments (--muon-use-syrk refused).
 
     State: "momentum_buffer" as ZeROTensorParallelMuon's; "moment2_buffer" sharded as the main
-    weights are: AdaMuon's shaped like the param, NorMuon's `k` columns per row
-    (second_moment.NorMuon).
+    weights are: AdaMuon's shaped like the param, NorMuon's `k` columns per row, NAMO's one
+    (second_moment.py).
     """
 
     def __init__(self, params, *, moment2_method: str = "adamuon", beta2: float = 0.95,

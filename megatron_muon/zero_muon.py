@@ -89,6 +89,48 @@ def _check_hooks(cls) -> None:
                 f"weights; use megatron-core's optimizer with Megatron DDP for it")
 
 
+def _check_param(muon, p) -> None:
+    """Refuse a param the optimizer cannot step, naming it."""
+    name = muon.name_of(p)
+    if not isinstance(p, DTensor):
+        raise TypeError(
+            f"{name}: ZeROTensorParallelMuon takes Megatron-FSDP's DTensor main weights, got a "
+            f"{type(p).__name__}; wrap the model with Megatron-FSDP (fully_shard_model or "
+            f"FullyShardedDataParallel) before building the optimizer")
+    if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
+        raise ValueError(f"{name}: unsupported DTensor placements {p.placements}")
+    experts = num_experts(p)
+    if p.dim() != 2 and not (p.dim() == 3 and p.shape[0] == experts):
+        raise ValueError(f"{name}: Muon orthogonalizes 2-D matrices (or stacks of "
+                         f"num_stacked_experts expert matrices); got shape {tuple(p.shape)}")
+    if tp_local_rows(p) % experts:
+        raise ValueError(f"{name}: num_stacked_experts={experts} does not divide its rows")
+    attrs = ParamAttributes(p)
+    tp_group = muon.tp_group_of(attrs)
+    if experts > 1 and tp_group is not None and tp_group.size() > 1:
+        raise NotImplementedError(f"{name}: stacked expert weights with expert tensor parallelism")
+    if muon.splits_qkv(attrs):
+        shapes = getattr(attrs, "qkv_split_shapes", None) or muon.qkv_split_shapes
+        if not shapes or tp_local_rows(p) % sum(shapes):
+            raise ValueError(
+                f"{name}: split_qkv (Megatron's default) needs q/k/v row counts that tile its "
+                f"{tp_local_rows(p)} rows, got qkv_split_shapes={shapes}; pass "
+                f"--muon-no-split-qkv if the model has no fused QKV weight")
+
+
+def _check_params(muon) -> None:
+    """Refuse, before any state, a param it cannot step or a group mixing layouts."""
+    for group in muon.param_groups:
+        for p in group["params"]:
+            _check_param(muon, p)
+        meshes = {data_parallel_layout(p): p for p in group["params"]}
+        if len(meshes) > 1:
+            (a, first), (b, second) = list(meshes.items())[:2]
+            raise ValueError(
+                f"one param group mixes data-parallel layouts: {muon.name_of(first)} {a} and "
+                f"{muon.name_of(second)} {b}; put dense and expert params in separate groups")
+
+
 class ZeROTensorParallelMuon(TensorParallelMuon):
     """megatron-core's TensorParallelMuon for Megatron-FSDP main weights.
 
@@ -170,7 +212,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._param_names = param_names or {}
         self._group_index = {p: index for index, group in enumerate(self.param_groups)
                              for p in group["params"]}
-        self._validate_all()
+        _check_params(self)
         self._set_newton_schulz(tensor_parallel_muon_settings(kwargs), use_syrk,
                                 upstream_runs_syrk)
         # What this rank carries out each step, per exchange group (the bench and tests read it),
@@ -224,44 +266,6 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     def name_of(self, p) -> str:
         return self._param_names.get(p) or f"the parameter of shape {tuple(p.shape)}"
-
-    def _validate(self, p) -> None:
-        name = self.name_of(p)
-        if not isinstance(p, DTensor):
-            raise TypeError(
-                f"{name}: ZeROTensorParallelMuon takes Megatron-FSDP's DTensor main weights, got a "
-                f"{type(p).__name__}; wrap the model with Megatron-FSDP (fully_shard_model or "
-                f"FullyShardedDataParallel) before building the optimizer")
-        if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
-            raise ValueError(f"{name}: unsupported DTensor placements {p.placements}")
-        experts = num_experts(p)
-        if p.dim() != 2 and not (p.dim() == 3 and p.shape[0] == experts):
-            raise ValueError(f"{name}: Muon orthogonalizes 2-D matrices (or stacks of "
-                             f"num_stacked_experts expert matrices); got shape {tuple(p.shape)}")
-        if tp_local_rows(p) % experts:
-            raise ValueError(f"{name}: num_stacked_experts={experts} does not divide its rows")
-        attrs = ParamAttributes(p)
-        tp_group = self.tp_group_of(attrs)
-        if experts > 1 and tp_group is not None and tp_group.size() > 1:
-            raise NotImplementedError(f"{name}: stacked expert weights with expert tensor parallelism")
-        if self.splits_qkv(attrs):
-            shapes = getattr(attrs, "qkv_split_shapes", None) or self.qkv_split_shapes
-            if not shapes or tp_local_rows(p) % sum(shapes):
-                raise ValueError(
-                    f"{name}: split_qkv (Megatron's default) needs q/k/v row counts that tile its "
-                    f"{tp_local_rows(p)} rows, got qkv_split_shapes={shapes}; pass "
-                    f"--muon-no-split-qkv if the model has no fused QKV weight")
-
-    def _validate_all(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._validate(p)
-            meshes = {data_parallel_layout(p): p for p in group["params"]}
-            if len(meshes) > 1:
-                (a, first), (b, second) = list(meshes.items())[:2]
-                raise ValueError(
-                    f"one param group mixes data-parallel layouts: {self.name_of(first)} {a} and "
-                    f"{self.name_of(second)} {b}; put dense and expert params in separate groups")
 
     def tp_group_of(self, attrs):
         return tensor_parallel_group(self.pg_collection, attrs)
