@@ -24,9 +24,8 @@ CASES = {  # name: (sharding strategy, Muon dist mode, experts over expert-paral
     "zero1": ("optim", "owner", None, None),
     "no_shard": ("no_shard", "owner", None, None),
     "experts": ("optim_grads_params", "owner", 4, None),
-    # The second moment: AdaMuon's shaped like the params, NorMuon's a few columns per row
-    # (its wide matrices' column moment laid along their rows, resharded with them).
-    "adamuon-experts": ("optim_grads_params", "owner", 4, "adamuon"),
+    # The second moment: NorMuon's a few columns per row (its wide matrices' column moment laid
+    # along their rows, resharded with them); AdaMuon's is shaped like the params, as momentum.
     "normuon-zero3": ("optim_grads_params", "owner", None, "normuon"),
 }
 RESHARDED = ["zero3", "experts", "normuon-zero3"]
