@@ -27,7 +27,7 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
     """muon_optimizer's arguments (megatron_muon.standalone), as YAML gives them: `muon` and
     `adamw` are name patterns that override the placement, `qkv_splits` maps a pattern to the
     q, k, v rows per query group of a fused projection, `moment2_method` ("adamuon",
-    "normuon") makes it adaptive Muon, `muon_kwargs` passes the rest of
+    "normuon", "namo") makes it adaptive Muon, `muon_kwargs` passes the rest of
     ZeROTensorParallelMuon's (scale_mode, num_ns_steps, ...). Automodel's LR scheduler keeps
     AdamW's learning rate at adamw_lr / lr of Muon's (its lr_mult)."""
 

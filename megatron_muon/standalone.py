@@ -130,7 +130,7 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
     projections), said on rank 0 at start. `lr`, `momentum`, `nesterov`, `weight_decay`,
     `fp32_matmul_prec` and `muon_kwargs` (ZeROTensorParallelMuon's and TensorParallelMuon's
     other arguments: scale_mode, num_ns_steps, dist_mode, ...) are Muon's; `adamw_*` AdamW's.
-    `moment2_method` ("adamuon" or "normuon") makes it adaptive Muon
+    `moment2_method` ("adamuon", "normuon" or "namo") makes it adaptive Muon
     (ZeROTensorParallelAdaptiveMuon; `beta2` and `eps` among `muon_kwargs`).
     `optimizer.step()` syncs the gradients (unless the model or the caller already did), steps
     both, installs the weights the next forward reads and starts their gather, once."""

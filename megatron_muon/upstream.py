@@ -126,7 +126,7 @@ apply_weight_decay_inplace = _borrow(
 apply_moment2_normalization = _borrow(
     "emerging_optimizers.orthogonalized_optimizers.adaptive_muon.AdaptiveMuon."
     "_apply_moment2_normalization",
-    "AdaptiveMuon's second moment (AdaMuon, NorMuon) on a matrix or on a rank's rows of it, "
+    "AdaptiveMuon's second moment (AdaMuon, NorMuon, NAMO) on a matrix or on a rank's rows of it, "
     "for --optimizer adaptive_muon on Megatron-FSDP")
 apply_muon_scale = _borrow(
     "emerging_optimizers.orthogonalized_optimizers.adaptive_muon.AdaptiveMuon._apply_muon_scale",

@@ -246,21 +246,16 @@ def steps_match_single_device(rank, reference, model, optimizer, qkv_splits, cas
 
 
 def _matches_single_device(rank, world_size, strategy, model_name, package="megatron-core",
-                           wrapped=False):
-    """`wrapped`: with `package`'s fully_shard_optimizer around ours."""
-    reference, model, optimizer = _built(world_size, strategy, model_name, package)
+                           wrapped=False, moment2_method=None):
+    """`wrapped`: with `package`'s fully_shard_optimizer around ours; `moment2_method`: adaptive
+    Muon's."""
+    reference, model, optimizer = _built(world_size, strategy, model_name, package,
+                                         moment2_method=moment2_method)
     steps_match_single_device(
         rank, reference, model, optimizer, MODELS[model_name][1],
-        f"{model_name} {strategy} W={world_size} {package}{' wrapped' * wrapped}",
-        MEGATRON_FSDP[package].fully_shard_optimizer if wrapped else None)
-
-
-def _adaptive_matches_single_device(rank, world_size, strategy, model_name, moment2_method):
-    reference, model, optimizer = _built(world_size, strategy, model_name,
-                                         moment2_method=moment2_method)
-    steps_match_single_device(rank, reference, model, optimizer, MODELS[model_name][1],
-                              f"{moment2_method} {model_name} {strategy} W={world_size}",
-                              moment2_method=moment2_method)
+        f"{moment2_method or 'muon'} {model_name} {strategy} W={world_size} {package}"
+        f"{' wrapped' * wrapped}",
+        MEGATRON_FSDP[package].fully_shard_optimizer if wrapped else None, moment2_method)
 
 
 @pytest.mark.parametrize("world_size, strategy, model_name, moment2_method", [
@@ -269,7 +264,8 @@ def _adaptive_matches_single_device(rank, world_size, strategy, model_name, mome
 def test_adaptive_muon_steps_are_single_device_adaptive_muon(distributed, world_size, strategy,
                                                              model_name, moment2_method):
     """muon_optimizer(..., moment2_method=...): --optimizer adaptive_muon outside Megatron."""
-    distributed(_adaptive_matches_single_device, world_size, strategy, model_name, moment2_method)
+    distributed(_matches_single_device, world_size, strategy, model_name, "megatron-core", False,
+                moment2_method)
 
 
 needs_standalone = pytest.mark.skipif(
