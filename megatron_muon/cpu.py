@@ -81,6 +81,23 @@ def _reduce_without_premul_sum(gradient_reduce_preprocessing, grad_data, scaling
     return gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config)
 
 
+def _averaging_as_nccl_does(reduce_scatter):
+    """torch.distributed.reduce_scatter_tensor (or reduce_scatter): NCCL averages under
+    ReduceOp.AVG, gloo's reduce-scatter sums (torch 2.8: 1 and 2 reduce-scattered give 3.0;
+    all_reduce gives 1.5), so every Megatron-FSDP run with --ddp-average-in-collective trained on
+    gradients W times too large on CPU. On a gloo group: the sum, divided by the group's size."""
+
+    def reduce_scattered(output, input, op=torch.distributed.ReduceOp.SUM, group=None,
+                         async_op=False):
+        if op != torch.distributed.ReduceOp.AVG or torch.distributed.get_backend(group) != 'gloo':
+            return reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+        reduce_scatter(output, input, op=torch.distributed.ReduceOp.SUM, group=group)
+        output.div_(torch.distributed.get_world_size(group))
+        return _Done() if async_op else None
+
+    return reduce_scattered
+
+
 def _local_attention_taking_mla_channels(init):
     """megatron-core's local attention (DotProductAttention, the spec without TransformerEngine,
     hence CPU's) with the k_channels/v_channels that MultiLatentAttention passes its core
@@ -96,6 +113,29 @@ def _local_attention_taking_mla_channels(init):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
     return __init__
+
+
+def _torch_norm_under_sequence_parallel(new):
+    """megatron-core's local spec (CPU's: no TransformerEngine, no apex) builds torch's LayerNorm
+    and RMSNorm through WrappedTorchNorm, which refuses --sequence-parallel (and so every MoE
+    layout with tensor parallelism, which megatron-core's MoE layer requires it for).
+    TransformerEngine's and apex's norms take it by marking their weights `sequence_parallel`,
+    whose gradients finalize_model_grads then all-reduces over the tensor-parallel group
+    (_allreduce_non_tensor_model_parallel_grads): torch's norm, its weights marked so."""
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return new(cls, config, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = new(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for weight in norm.parameters():
+            weight.sequence_parallel = True
+        return norm
+
+    return staticmethod(__new__)
 
 
 def _split_sizes_as_numpy_on_cpu(move_tensor_to_cpu):
@@ -130,6 +170,9 @@ def apply_cpu_compat() -> bool:
     upstream.patch('torch.cuda.empty_cache', lambda: None)
     upstream.patch('torch.cuda.current_device', lambda: 0)
     upstream.patch('torch.Tensor.cuda', lambda self, *args, **kwargs: self)
+    for name in ('reduce_scatter_tensor', 'reduce_scatter'):
+        target = f'torch.distributed.{name}'
+        upstream.patch(target, _averaging_as_nccl_does(upstream.current(target)))
     # Megatron-FSDP inside megatron-core, which megatron-core uses, and the standalone package
     # (the same code) where it is installed, for models wrapped with it directly.
     for copy in upstream.INSTALLED_MEGATRON_FSDP_COPIES:
@@ -142,6 +185,8 @@ def apply_cpu_compat() -> bool:
     upstream.patch(target, _local_attention_taking_mla_channels(upstream.current(target)))
     target = 'megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu'
     upstream.patch(target, _split_sizes_as_numpy_on_cpu(upstream.current(target)))
+    target = 'megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__'
+    upstream.patch(target, _torch_norm_under_sequence_parallel(upstream.current(target)))
     return True
 
 

@@ -37,21 +37,23 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     (also turned on by `OptimizerConfig.muon_use_syrk`, where megatron-core has it, as main does);
     `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on skipped steps."""
     upstream_fixes.apply()  # for every optimizer, where the installed upstream needs them
-    if (config.optimizer not in FSDP_OPTIMIZERS
-            or not all(find_megatron_fsdp(c) for c in model_chunks)):
+    fsdp_modules = [find_megatron_fsdp(chunk) for chunk in model_chunks]
+    ours = config.optimizer in FSDP_OPTIMIZERS and all(fsdp_modules)
+    if ours:
+        muon = "Muon" if config.optimizer == "muon" else "Adaptive Muon"
+        rules.refuse(_config_field(config, model_chunks), _config_field_name,
+                     training_loop=False, what=f"{muon} on Megatron-FSDP")
+    upstream_fixes.average_hfsdp_gradients(module for module in fsdp_modules if module)
+    if not ours:
         return _core_get_megatron_optimizer(
             config, model_chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
             dump_param_to_param_group_map=dump_param_to_param_group_map)
-    muon = "Muon" if config.optimizer == "muon" else "Adaptive Muon"
-    rules.refuse(_config_field(config, model_chunks), _config_field_name, training_loop=False,
-                 what=f"{muon} on Megatron-FSDP")
     # No part is a DistributedOptimizer, so no gloo groups are needed.
     process_groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
         pg_collection, model_chunks, use_gloo_process_groups=False)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    _average_hfsdp_gradients(model_chunks)
     parts = _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
                          dict(dist_mode=muon_dist_mode, owner_choice=muon_owner_choice,
                               check_interval=muon_check_interval,
@@ -99,18 +101,6 @@ def _held_rows_in(parts):
         raise KeyError(main_weight)
 
     return held_rows
-
-
-def _average_hfsdp_gradients(model_chunks):
-    """Megatron-FSDP 0.6.1 builds HFSDP's inner gradient buffer without the data-parallel
-    scaling factor (param_and_grad_buffer._create_hfsdp_helper_buffer), so with an outer `optim`
-    strategy the gradients come out as the sum over the data-parallel ranks, not their mean
-    (measured: 4x at 2 x 2). Give that buffer the main buffer's factor; a no-op once fixed."""
-    for chunk in model_chunks:
-        for group in find_megatron_fsdp(chunk).param_and_grad_buffer.parameter_groups:
-            helper = getattr(group, "hfsdp_helper_gbuf", None)
-            if helper is not None and helper.gradient_scaling_factor is None:
-                helper.gradient_scaling_factor = group.main_grad_buffer.gradient_scaling_factor
 
 
 def is_expert_param(name, param) -> bool:

@@ -23,6 +23,7 @@ SECTIONS = {
     "optimizer_cpu_offload": "optimizer",
     "use_precision_aware_optimizer": "optimizer",
     "num_distributed_optimizer_instances": "ddp",
+    "outer_dp_sharding_strategy": "ddp",
     "overlap_grad_reduce": "ddp",
     "qk_clip": "model",
     "qk_clip_alpha": "model",
@@ -34,16 +35,24 @@ SECTIONS = {
 }
 
 
+# Whose optimizers on Megatron-FSDP a rule refuses: Muon's (ours), megatron-core's (Adam, SGD:
+# where they train wrong there), or any.
+MUON, OTHERS, ANY = "muon", "others", "any"
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     refuses: Callable[[Any], bool]  # given the settings (attribute access by field name)
     says: str  # formatted with each field's name (`{qk_clip}`) and `value` (`{value.qk_clip}`)
     in_training_loops_only: bool = False  # megatron.training's and Bridge's, not the factory's
-    any_optimizer: bool = False  # megatron-core fails on it on Megatron-FSDP whatever the optimizer
+    optimizers: str = MUON
 
 
 RULES = (
-    Rule(lambda s: s.fp16, "{fp16} (use bf16 or fp32)"),
+    # benchmarks/sweep.py: Adam on Megatron-FSDP in fp16 stops in its first step.
+    Rule(lambda s: s.fp16, "{fp16} (use bf16 or fp32: Muon has no fp16 path, and megatron-core "
+         "0.19's DistributedOptimizer on Megatron-FSDP stops in its first fp16 step, "
+         "AttributeError in _collect_main_grad_data_for_unscaling)", optimizers=ANY),
     Rule(lambda s: s.qk_clip and not 0 < s.qk_clip_alpha < 1,
          "{qk_clip_alpha} {value.qk_clip_alpha} (must lie in (0, 1))"),
     Rule(lambda s: s.qk_clip and not s.qk_clip_threshold > 0,
@@ -62,16 +71,25 @@ RULES = (
          "{pipeline_model_parallel_size} {value.pipeline_model_parallel_size} (megatron-core "
          "0.19's Megatron-FSDP builds its device mesh over the data-, expert- and "
          "tensor-parallel ranks only: pipeline parallelism fails at model wrap, with any "
-         "optimizer)", any_optimizer=True),
+         "optimizer)", optimizers=ANY),
     Rule(lambda s: s.optimizer_cpu_offload, "{optimizer_cpu_offload}"),
     Rule(lambda s: s.use_precision_aware_optimizer, "{use_precision_aware_optimizer}"),
     # Megatron's training loops (megatron.training's and Bridge's setup) mark the last
     # micro-batch (config.no_sync_func) only with overlap_grad_reduce, and Megatron-FSDP reduces
-    # across HSDP replicas only then.
+    # across HSDP replicas only then: Adam's grad norm came out 0.71x Megatron DDP's in the sweep.
     Rule(lambda s: s.num_distributed_optimizer_instances > 1 and not s.overlap_grad_reduce,
          "{num_distributed_optimizer_instances} > 1 without {overlap_grad_reduce} (the HSDP "
          "replicas would never reduce their gradients together)",
-         in_training_loops_only=True),
+         in_training_loops_only=True, optimizers=ANY),
+    # benchmarks/sweep.py: with the gradients right (upstream_fixes.average_hfsdp_gradients),
+    # megatron-core's DistributedOptimizer still takes the grad norm of part of them: 0.54x
+    # Megatron DDP's, logged and clipped by. Muon's chain takes it over every shard.
+    Rule(lambda s: s.num_distributed_optimizer_instances > 1
+         and s.outer_dp_sharding_strategy != "no_shard",
+         "{outer_dp_sharding_strategy} {value.outer_dp_sharding_strategy} with megatron-core's "
+         "optimizers (its DistributedOptimizer's grad norm, logged and clipped by, is not Megatron "
+         "DDP's there: 0.54x in megatron-muon's flag sweep, where Muon's equals it)",
+         optimizers=OTHERS),
 )
 
 
@@ -92,7 +110,7 @@ def problems(read: Callable[[str, str], Any], name: Callable[[str, str], str],
     """What RULES refuse in one configuration. `read(section, field)` is a setting's value (raise
     AttributeError where this way in has none); `name(section, field)` is how its user spells
     it; `training_loop`: whether the way in runs Megatron's training loop; `muon`: whether it
-    asks for Muon (else only the rules for any optimizer on Megatron-FSDP apply)."""
+    asks for Muon (else megatron-core's optimizers' rules apply)."""
 
     def read_or_skip(section, field):
         try:
@@ -104,7 +122,8 @@ def problems(read: Callable[[str, str], Any], name: Callable[[str, str], str],
     names = {field: name(section, field) for field, section in SECTIONS.items()}
     found = []
     for rule in RULES:
-        if (rule.in_training_loops_only and not training_loop) or not (muon or rule.any_optimizer):
+        if (rule.in_training_loops_only and not training_loop) or \
+                rule.optimizers == (OTHERS if muon else MUON):
             continue
         try:
             refused = rule.refuses(settings)

@@ -51,20 +51,22 @@ _parallel_layout = None  # the layout megatron-core's process groups were last b
 
 
 def init_parallel_state(expert_parallel: int = 1, tensor_parallel: int = 1, replicas: int = 1,
-                        expert_tensor_parallel: int | None = None):
+                        expert_tensor_parallel: int | None = None, context_parallel: int = 1):
     """megatron-core's process groups; `replicas` > 1 is HSDP's number of optimizer instances;
     `expert_tensor_parallel` defaults, as in Megatron, to `tensor_parallel`.
     The groups of the last layout are kept (a process running many cases builds them once per
-    layout); the RNG states are reset every time."""
+    layout: torch never ends a gloo group's polling thread, and a process that built hundreds
+    spent most of its time in them); the RNG states are reset every time."""
     global _parallel_layout
     apply_megatron_training_compat()
     layout = (torch.distributed.get_world_size(), expert_parallel, tensor_parallel, replicas,
-              expert_tensor_parallel)
+              expert_tensor_parallel, context_parallel)
     if layout != _parallel_layout or not parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
         # A fake process group (no data moves) cannot back megatron-core's extra gloo groups.
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel,
+            context_parallel_size=context_parallel,
             expert_tensor_parallel_size=expert_tensor_parallel,
             num_distributed_optimizer_instances=replicas,
             create_gloo_process_groups=torch.distributed.get_backend() != "fake")

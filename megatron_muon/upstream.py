@@ -198,6 +198,31 @@ def has_one_rank_reduce_defect(copy: str) -> bool:
                 or "group_size" in inspect.signature(preprocessing).parameters)
 
 
+def drops_expert_scale_under_average(copy: str) -> bool:
+    """Whether a Megatron-FSDP copy's gradient_reduce_preprocessing drops the scaling factor
+    under average_in_collective (megatron_muon.upstream_fixes), by a probe: with the flag and a
+    factor of 0.5 it returns ReduceOp.AVG and leaves the gradient as it was. Megatron DDP scales
+    the gradient by the factor first (the experts' expert-DP / DP), then averages."""
+    import torch
+
+    buffers = importlib.import_module(f"{copy}.param_and_grad_buffer")
+    config = importlib.import_module(f"{copy}.distributed_data_parallel_config")
+    grad = torch.ones(1, device="cpu")
+    reduce_op = buffers.gradient_reduce_preprocessing(
+        grad, 0.5, config.DistributedDataParallelConfig(average_in_collective=True))
+    return reduce_op == torch.distributed.ReduceOp.AVG and grad.item() == 1.0
+
+
+def needs_an_expert_group_to_average(copy: str) -> bool:
+    """Whether a Megatron-FSDP copy's MegatronFSDP._init_fsdp_param_and_grad_buffer reads the
+    expert data-parallel group's size under average_in_collective whether or not the model has
+    experts (megatron_muon.upstream_fixes), read from its code: on a dense model that group is
+    None, and construction fails (AttributeError: 'NoneType' object has no attribute 'size')."""
+    fsdp = importlib.import_module(f"{copy}.megatron_fsdp").MegatronFSDP
+    return "get_dp_group(is_expert_parallel=True).size()" in inspect.getsource(
+        fsdp._init_fsdp_param_and_grad_buffer)
+
+
 def has_adaptive_muon_defect() -> bool:
     """Whether megatron-core's TensorParallelAdaptiveMuon cannot step AdaptiveMuon's algorithm
     (megatron_muon.upstream_fixes), by a probe on one 2x2 matrix: its step reads `scale_mode`,
@@ -274,6 +299,10 @@ def mesh_shard_order(mesh) -> Any:
 # reduces them once.
 ONE_RANK_REDUCE_TARGETS = ("param_and_grad_buffer.GradReducePipeline.reduce_gradients",
                            "megatron_fsdp.MegatronFSDP.synchronize_gradient_reduce")
+# Megatron-FSDP under average_in_collective (megatron_muon.upstream_fixes), in each copy that has
+# the defect: the gradient scaling its reduce skips, and the buffers' set-up on a dense model.
+AVERAGE_SCALE_TARGET = "param_and_grad_buffer.gradient_reduce_preprocessing"
+AVERAGE_DENSE_TARGET = "megatron_fsdp.MegatronFSDP._init_fsdp_param_and_grad_buffer"
 # megatron-core's TensorParallelAdaptiveMuon (megatron_muon.upstream_fixes), where it has the
 # defect: its constructor, its orthogonalize (noting the whole matrix's shape) and its Muon scale.
 ADAPTIVE_MUON = "megatron.core.optimizer.emerging_optimizers.TensorParallelAdaptiveMuon"
@@ -293,6 +322,9 @@ PATCHES = {
     "torch.Tensor.cuda": "Megatron-FSDP's validate_uneven_dtensor moves a check tensor to CUDA",
     "torch.cuda.device_count": "while Megatron builds its model-parallel groups: it does so only "
                                "when it sees a GPU (temporarily)",
+    **{f"torch.distributed.{name}": "gloo's reduce-scatter sums under ReduceOp.AVG (torch 2.8): "
+                                    "the sum divided by the group's size, as NCCL averages"
+       for name in ("reduce_scatter_tensor", "reduce_scatter")},
     "torch.distributed.all_gather_into_tensor": "synchronous inside Megatron-FSDP's asynchronous "
                                                 "coalesced block on CPU (temporarily)",
     **{f"{fsdp}.param_and_grad_buffer.{name}": why
@@ -300,9 +332,15 @@ PATCHES = {
        for name, why in (
            ("_coalescing_manager",
             "gloo's coalesced reduce-scatter corrupted the heap: one collective at a time"),
-           ("gradient_reduce_preprocessing", "gloo has no PREMUL_SUM: scale, then sum"))},
+           ("gradient_reduce_preprocessing",
+            "gloo has no PREMUL_SUM: scale, then sum (CPU layer); under average_in_collective, "
+            "the scaling factor before the average, as Megatron DDP applies it (upstream fix, "
+            "not reported upstream)"))},
     "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__":
         "megatron-core's local attention (CPU's) takes MLA's k_channels/v_channels",
+    "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__":
+        "megatron-core's torch norms (CPU's local spec) under --sequence-parallel: their weights "
+        "marked sequence_parallel, as TransformerEngine's and apex's norms mark theirs",
     "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu":
         "the alltoall MoE dispatcher's split sizes as numpy, as on CUDA: gloo's "
         "all_to_all_single refuses tensors",
@@ -312,6 +350,11 @@ PATCHES = {
                            "micro-batch under ZeRO-2/3; held back, then reduced once at the grad "
                            "sync, explicitly scaled"
        for fsdp in MEGATRON_FSDP_COPIES for target in ONE_RANK_REDUCE_TARGETS},
+    **{f"{fsdp}.{AVERAGE_DENSE_TARGET}": "under average_in_collective a model without experts "
+                                         "has no expert data-parallel group, whose size Megatron-"
+                                         "FSDP reads for the experts' factor: the dense group's "
+                                         "then (not reported upstream)"
+       for fsdp in MEGATRON_FSDP_COPIES},
     # megatron-core's TensorParallelAdaptiveMuon made to step AdaptiveMuon (upstream_fixes).
     **{target: "megatron-core 0.19's TensorParallelAdaptiveMuon fails in its first step (no "
                "scale_mode) and scales in orthogonalize: Newton-Schulz unscaled, Muon's scale "

@@ -15,7 +15,22 @@ what it patched in one line each.
    Here such a buffer accumulates its micro-batches unreduced, as ZeRO-1's does, and is reduced
    once, at the grad sync, with an explicit scale: a one-rank reduction carries no premul-sum
    multiplier.
-2. megatron-core 0.19's TensorParallelAdaptiveMuon (`--optimizer adaptive_muon` on Megatron DDP)
+2. Megatron-FSDP under `average_in_collective` (--ddp-average-in-collective; Megatron-Bridge's
+   recipes set it), not reported upstream, in megatron-core 0.19.0-0.19.2's copy and
+   megatron-fsdp 0.5-0.6: (a) it computes the experts' scaling factor (expert-DP size / DP size,
+   as Megatron DDP) but gradient_reduce_preprocessing then averages without applying it, so
+   expert gradients come out DP / expert-DP times Megatron DDP's (2x at W=4, EP=2): here the
+   factor is applied before the average, as Megatron DDP applies it; (b) on a model without
+   experts it reads the size of an expert group that does not exist, and construction fails:
+   here the dense group stands in for it (the experts' factor is then never used).
+3. Megatron-FSDP 0.6.1's HFSDP (an outer `optim` strategy: --outer-dp-sharding-strategy optim)
+   builds its inner gradient buffer without the data-parallel scaling factor
+   (param_and_grad_buffer._create_hfsdp_helper_buffer), so the gradients come out as the sum over
+   the data-parallel ranks, not their mean (4x at 2 x 2; with Adam the sweep logged a grad norm
+   2.2x Megatron DDP's, and clipped by it): `average_hfsdp_gradients`, called by the factory
+   for every optimizer on a Megatron-FSDP model, gives that buffer the main buffer's factor
+   (found missing on the model itself, so a no-op once upstream sets it). Not reported upstream.
+4. megatron-core 0.19's TensorParallelAdaptiveMuon (`--optimizer adaptive_muon` on Megatron DDP)
    runs TensorParallelMuon's constructor only, so emerging-optimizers' AdaptiveMuon.step finds no
    `scale_mode` and its first step raises; and TensorParallelMuon's orthogonalize applies Muon's
    scale, which AdaptiveMuon applies after the second moment. Here Newton-Schulz runs unscaled
@@ -91,6 +106,48 @@ def _reducing_held_buffers_first(synchronize_gradient_reduce, reduce_gradients):
     return synchronized
 
 
+def _scaled_before_the_average(gradient_reduce_preprocessing):
+    """gradient_reduce_preprocessing: under average_in_collective, the gradient scaled by the
+    factor first (Megatron DDP's start_grad_sync multiplies by gradient_scaling_factor, then
+    reduces with AVG); Megatron-FSDP's own returns AVG and drops it."""
+
+    def preprocessed(grad_data, scaling_factor, ddp_config, *args, **kwargs):
+        if ddp_config.average_in_collective and scaling_factor not in (None, 1.0):
+            grad_data.mul_(scaling_factor)
+        return gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config, *args, **kwargs)
+
+    return preprocessed
+
+
+def _dense_group_for_missing_experts(init_fsdp_param_and_grad_buffer):
+    """MegatronFSDP._init_fsdp_param_and_grad_buffer: on a model without experts (no expert
+    data-parallel group) under average_in_collective, the dense group answers for the expert
+    one while the buffers are set up; the experts' factor it yields is never used."""
+
+    def initialized(self):
+        index = self.dist_index
+        if not self.ddp_config.average_in_collective or \
+                index.get_dp_group(is_expert_parallel=True) is not None:
+            return init_fsdp_param_and_grad_buffer(self)
+        dense_group = index.get_dp_group
+        index.get_dp_group = lambda is_expert_parallel=False: dense_group()
+        try:
+            return init_fsdp_param_and_grad_buffer(self)
+        finally:
+            del index.get_dp_group
+
+    return initialized
+
+
+def average_hfsdp_gradients(fsdp_modules) -> None:
+    """Give each HFSDP inner gradient buffer without a scaling factor its main buffer's (3.)."""
+    for module in fsdp_modules:
+        for group in module.param_and_grad_buffer.parameter_groups:
+            helper = getattr(group, "hfsdp_helper_gbuf", None)
+            if helper is not None and helper.gradient_scaling_factor is None:
+                helper.gradient_scaling_factor = group.main_grad_buffer.gradient_scaling_factor
+
+
 def _adaptive_muon_scaled_once(init):
     """TensorParallelAdaptiveMuon.__init__: megatron-core's, then what AdaptiveMuon's constructor
     sets for its step (`scale_mode`, `extra_scale_factor`), and Newton-Schulz without the scale
@@ -159,6 +216,25 @@ def _fix_one_rank_reduce() -> list[str]:
     return fixed
 
 
+def _fix_average_in_collective() -> list[str]:
+    """The Megatron-FSDP copies patched now. The scale's target is the CPU layer's too
+    (megatron_muon.cpu): the probe, not is_patched, tells whether the fix is in."""
+    fixed = []
+    for copy in upstream.INSTALLED_MEGATRON_FSDP_COPIES:
+        scale, dense = (f"{copy}.{target}" for target in (upstream.AVERAGE_SCALE_TARGET,
+                                                          upstream.AVERAGE_DENSE_TARGET))
+        patched = False
+        if upstream.drops_expert_scale_under_average(copy):
+            upstream.patch(scale, _scaled_before_the_average(upstream.current(scale)))
+            patched = True
+        if not upstream.is_patched(dense) and upstream.needs_an_expert_group_to_average(copy):
+            upstream.patch(dense, _dense_group_for_missing_experts(upstream.current(dense)))
+            patched = True
+        if patched:
+            fixed.append(copy)
+    return fixed
+
+
 def _fix_adaptive_muon() -> bool:
     """Whether TensorParallelAdaptiveMuon was patched now."""
     init, orthogonalize, scale = upstream.ADAPTIVE_MUON_TARGETS
@@ -181,6 +257,12 @@ def apply() -> None:
                     f"one rank (experts at expert parallel = data parallel, or DP=1) is reduced "
                     f"once per step at the grad sync, not rescaled at every micro-batch "
                     f"(NVIDIA/Megatron-LM#6660, fixed upstream after megatron-core 0.19.2)")
+    copies = _fix_average_in_collective()
+    if copies:
+        said.append(f"patched Megatron-FSDP ({', '.join(copies)}) under "
+                    f"--ddp-average-in-collective: the experts' gradient scale (expert-DP / DP) "
+                    f"applied before the average, as Megatron DDP does, and a model without "
+                    f"experts built (not reported upstream)")
     if _fix_adaptive_muon():
         said.append("patched megatron-core's TensorParallelAdaptiveMuon (--optimizer adaptive_muon "
                     "on Megatron DDP): it steps emerging-optimizers' AdaptiveMuon, Muon's scale "
