@@ -6,6 +6,7 @@ what Megatron lacks.
 """
 
 import argparse
+import re
 
 from . import rules, upstream
 from .plan import MAX_EXCHANGE_BYTES
@@ -34,6 +35,20 @@ def offer_fp32_newton_schulz(parser: argparse.ArgumentParser) -> None:
             action.choices = list(FP32_MATMUL_PRECISIONS)
             action.help = 'Precision of Newton-Schulz\'s matmuls: ' + '; '.join(
                 f'{name}: {meaning}' for name, meaning in FP32_MATMUL_PRECISIONS.items())
+
+
+# A '%' that argparse's help formatting (`help % params`) does not read as a specifier: '%(name)s'
+# and '%%' are; a bare one (megatron-core 0.19.2's TransformerConfig docstrings, shown as help
+# for --moe-paged-stash-buffer-size-factor-cuda: "1.10 = 10%)") stops --help with ValueError.
+_PERCENT = re.compile(r'%[%(]?')
+
+
+def mend_help_texts(parser: argparse.ArgumentParser) -> None:
+    """Escape each bare '%' in the parser's help texts, so that --help prints."""
+    for action in upstream.parser_actions(parser):
+        if action.help and action.help is not argparse.SUPPRESS:
+            action.help = _PERCENT.sub(lambda found: found[0] if len(found[0]) == 2 else '%%',
+                                       action.help)
 
 
 def _at_least_0(text: str) -> int:

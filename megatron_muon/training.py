@@ -52,8 +52,8 @@ from megatron.training.utils import print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_muon import checksums, cpu, factory, qk_clip, upstream, upstream_fixes
-from megatron_muon.arguments import (FSDP_OPTIMIZERS, muon_on_megatron_fsdp, offer_fp32_newton_schulz,
-                                     validate_muon_args)
+from megatron_muon.arguments import (FSDP_OPTIMIZERS, mend_help_texts, muon_on_megatron_fsdp,
+                                     offer_fp32_newton_schulz, validate_muon_args)
 from megatron_muon.cpu import apply_megatron_training_compat
 from megatron_muon.plan import MAX_EXCHANGE_BYTES
 
@@ -75,6 +75,7 @@ MISSING_OPTIMIZER_STATE = re.compile(
 def _add_megatron_arguments(parser):
     parser = _megatron_add_arguments(parser)
     offer_fp32_newton_schulz(parser)
+    mend_help_texts(parser)
     return parser
 
 

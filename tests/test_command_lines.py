@@ -204,3 +204,32 @@ def test_command_lines_are_read_from_code_as_written():
         CommandLine("flags", 2, ("--muon-dist-mode", "allgather")),
         CommandLine("flag", 2, ("--lr",)),
     ])
+
+
+def _help(rank, world_size):
+    import megatron.training.arguments as megatron_arguments
+
+    import megatron_muon.training
+
+    megatron_muon.training.install()
+    sys.path.insert(0, str(REPO / "examples"))
+    import pretrain_gpt
+
+    argv, sys.argv = sys.argv, ["pretrain_gpt.py", "--help"]
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said), pytest.raises(SystemExit) as exit:
+            megatron_arguments.parse_args(pretrain_gpt.add_demo_args)
+    finally:
+        sys.argv = argv
+    assert exit.value.code == 0, said.getvalue()[-2000:]
+    for shown in ("--moe-paged-stash-buffer-size-factor-cuda", "10%)", "--muon-dist-mode"):
+        assert shown in said.getvalue(), shown
+
+
+def test_the_demo_prints_its_help():
+    """`pretrain_gpt.py --help` (and any Megatron-LM script's, with install()) prints: argparse
+    stopped on megatron-core 0.19.2's own help text for
+    --moe-paged-stash-buffer-size-factor-cuda ('1.10 = 10%)': unsupported format character)."""
+    failure = first_failure(_help, 1, timeout=120)
+    assert failure is None, failure
