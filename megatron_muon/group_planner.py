@@ -71,9 +71,11 @@ class GroupPlanner:
         return [self._plan_group(params, group, byte_slack, max_exchange_bytes)
                 for (group, _), params in self._exchange_groups().items()]
 
-    def say_which_go_alone(self, plans: list[GroupPlan], derived: bool) -> None:
-        """One line: the matrices that alone need more than half their working-memory budget
-        (each goes alone in its batch and exchange), the largest named with its size."""
+    def say_which_go_alone(self, plans: list[GroupPlan]) -> None:
+        """One line: the matrices that alone need more than half of the working-memory budget the
+        user set (each goes alone in its batch and exchange), the largest named with its size.
+        Under the default budget (what Muon's state saves a rank) small models send most
+        matrices alone by design, and the line would tell the user nothing to act on."""
         needs = [(owner_bytes(matrix, plan.param_of(i).element_size()), plan, i)
                  for plan in plans for i, matrix in enumerate(plan.matrices)]
         alone = [need for need in needs if need[0] > per_exchange_bytes(need[1].budget)]
@@ -81,14 +83,9 @@ class GroupPlanner:
             return
         largest, plan, i = max(alone, key=lambda item: item[0])
         rows, cols = plan.matrices[i].shape
-        budget = f"{plan.budget / 2**20:.1f} MiB"
-        if derived:
-            moment = self.muon.second_moment
-            whose = "Muon's" if moment is None else f"{moment.name}'s"
-            budget = f"the default, what {whose} state saves a rank against Adam's, {budget}"
         print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
-              f"--muon-max-exchange-bytes ({budget}) and are orthogonalized alone; the largest, "
-              f"{self.muon.name_of(plan.param_of(i))} ({rows}x{cols}, "
+              f"--muon-max-exchange-bytes ({plan.budget / 2**20:.1f} MiB) and are orthogonalized "
+              f"alone; the largest, {self.muon.name_of(plan.param_of(i))} ({rows}x{cols}, "
               f"{rows * cols * plan.param_of(i).element_size() / 2**20:.1f} MiB), needs "
               f"{largest / 2**20:.1f} MiB on its owner", flush=True)
 

@@ -222,8 +222,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.plans: list[GroupPlan] = planner.plan(byte_slack, max_exchange_bytes)
         self._held_rows = planner.held_rows
         self._check = OwnerCheck(self)
-        if dist.get_rank() == 0 and dist_mode == "owner":
-            planner.say_which_go_alone(self.plans, derived=max_exchange_bytes is None)
+        if dist.get_rank() == 0 and dist_mode == "owner" and max_exchange_bytes is not None:
+            planner.say_which_go_alone(self.plans)
 
     def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
         """Newton-Schulz as TensorParallelMuon's orthogonalize runs it (scaled), through the SYRK

@@ -14,6 +14,7 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
 from megatron_muon import get_megatron_optimizer
+from megatron_muon.group_planner import GroupPlanner
 from megatron_muon.memory import PHASES, AllocationTracker, at_rest_bytes, measure_train_step
 from megatron_muon.plan import (MAX_EXCHANGE_BYTES, ExchangeMemory, Matrix, RowLayout,
                                 affordable_bytes, largest_alone, newton_schulz_bytes,
@@ -147,9 +148,14 @@ def _within_budget(rank, world_size):
             assert all(plan.budget == affordable_bytes(plan.matrices, 4) for plan in muon.plans)
             limit = max(plan.budget for plan in muon.plans)
             assert limit < _alone(muon)
-            if rank == 0:
-                assert ("Muon matrices each need more than half of --muon-max-exchange-bytes "
-                        "(the default, what Muon's state saves a rank") in log.getvalue()
+            # Alone by design under the default: nothing said. Had the user set this budget,
+            # rank 0 would say which matrices go alone.
+            assert "orthogonalized alone" not in log.getvalue()
+            said = io.StringIO()
+            with redirect_stdout(said):
+                GroupPlanner(muon).say_which_go_alone(muon.plans)
+            assert "Muon matrices each need more than half of --muon-max-exchange-bytes" in \
+                said.getvalue()
         _train_step(model, optimizer, 0, rank)  # creates the momentum
         measured = _tracked_muon_step(model, optimizer, 1, rank)
         planned = _planned(muon)
