@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import upstream
 from .arguments import FSDP_OPTIMIZERS
 from .checks import MuonCheckError
 from .second_moment import SECOND_MOMENTS
@@ -214,9 +215,8 @@ def main(argv=None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     device = (f"{torch.cuda.get_device_name()} x {world_size}" if torch.cuda.is_available()
               else f"CPU, {world_size} processes")
-    from importlib.metadata import version
     say(f"megatron-muon self-test: {backend} on {device}; torch {torch.__version__}, megatron-core "
-        f"{version('megatron-core')}, megatron-muon {version('megatron-muon')}; "
+        f"{upstream.installed_version('megatron-core')}, megatron-muon {upstream.own_version()}; "
         f"--optimizer {args.optimizer}"
         f"{f' ({args.adaptive_muon_moment2_method})' if args.optimizer != 'muon' else ''}; "
         f"Newton-Schulz "

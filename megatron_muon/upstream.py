@@ -37,6 +37,9 @@ _DISTRIBUTIONS = {"megatron.bridge": "megatron-bridge", "megatron": "megatron-co
                   "megatron_fsdp": "megatron-fsdp", "argparse": "python", "builtins": "python"}
 # Patched only where installed: the standalone Megatron-FSDP (megatron-core uses its own copy).
 _OPTIONAL_MODULES = ("megatron_fsdp",)
+# Where a distribution's __version__ lives when it has no package metadata (a source checkout):
+# megatron-core's in megatron.core (the namespace package megatron has none).
+_VERSION_MODULES = {"megatron-core": "megatron.core"}
 # Resolved when megatron_muon.bridge is imported, not before: Bridge is an optional extra, and
 # importing it without TransformerEngine needs megatron_muon.cpu's stand-ins first.
 _BRIDGE = "megatron.bridge."
@@ -407,18 +410,21 @@ def _check_patch_targets(wanted: Callable[[str], bool]) -> None:
             _borrow(target, "patched: " + why)
 
 
-def _installed_version(distribution: str) -> str:
+def installed_version(distribution: str) -> str:
+    """A distribution's installed version, also for megatron-core from a source checkout."""
     if distribution == "python":
         return platform.python_version()
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:  # e.g. megatron-core from a source checkout
-        module = importlib.import_module(
-            next(m for m, d in _DISTRIBUTIONS.items() if d == distribution))
-        return str(getattr(module, "__version__", "of unknown version"))
+        module = _VERSION_MODULES.get(distribution) or next(
+            m for m, d in _DISTRIBUTIONS.items() if d == distribution)
+        return str(getattr(importlib.import_module(module), "__version__", "of unknown version"))
 
 
-def _own_version() -> str:
+def own_version() -> str:
+    """megatron-muon's version, or "(from source)" where it runs from a checkout on the path
+    (its metadata is then absent)."""
     try:
         return importlib.metadata.version("megatron-muon")
     except importlib.metadata.PackageNotFoundError:
@@ -432,10 +438,10 @@ def _raise_if_missing() -> None:
     for name, why in _missing.items():
         lacking.setdefault(_distribution(name), []).append(f"  {name}: {why}")
     raise ImportError(
-        f"megatron-muon {_own_version()} does not support the installed "
-        + ", ".join(f"{d} {_installed_version(d)}" for d in lacking)
+        f"megatron-muon {own_version()} does not support the installed "
+        + ", ".join(f"{d} {installed_version(d)}" for d in lacking)
         + ": names it uses are gone.\n"
-        + "".join(f"{d} {_installed_version(d)} ("
+        + "".join(f"{d} {installed_version(d)} ("
                   + (f"supported: {d}{_RANGES[d]}" if d in _RANGES else "not required")
                   + ") has no\n" + "\n".join(names) + "\n" for d, names in lacking.items())
         + "Install the versions this release supports ("

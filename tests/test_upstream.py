@@ -149,3 +149,19 @@ def test_only_the_upstream_module_reaches_private_upstream_names():
     reached = {path.name: names for path in PACKAGE.glob("*.py") if path.name != "upstream.py"
                for names in [_private_upstream_names(path.read_text())] if names}
     assert reached == {}
+
+
+def test_versions_are_named_from_a_source_checkout_too(monkeypatch):
+    """Where megatron-muon (or megatron-core) runs from a checkout on the path, without package
+    metadata, its version is still named: the self-test's first line stopped on
+    PackageNotFoundError on a GPU machine that had megatron-muon on PYTHONPATH."""
+    import importlib.metadata
+
+    import megatron.core
+
+    def no_metadata(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_metadata)
+    assert upstream.own_version() == "(from source)"
+    assert upstream.installed_version("megatron-core") == megatron.core.__version__
