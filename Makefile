@@ -9,12 +9,15 @@
 # Muon on DDP and Adam (benchmarks/results/demo.json); `make scale`
 # estimates it, and the memory per rank, for 8B/70B/DeepSeek-V3/Kimi K2 shapes at W=8..2048 from
 # the real planning code and rates
-# measured here (SCALE_ARGS="--rates benchmarks/rates/h100.json" for the H100's).
+# measured here (SCALE_ARGS="--rates benchmarks/rates/h100.json" for the H100's). `make sweep`
+# runs every flag of benchmarks/sweep.py's table on Megatron-FSDP against Megatron DDP and writes
+# benchmarks/results/sweep.json and docs/flags.md's table (the main suite runs a subset).
 # Both create or refresh .venv (Python >= 3.12) whenever setup.py, the ranges
 # (megatron_muon/supported_versions.py) or constraints/newest.txt change, at the newest release
 # of each dependency range that CI tests (constraints/newest.txt).
 # `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint, fake-process-group,
-# upstream-name, gradient-accumulation (the upstream fix on megatron-core 0.19.0's Megatron-FSDP)
+# upstream-name, gradient-accumulation (the upstream fix on megatron-core 0.19.0's Megatron-FSDP),
+# CPU-collective and flag-sweep (its main-suite rows: torch 2.8's gloo, megatron-core 0.19.0)
 # and outside-Megatron (megatron-fsdp 0.5.0) tests and one demo run at the lowest
 # ones (constraints/lowest.txt), in .venv-lowest.
 # `make test-bridge` trains through Megatron-Bridge's own loop (tests_bridge/), in .venv-bridge
@@ -29,6 +32,7 @@ PY := $(VENV)/bin/python
 LOWEST_TESTS := tests/test_plan.py tests/test_exchange.py tests/test_numerics.py \
 	tests/test_factory.py tests/test_checkpoint.py tests/test_fake_pg.py tests/test_versions.py \
 	tests/test_upstream.py tests/test_standalone.py tests/test_grad_accumulation.py \
+	tests/test_cpu_collectives.py tests/test_flag_sweep.py \
 	tests/test_e2e_training.py::test_muon_on_megatron_fsdp_loss_falls
 NPROC ?= 2
 COMMA := ,
@@ -39,7 +43,7 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv demo test test-fast test-lowest test-bridge test-automodel test-gpu bench bench-demo scale clean
+.PHONY: venv demo test test-fast test-lowest test-bridge test-automodel test-gpu bench bench-demo scale sweep clean
 
 # $(1): the venv's folder; $(2): the constraints file that pins its dependencies; $(3): the
 # extras beside `test`. The pins go in as PIP_CONSTRAINT, which takes the place of any constraint
@@ -118,6 +122,9 @@ bench-demo: venv
 
 scale: venv
 	$(PY) benchmarks/scale_model.py $(SCALE_ARGS)
+
+sweep: venv
+	SWEEP=all $(PY) -m pytest -q tests/test_flag_sweep.py
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) $(AUTOMODEL_VENV) *.egg-info

@@ -116,8 +116,10 @@ def loss_func(loss_mask, output_tensor):
 def forward_step(data_iterator, model):
     device = torch.cuda.current_device() if torch.cuda.is_available() else 'cpu'
     batch = {key: value.to(device, non_blocking=True) for key, value in next(data_iterator).items()}
+    # The loss mask too, as Megatron-LM's pretrain_gpt.py passes it: multi-token prediction's
+    # layers (--mtp-num-layers) weigh their losses by it.
     output_tensor = model(batch['tokens'], batch['position_ids'], batch['attention_mask'],
-                          labels=batch['labels'])
+                          labels=batch['labels'], loss_mask=batch['loss_mask'])
     return output_tensor, functools.partial(loss_func, batch['loss_mask'])
 
 
