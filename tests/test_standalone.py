@@ -5,6 +5,7 @@ single-device Muon + AdamW on the unsharded model, in the weights the next forwa
 2 and 4, for a Llama-shaped module with a fused q/k/v projection and for tiny Hugging Face Llama
 and Qwen3 models built from their configs (no download); a DCP checkpoint resumes exactly."""
 
+import contextlib
 import copy
 import os
 import re
@@ -24,6 +25,7 @@ from megatron_muon import upstream_fixes
 from megatron_muon.placement import place
 from megatron_muon.standalone import muon_optimizer
 from megatron_muon.testing import hugging_face_model
+from tolerances import ATOL, RTOL
 
 VOCAB, HIDDEN, QKV_ROWS = 40, 24, (8, 4, 4)  # q, k, v rows per query group; 2 groups
 MUON = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01)
@@ -300,6 +302,43 @@ def test_the_standalone_package_with_or_without_fully_shard_optimizer(
 
 def test_fully_shard_optimizer_of_megatron_cores_copy_too(distributed):
     distributed(_matches_single_device, 2, "optim_grads_params", "fused-qkv", "megatron-core", True)
+
+
+def _accumulates_over_a_one_rank_group(rank, world_size, package):
+    """HSDP of 2 replicas of 1 shard: each replica's shard group has one rank, whose buffers
+    released Megatron-FSDP rescaled at every micro-batch under ZeRO-3 (upstream_fixes, 1.)."""
+    upstream_fixes.apply()
+    build, _ = MODELS["fused-qkv"]
+    torch.manual_seed(0)
+    module, units = build()
+    reference = copy.deepcopy(module)
+    model = fully_shard(module, "optim_grads_params", world_size, units, outer="no_shard",
+                        package=package)
+    model.set_model_auto_sync(False)
+    for micro_batch in range(MICRO_BATCHES):  # the replicas reduce together after the last one
+        with model.no_sync() if micro_batch < MICRO_BATCHES - 1 else contextlib.nullcontext():
+            _loss(model, _tokens(micro_batch, rank)).backward()
+    model.finish_grad_sync()
+    for other in range(world_size):  # the mean over the replicas of their micro-batches' sum
+        for micro_batch in range(MICRO_BATCHES):
+            (_loss(reference, _tokens(micro_batch, other)) / world_size).backward()
+    references = dict(reference.named_parameters())
+    for name, p in model.param_and_grad_buffer.optimizer_named_parameters:
+        torch.testing.assert_close(full_tensor(p.grad, p), references[name].grad, rtol=RTOL,
+                                   atol=ATOL, msg=lambda why, name=name: f"{name}: {why}")
+
+
+MICRO_BATCHES = 3
+
+
+@pytest.mark.parametrize("package", [
+    "megatron-core", pytest.param("megatron-fsdp", marks=pytest.mark.skipif(
+        not MEGATRON_FSDP["megatron-fsdp"], reason="megatron-fsdp is not installed"))])
+def test_micro_batches_accumulate_over_a_one_rank_group(distributed, package):
+    """Outside Megatron too (fully_shard_model, megatron_fsdp's own no_sync and
+    finish_grad_sync), gradients accumulated over micro-batches on a one-rank group are
+    Megatron DDP's: the mean over the replicas of each replica's sum."""
+    distributed(_accumulates_over_a_one_rank_group, 2, package)
 
 
 def dcp_model_state_dict(model):
