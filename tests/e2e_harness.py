@@ -25,7 +25,6 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = 'examples/pretrain_gpt.py'
 TORCHRUN = Path(sys.executable).with_name('torchrun')
 ITERATIONS = 25
-COMPARED_ITERATIONS = 4  # the loss of iteration 4 is the first to see the third update
 # Newton-Schulz in fp32 on every machine: the comparisons allow fp32 reordering (tolerances.py),
 # which bf16 matmuls would round up into differences of their own. The demo's own choice of
 # precision (bf16 where bf16 matmuls are native) is test_muon_on_megatron_fsdp_loss_falls's.

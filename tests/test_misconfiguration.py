@@ -120,7 +120,7 @@ def test_qkv_split_on_a_matrix_the_split_does_not_tile():
 
 def test_fp16_through_the_factory():
     chunk = types.SimpleNamespace(install_optimized_model_weights=None, finish_grad_sync=None)
-    with pytest.raises(ValueError, match=r"does not support: OptimizerConfig.fp16 \(use bf16 or fp32\)"):
+    with pytest.raises(ValueError, match=r"does not support: OptimizerConfig.fp16 \(use bf16 or fp32"):
         get_megatron_optimizer(optimizer_config(fp16=True), [chunk])
 
 
