@@ -9,7 +9,8 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
   megatron-core's own Muon on Megatron DDP over the first iterations (fp32 Newton-Schulz);
 - with two GPUs or more, the same comparison at W=2, and Adam's grad norms and losses with
   experts over expert-parallel 2 and two micro-batches per rank equal Megatron DDP's on NCCL
-  (the experts' buffer reduces over one rank: megatron_muon.upstream_fixes);
+  (the experts' buffer reduces over one rank: megatron_muon.upstream_fixes); with four, the same
+  under --ddp-average-in-collective (the experts' scale before the average: upstream_fixes);
 - --muon-use-syrk (emerging_optimizers' Triton SYRK kernel): its Newton-Schulz differs from the
   plain bf16 kernel's by less than bf16's own error, and the demo trains with it;
 - memory.AllocationTracker reads CUDA's allocator: each phase's peak, and Newton-Schulz within
@@ -47,6 +48,9 @@ ACCUMULATED_EXPERTS = ("--optimizer", "adam", "--num-experts", "4", "--moe-route
                        "--expert-model-parallel-size", "2", "--global-batch-size", "16",
                        "--micro-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout",
                        "0")
+AVERAGED_EXPERTS = (*ACCUMULATED_EXPERTS[:ACCUMULATED_EXPERTS.index("--global-batch-size")],
+                    "--global-batch-size", "32", "--micro-batch-size", "4", "--hidden-dropout",
+                    "0", "--attention-dropout", "0", "--ddp-average-in-collective")
 # The demo's flags in each run below (the training length and world size aside).
 DEMO_RUNS = {
     "fp32": (),
@@ -59,6 +63,10 @@ DEMO_RUNS = {
     # megatron_muon.upstream_fixes): at W=2 with EP=2 the experts' buffer reduces over one rank.
     "experts_accumulated": ACCUMULATED_EXPERTS,
     "experts_accumulated_on_ddp": (*ACCUMULATED_EXPERTS, *MEGATRON_DDP),
+    # --ddp-average-in-collective (upstream_fixes, 2.): at W=4 with EP=2, two micro-batches per
+    # rank, the experts' gradients average over expert groups of two, scaled by EDP / DP first.
+    "experts_averaged": AVERAGED_EXPERTS,
+    "experts_averaged_on_ddp": (*AVERAGED_EXPERTS, *MEGATRON_DDP),
 }
 
 
@@ -166,15 +174,10 @@ def test_zero3_matches_megatron_core_muon_on_ddp_on_two_gpus():
     _matches_megatron_core_muon_on_ddp(2)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
-def test_accumulated_expert_gradients_match_megatron_ddp_on_nccl():
-    """EP=2 at W=2, 2 micro-batches per rank, ZeRO-3: the experts' buffer reduces over one rank,
-    which released Megatron-FSDP rescales at every micro-batch (megatron_muon.upstream_fixes holds it
-    to one explicit scale at the grad sync): grad norms and losses equal Megatron DDP's."""
-    iterations = 4
-    logs = [demo_log_of(name, iterations, 2)
-            for name in ("experts_accumulated", "experts_accumulated_on_ddp")]
+def _equal_to_megatron_ddp_on_nccl(run, processes, iterations=4):
+    """The demo's `run` and the same on Megatron DDP: each iteration's grad norm and loss equal
+    (within RTOL), Megatron-FSDP patched by megatron_muon.upstream_fixes."""
+    logs = [demo_log_of(name, iterations, processes) for name in (run, f"{run}_on_ddp")]
     assert "patched Megatron-FSDP" in logs[0], logs[0][-3000:]
     (norms, ddp_norms) = (demo_log.exact_values(log, "grad norm") for log in logs)
     (losses, ddp_losses) = (demo_log.losses(log, 1, iterations) for log in logs)
@@ -183,3 +186,22 @@ def test_accumulated_expert_gradients_match_megatron_ddp_on_nccl():
         assert norms[iteration] == pytest.approx(ddp_norms[iteration], rel=RTOL, abs=0), (
             norms, ddp_norms)
     assert losses == pytest.approx(ddp_losses, rel=RTOL, abs=0), (losses, ddp_losses)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
+def test_accumulated_expert_gradients_match_megatron_ddp_on_nccl():
+    """EP=2 at W=2, 2 micro-batches per rank, ZeRO-3: the experts' buffer reduces over one rank,
+    which released Megatron-FSDP rescales at every micro-batch (megatron_muon.upstream_fixes holds it
+    to one explicit scale at the grad sync): grad norms and losses equal Megatron DDP's."""
+    _equal_to_megatron_ddp_on_nccl("experts_accumulated", 2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4,
+                    reason="needs 4 GPUs (NCCL refuses two ranks on one GPU)")
+def test_averaged_expert_gradients_match_megatron_ddp_on_nccl():
+    """--ddp-average-in-collective, EP=2 at W=4, 2 micro-batches per rank, ZeRO-3: released
+    Megatron-FSDP averages the experts' gradients without their scale (EDP / DP), silently on
+    NCCL (docs/flags.md; on gloo the flag sweep shows it): grad norms and losses equal Megatron
+    DDP's with megatron_muon.upstream_fixes."""
+    _equal_to_megatron_ddp_on_nccl("experts_averaged", 4)
