@@ -1,6 +1,7 @@
 """The flag sweep (benchmarks/sweep.py): each row's flag on Megatron-FSDP against Megatron DDP on
 the same model and data, ending as its table says. The main suite runs the rows marked `suite`;
-`make sweep` runs them all (SWEEP=all) and writes benchmarks/results/sweep.json."""
+`make sweep` runs them all (SWEEP=all) and writes benchmarks/results/sweep.json and the table in
+docs/flags.md, which test_the_docs_show_the_committed_sweep holds to each other."""
 
 import json
 import os
