@@ -44,13 +44,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 COMPARED_ITERATIONS = 5
 FP32_NEWTON_SCHULZ = ("--muon-fp32-matmul-prec", "highest")
 MEGATRON_DDP = ("--no-use-megatron-fsdp", "--ckpt-format", "torch_dist")
-ACCUMULATED_EXPERTS = ("--optimizer", "adam", "--num-experts", "4", "--moe-router-topk", "2",
-                       "--expert-model-parallel-size", "2", "--global-batch-size", "16",
-                       "--micro-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout",
-                       "0")
-AVERAGED_EXPERTS = (*ACCUMULATED_EXPERTS[:ACCUMULATED_EXPERTS.index("--global-batch-size")],
-                    "--global-batch-size", "32", "--micro-batch-size", "4", "--hidden-dropout",
-                    "0", "--attention-dropout", "0", "--ddp-average-in-collective")
+# Adam with experts over expert-parallel 2, micro-batches of 4, dropout off; the global batch
+# gives two micro-batches per rank at W=2 (16) and at W=4 (32).
+EXPERTS = ("--optimizer", "adam", "--num-experts", "4", "--moe-router-topk", "2",
+           "--expert-model-parallel-size", "2", "--micro-batch-size", "4", "--hidden-dropout", "0",
+           "--attention-dropout", "0")
+ACCUMULATED_EXPERTS = (*EXPERTS, "--global-batch-size", "16")
+AVERAGED_EXPERTS = (*EXPERTS, "--global-batch-size", "32", "--ddp-average-in-collective")
 # The demo's flags in each run below (the training length and world size aside).
 DEMO_RUNS = {
     "fp32": (),
