@@ -13,8 +13,8 @@
 # runs every flag of benchmarks/sweep.py's table on Megatron-FSDP against Megatron DDP and writes
 # benchmarks/results/sweep.json and docs/flags.md's table (the main suite runs a subset).
 # Both create or refresh .venv (Python >= 3.12) whenever setup.py, the ranges
-# (megatron_muon/supported_versions.py) or constraints/newest.txt change, at the newest release
-# of each dependency range that CI tests (constraints/newest.txt).
+# (megatron_muon/compat/supported_versions.py) or constraints/newest.txt change, at the newest
+# release of each dependency range that CI tests (constraints/newest.txt).
 # `make test-lowest` runs the plan, exchange, numerics, factory, checkpoint, fake-process-group,
 # upstream-name, gradient-accumulation (the upstream fix on megatron-core 0.19.0's Megatron-FSDP),
 # CPU-collective and flag-sweep (its main-suite rows: torch 2.8's gloo, megatron-core 0.19.0)
@@ -29,6 +29,7 @@ LOWEST_VENV := .venv-lowest
 BRIDGE_VENV := .venv-bridge
 AUTOMODEL_VENV := .venv-automodel
 PY := $(VENV)/bin/python
+RANGES := megatron_muon/compat/supported_versions.py
 LOWEST_TESTS := tests/test_plan.py tests/test_exchange.py tests/test_numerics.py \
 	tests/test_factory.py tests/test_checkpoint.py tests/test_fake_pg.py tests/test_versions.py \
 	tests/test_upstream.py tests/test_standalone.py tests/test_grad_accumulation.py \
@@ -59,17 +60,17 @@ define make_venv
 	PIP_CONSTRAINT="$(2)" $(1)/bin/python -m pip install -q -e '.[test$(3)]'
 endef
 
-$(VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt
+$(VENV)/.installed: setup.py $(RANGES) constraints/newest.txt
 	$(call make_venv,$(VENV),constraints/newest.txt,$(COMMA)fsdp)
 	touch $@
 
-$(LOWEST_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/lowest.txt
+$(LOWEST_VENV)/.installed: setup.py $(RANGES) constraints/lowest.txt
 	$(call make_venv,$(LOWEST_VENV),constraints/lowest.txt,$(COMMA)fsdp)
 	touch $@
 
 # Bridge's wheel without its dependencies (GPU builds, hundreds of packages), then what its
 # training loop imports.
-$(BRIDGE_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt \
+$(BRIDGE_VENV)/.installed: setup.py $(RANGES) constraints/newest.txt \
 		constraints/bridge.txt
 	$(call make_venv,$(BRIDGE_VENV),constraints/newest.txt)
 	PIP_CONSTRAINT=constraints/bridge.txt $(BRIDGE_VENV)/bin/python -m pip install -q --no-deps \
@@ -80,7 +81,7 @@ $(BRIDGE_VENV)/.installed: setup.py megatron_muon/supported_versions.py constrai
 
 # Automodel's wheel without its dependencies (GPU kernels among them), then what its recipes'
 # optimizer, distributed and config code imports, at the versions it pins.
-$(AUTOMODEL_VENV)/.installed: setup.py megatron_muon/supported_versions.py constraints/newest.txt \
+$(AUTOMODEL_VENV)/.installed: setup.py $(RANGES) constraints/newest.txt \
 		constraints/automodel.txt
 	$(call make_venv,$(AUTOMODEL_VENV),constraints/newest.txt)
 	PIP_CONSTRAINT=constraints/automodel.txt $(AUTOMODEL_VENV)/bin/python -m pip install -q \

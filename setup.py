@@ -3,7 +3,8 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-VERSIONS = runpy.run_path(str(Path(__file__).parent / "megatron_muon" / "supported_versions.py"))
+RANGES = Path(__file__).parent / "megatron_muon" / "compat" / "supported_versions.py"
+VERSIONS = runpy.run_path(str(RANGES))
 SUPPORTED, OPTIONAL = VERSIONS["SUPPORTED"], VERSIONS["OPTIONAL"]
 
 setup(

@@ -8,7 +8,7 @@ optimizer), and megatron-core's Muon on Megatron DDP and its layer-wise distribu
 
 Runs itself under torchrun once per world size (gloo on CPU, NCCL on GPUs) on bench_muon_step's
 demo, wide and MoE GPTs. Each (optimizer, layout) is built alone and trained two steps, then three
-steps are measured with megatron_muon.memory.measure_train_step: the bytes at rest counted from the
+steps are measured with tools.memory.measure_train_step: the bytes at rest counted from the
 tensors (model weights, main weights, gradients, optimizer state; each storage once), and the most
 each phase adds above what was alive when its step began, from torch's allocator (on CUDA its peak
 statistics, the most over the three steps; on CPU the profiler's allocation records, the least:
@@ -59,7 +59,7 @@ def runs(parallel) -> list[tuple[str, str]]:
 
 def built(shape, parallel, optimizer, layout, budget):
     from megatron_muon import get_megatron_optimizer
-    from megatron_muon.testing import fsdp_gpt, optimizer_config
+    from megatron_muon.tools.testing import fsdp_gpt, optimizer_config
 
     if layout in MEGATRON_CORE_MODES:
         model, opt, _ = build(shape, parallel, layout)
@@ -74,9 +74,9 @@ def built(shape, parallel, optimizer, layout, budget):
 
 def measure(shape, parallel, budget) -> dict:
     """This rank's StepMemory of every run, as dicts."""
-    from megatron_muon.exchange import Traffic, observed
-    from megatron_muon.memory import measure_train_step
-    from megatron_muon.testing import init_parallel_state, lm_loss
+    from megatron_muon.core.exchange import Traffic, observed
+    from megatron_muon.tools.memory import measure_train_step
+    from megatron_muon.tools.testing import init_parallel_state, lm_loss
 
     init_parallel_state(expert_parallel=parallel.get("expert_parallel", 1))
     rank, device = dist.get_rank(), _device()

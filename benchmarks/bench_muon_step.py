@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_muon.cpu import fast_newton_schulz_precision
-from megatron_muon.exchange import Traffic, observed
+from megatron_muon.compat.cpu import fast_newton_schulz_precision
+from megatron_muon.core.exchange import Traffic, observed
 import per_world_size  # beside this script
 from step_profile import PHASES, profiled
 
@@ -66,7 +66,7 @@ PROFILED_STEPS = 3
 
 def configs(world):
     """name -> (model shape, parallelism) of the configs that run at this world size."""
-    from megatron_muon.testing import GPTShape
+    from megatron_muon.tools.testing import GPTShape
 
     demo = GPTShape(layers=4, hidden=256, ffn=1024, heads=4, vocab=1024, seq=256, micro_batch=4)
     runs = {
@@ -98,7 +98,7 @@ def optimizer_state_bytes(optimizer):
 
 def build(shape, parallel, mode):
     from megatron_muon import get_megatron_optimizer
-    from megatron_muon.testing import ddp_gpt, fsdp_gpt, optimizer_config
+    from megatron_muon.tools.testing import ddp_gpt, fsdp_gpt, optimizer_config
 
     if mode in MEGATRON_CORE_MODES:
         layer_wise = mode == "layerwise"
@@ -122,7 +122,7 @@ def build(shape, parallel, mode):
 
 def measure(shape, parallel, steps):
     """One rank's figures for every mode on one model shape and parallelism."""
-    from megatron_muon.testing import init_parallel_state, lm_loss
+    from megatron_muon.tools.testing import init_parallel_state, lm_loss
 
     init_parallel_state(expert_parallel=parallel.get("expert_parallel", 1),
                         replicas=parallel.get("replicas", 1))
@@ -196,9 +196,9 @@ def plan_figures(model, optimizer, config):
     ranks is the single-device model (experts of other expert-parallel ranks are other matrices)."""
     from megatron.core import parallel_state
 
-    from megatron_muon.chained import named_main_weights
+    from megatron_muon.step.chained import named_main_weights
     from megatron_muon.plan import layout_min_bytes
-    from megatron_muon.zero_muon import ZeROTensorParallelMuon
+    from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
 
     muons = [p.optimizer for p in optimizer.optimizer.chained_optimizers
              if isinstance(p.optimizer, ZeROTensorParallelMuon)]

@@ -149,7 +149,7 @@ def muon_matrices(model, rows: dict):
     """(dense, expert) Muon matrices, each [Matrix], as megatron_muon's factory and
     ZeROTensorParallelMuon make them at TP=1 (QKV split into q, k, v blocks; a stack of experts
     split into its matrices)."""
-    from megatron_muon.factory import is_expert_param, is_scalar_param, tag_params
+    from megatron_muon.integrations.factory import is_expert_param, is_scalar_param, tag_params
     from megatron_muon.plan import RowLayout, orthogonalization_key, qkv_row_blocks, split_matrices
 
     tag_params([model])
@@ -198,8 +198,8 @@ def measure_rates(ns_steps: int) -> dict:
     from emerging_optimizers import utils as eo_utils
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-    from megatron_muon.cpu import fast_newton_schulz_precision
-    from megatron_muon.muon_math import momentum_update_
+    from megatron_muon.compat.cpu import fast_newton_schulz_precision
+    from megatron_muon.core.muon_math import momentum_update_
     from megatron_muon.plan import ns_flops
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -268,7 +268,7 @@ class Part:
     owners of the other placements."""
 
     def __init__(self, matrices, world, cost):
-        from megatron_muon.exchange import OwnerRoutes
+        from megatron_muon.core.exchange import OwnerRoutes
         from megatron_muon.plan import choose_owners, owner_plan, whole_matrix_owners
 
         self.matrices, self.world = matrices, world
@@ -325,7 +325,7 @@ def rank_figures(part: Part, mode: str, cost, ns_steps: int) -> list[dict]:
 
 def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     """One model at one data-parallel size: the plan's figures and the step-time estimates."""
-    from megatron_muon.factory import is_scalar_param, is_expert_param
+    from megatron_muon.integrations.factory import is_scalar_param, is_expert_param
 
     ep = expert_parallel(name, world)
     start = time.perf_counter()
@@ -606,7 +606,7 @@ def main():
 
     import torch.distributed as dist
 
-    from megatron_muon.testing import init_parallel_state
+    from megatron_muon.tools.testing import init_parallel_state
 
     # megatron-core builds models under its parallel state: one process, TP = EP = 1.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

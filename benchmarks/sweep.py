@@ -48,7 +48,7 @@ MOE = "--num-experts 4 --moe-router-topk 2".split()
 OUTCOMES = {
     "equal": "Megatron-FSDP's losses and grad norms equal Megatron DDP's at every iteration",
     "refused": "refused before anything is built, naming the flag",
-    "fixed": "equal, with megatron-muon's upstream layer's fix (megatron_muon.upstream_fixes)",
+    "fixed": "equal, with megatron-muon's upstream layer's fix (compat.upstream_fixes)",
     "limitation": "an upstream limitation, documented (docs/flags.md)",
 }
 # How far the sides' values may be apart, relative. fp32: both sides add the same gradients in
@@ -219,7 +219,7 @@ def _initialize(args):
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.training import global_vars
 
-    from megatron_muon.testing import init_parallel_state
+    from megatron_muon.tools.testing import init_parallel_state
 
     global_vars.unset_global_variables()
     destroy_rerun_state_machine()

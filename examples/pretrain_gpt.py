@@ -27,7 +27,7 @@ from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import print_rank_last
 
 import megatron_muon.training
-from megatron_muon import cpu, upstream
+from megatron_muon.compat import cpu, upstream
 from megatron_muon.arguments import add_muon_args
 from synthetic_data import markov_chain_datasets
 

@@ -2,11 +2,11 @@
 
 # First: an installed version lacking a name the package borrows fails here, with every such
 # name listed.
-from . import upstream  # noqa: F401  isort: skip
-from .chained import FSDPMuonChainedOptimizer
-from .factory import get_megatron_optimizer
-from .zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
-from .zero_muon import ZeROTensorParallelMuon
+from .compat import upstream  # noqa: F401  isort: skip
+from .core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
+from .core.zero_muon import ZeROTensorParallelMuon
+from .integrations.factory import get_megatron_optimizer
+from .step.chained import FSDPMuonChainedOptimizer
 
 __all__ = ["FSDPMuonChainedOptimizer", "ZeROTensorParallelAdaptiveMuon", "ZeROTensorParallelMuon",
            "get_megatron_optimizer"]

@@ -57,7 +57,7 @@ def _installed(package: str) -> str:
 
 
 def pytest_sessionstart(session):
-    from megatron_muon.cpu import bf16_matmul_is_emulated, fast_newton_schulz_precision
+    from megatron_muon.compat.cpu import bf16_matmul_is_emulated, fast_newton_schulz_precision
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -82,7 +82,8 @@ GRACE_SECONDS = 15
 # "spawn" paid 6-10 s of CPU for the same imports. The server only imports (no patches, no
 # threads, no process group), so every worker still starts as a fresh interpreter would.
 _context = mp.get_context("forkserver")
-_context.set_forkserver_preload(["megatron_muon.testing", "megatron_muon.training", "fsdp_models",
+_context.set_forkserver_preload(["megatron_muon.tools.testing",
+                                 "megatron_muon.integrations.megatron_lm", "fsdp_models",
                                  "torch.distributed.checkpoint"])
 
 
@@ -99,7 +100,7 @@ def _serve(rank, world_size, port, tasks, results):
     import torch
     import torch.distributed as dist
 
-    from megatron_muon.cpu import apply_cpu_compat
+    from megatron_muon.compat.cpu import apply_cpu_compat
 
     apply_cpu_compat()
     torch.set_num_threads(1)

@@ -135,7 +135,7 @@ def _group_rank(group, global_rank, group_rank):
 def _rank_main(fn, rank, world_size, device_type, port, args, results):
     try:
         if device_type == "cpu":
-            from megatron_muon.cpu import apply_cpu_compat
+            from megatron_muon.compat.cpu import apply_cpu_compat
             apply_cpu_compat()
         else:
             torch.cuda.set_device(0)

@@ -16,8 +16,8 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMu
 from megatron.core.utils import unwrap_model
 from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from megatron_muon import upstream, upstream_fixes
-from megatron_muon.chained import find_megatron_fsdp
+from megatron_muon.compat import upstream, upstream_fixes
+from megatron_muon.step.chained import find_megatron_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -172,7 +172,7 @@ def muon_param_groups(matrices):
 def reference_optimizers(ref, moment2_method=None):
     """megatron-core's optimizers on the unsharded model: TensorParallelMuon, or with
     `moment2_method` TensorParallelAdaptiveMuon (--optimizer adaptive_muon, as
-    megatron_muon.upstream_fixes repairs it), and Adam for the rest."""
+    megatron_muon.compat.upstream_fixes repairs it), and Adam for the rest."""
     matrices, vectors = split_params(ref)
     if moment2_method is None:
         muon = TensorParallelMuon(muon_param_groups(matrices), **MUON_KWARGS)

@@ -20,7 +20,7 @@ from megatron.training.argument_utils import (core_transformer_config_from_args,
 from megatron.training.arguments import parse_and_validate_args
 
 import megatron_muon.training  # megatron-muon
-from megatron_muon.arguments import add_muon_args  # megatron-muon
+from megatron_muon.integrations.arguments import add_muon_args  # megatron-muon
 
 
 def add_script_args(parser):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_muon.chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
+from megatron_muon.step.chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
 
 
 class FakeMegatronFSDP:

@@ -12,8 +12,8 @@ import torch
 
 from fsdp_models import MUON_KWARGS, batch, make_models, muon_param_groups, split_params
 from megatron_muon import ZeROTensorParallelMuon
-from megatron_muon.chained import find_megatron_fsdp, named_main_weights
-from megatron_muon.exchange import Traffic, observed
+from megatron_muon.step.chained import find_megatron_fsdp, named_main_weights
+from megatron_muon.core.exchange import Traffic, observed
 
 def _muon(world_size, strategy="optim_grads_params", check_interval=0, precision="highest"):
     _, fsdp = make_models(strategy, world_size)
@@ -161,7 +161,7 @@ CHAIN_LINE = (r"muon check at iteration (\d+): max \|owner - reference\| = 0\.00
 
 def _chain(case, check_interval=2):
     from megatron_muon import get_megatron_optimizer
-    from megatron_muon.testing import fsdp_gpt, init_parallel_state, optimizer_config
+    from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state, optimizer_config
 
     strategy, outer, expert_parallel, tensor_parallel, _ = case
     init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel,
@@ -175,7 +175,7 @@ def _chain(case, check_interval=2):
 def _train(model, optimizer, iterations, nan_at=None):
     from megatron.core import parallel_state
 
-    from megatron_muon.testing import lm_loss
+    from megatron_muon.tools.testing import lm_loss
 
     for iteration in range(1, iterations + 1):
         optimizer.zero_grad()
@@ -247,7 +247,7 @@ def test_stale_compute_weights_and_drifting_replicas_stop_the_run(distributed):
 
 
 def test_a_fingerprint_sums_in_chunks_and_shows_a_one_ulp_change(monkeypatch):
-    from megatron_muon import checks
+    from megatron_muon.core import checks
 
     weights = torch.randn(1000, 37)
     bits = weights.view(-1).view(torch.int32).long()

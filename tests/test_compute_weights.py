@@ -10,8 +10,8 @@ from megatron.core import parallel_state
 
 from fsdp_models import STRATEGIES, ForwardReads
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.chained import find_megatron_fsdp
-from megatron_muon.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
+from megatron_muon.step.chained import find_megatron_fsdp
+from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 
 STEPS, SKIPPED_STEP = 3, 1
 # (strategy, HSDP outer strategy or None, expert parallel, tensor parallel, --overlap-grad-reduce

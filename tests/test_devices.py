@@ -21,7 +21,7 @@ def _factories_without_device(source: str) -> list[int]:
 
 
 def test_every_tensor_factory_names_its_device():
-    found = {path.name: lines for path in sorted(PACKAGE.glob("*.py"))
+    found = {str(path.relative_to(PACKAGE)): lines for path in sorted(PACKAGE.rglob("*.py"))
              if (lines := _factories_without_device(path.read_text()))}
     assert not found, f"tensor factories without device= (file: lines): {found}"
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_muon.exchange import (OwnerRoutes, Traffic, all_gather_ints, all_gather_rows, observed,
-                                   owner_exchange, run_overlapped)
-from megatron_muon.plan import (ExchangeMemory, Matrix, batch_matrices, choose_owners, exchange_batches,
-                                owner_bytes, row_layouts)
+from megatron_muon.core.exchange import (OwnerRoutes, Traffic, all_gather_ints, all_gather_rows,
+                                         observed, owner_exchange, run_overlapped)
+from megatron_muon.plan import (ExchangeMemory, Matrix, batch_matrices, choose_owners,
+                                exchange_batches, owner_bytes, row_layouts)
 
 ROWS = [[3, 0, 5], [0, 0, 1], [2, 4, 0], [0, 1, 1]]  # rows[rank][matrix]
 

@@ -4,10 +4,12 @@ import pytest
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_muon import FSDPMuonChainedOptimizer, ZeROTensorParallelMuon, get_megatron_optimizer, upstream
+from megatron_muon import FSDPMuonChainedOptimizer, ZeROTensorParallelMuon, get_megatron_optimizer
+from megatron_muon.compat import upstream
 from fsdp_models import STRATEGIES
-from megatron_muon import testing
-from megatron_muon.testing import fsdp_gpt, gpt, init_parallel_state, lm_loss, optimizer_config
+from megatron_muon.tools import testing
+from megatron_muon.tools.testing import (fsdp_gpt, gpt, init_parallel_state, lm_loss,
+                                         optimizer_config)
 
 
 def _part(optimizer, cls):
@@ -146,7 +148,7 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
     matrices with the same gradients: dense matrices sharded over dp_cp, experts over expt_dp
     (expert TP 1, as MoE runs usually have it, also beside TP 2), TP Newton-Schulz over the tp
     group, experts' over expt_tp; with `outer`, HSDP over 2 replicas; `flagship`, the name of a
-    megatron_muon.testing model's settings (MLA, shared experts, a dense first layer), with 4
+    megatron_muon.tools.testing model's settings (MLA, shared experts, a dense first layer), with 4
     experts; `moment2_method`: --optimizer adaptive_muon against megatron-core's
     TensorParallelAdaptiveMuon (repaired). Returns whether some rank's shard of a Muon matrix is
     empty, and whether some matrix's shards are uneven."""
@@ -154,7 +156,7 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
                                                              TensorParallelMuon)
 
     from fsdp_models import full_tensor
-    from megatron_muon.chained import named_main_weights
+    from megatron_muon.step.chained import named_main_weights
 
     init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel,
                         replicas=2 if outer else 1, expert_tensor_parallel=1)
@@ -219,7 +221,7 @@ def _empty_and_uneven_shards(params) -> tuple[bool, bool]:
 def _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts):
     """The params Muon steps are those megatron-core's own Muon factory gives Muon on the
     unsharded model (its own rules: 2-D, not embedding or output layer, not the router's...)."""
-    from megatron_muon.chained import named_main_weights
+    from megatron_muon.step.chained import named_main_weights
 
     ours = {name.removeprefix("module.module.")
             for part in _parts(optimizer, ZeROTensorParallelMuon)
@@ -274,7 +276,7 @@ def test_adaptive_muon_matches_reference_adaptive_muon_on_full_matrices(
                 "owner", "optim_grads_params", None, moment2_method, fresh=True)
 
 
-# Kimi K2's and DeepSeek's layers (megatron_muon.testing: MLA with and without a q low rank, 4
+# Kimi K2's and DeepSeek's layers (megatron_muon.tools.testing: MLA with and without a q low rank, 4
 # routed experts top-2 beside a shared expert, the first layer dense), every sharding strategy,
 # experts over expert-parallel 2 (at EP=1 the reference's gathers of the experts' gradients,
 # fsdp_models.full_tensor, hang; so do they under TP=2 x EP=2 with torch 2.8 and megatron-core

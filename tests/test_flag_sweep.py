@@ -10,7 +10,7 @@ import pytest
 from conftest import close_pools, run_distributed
 
 from benchmarks import sweep
-from megatron_muon import upstream, upstream_fixes
+from megatron_muon.compat import upstream, upstream_fixes
 
 EVERY_ROW = os.environ.get("SWEEP") == "all"
 ROWS = [row for row in sweep.ROWS if EVERY_ROW or row.suite]

@@ -5,7 +5,7 @@ without --overlap-grad-reduce), then the optimizer, iteration after iteration.
 
 Released Megatron-FSDP rescales a gradient buffer reduced over one rank at every micro-batch
 under ZeRO-2/3 (NVIDIA/Megatron-LM#6660): the experts' when expert parallelism spans the
-data-parallel ranks (EP=2 at W=2, NVIDIA's DP8/EP8 layout), megatron_muon.upstream_fixes corrects
+data-parallel ranks (EP=2 at W=2, NVIDIA's DP8/EP8 layout), compat.upstream_fixes corrects
 it. TP=2 at W=2 (DP=1: a scale of 1) is a control that agrees with or without the fix; EP=2 at
 W=4 (expert groups of two), the other control, is a row of the flag sweep
 (benchmarks/sweep.py: every strategy, Adam and Muon, two micro-batches per rank)."""
@@ -19,9 +19,10 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer as megatron_core_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_muon import get_megatron_optimizer, upstream
-from megatron_muon.testing import (TINY, ddp_gpt, fsdp_gpt, init_parallel_state, loss_on,
-                                   optimizer_config)
+from megatron_muon import get_megatron_optimizer
+from megatron_muon.compat import upstream
+from megatron_muon.tools.testing import (TINY, ddp_gpt, fsdp_gpt, init_parallel_state, loss_on,
+                                         optimizer_config)
 from tolerances import RTOL
 
 ITERATIONS = 3

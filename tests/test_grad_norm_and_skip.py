@@ -9,10 +9,10 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_models import full_tensor
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.chained import FSDPMuonChainedOptimizer, named_main_weights
-from megatron_muon.exchange import Traffic, observed
-from megatron_muon.testing import (GLOBAL_BATCH, TINY, fsdp_gpt, global_batch_loss, gpt,
-                                   init_parallel_state, lm_loss, optimizer_config)
+from megatron_muon.step.chained import FSDPMuonChainedOptimizer, named_main_weights
+from megatron_muon.core.exchange import Traffic, observed
+from megatron_muon.tools.testing import (GLOBAL_BATCH, TINY, fsdp_gpt, global_batch_loss, gpt,
+                                         init_parallel_state, lm_loss, optimizer_config)
 from tolerances import adam_drift, assert_within, muon_drift, reordering_error
 
 CLIP = 0.05  # well below the gradient norm (~1), so every step is clipped

@@ -8,11 +8,11 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.exchange import Traffic, observed
-from megatron_muon.qk_clip import (_core_attentions, observe_max_attention_logits,
-                                   reduce_max_attention_logits, take_max_attention_logit)
-from megatron_muon.testing import (TINY, fsdp_gpt, global_batch_loss, gpt,
-                                   init_parallel_state, optimizer_config)
+from megatron_muon.core.exchange import Traffic, observed
+from megatron_muon.step.qk_clip import (_core_attentions, observe_max_attention_logits,
+                                        reduce_max_attention_logits, take_max_attention_logit)
+from megatron_muon.tools.testing import (TINY, fsdp_gpt, global_batch_loss, gpt,
+                                         init_parallel_state, optimizer_config)
 
 
 def _per_layer(model):

@@ -1,14 +1,14 @@
 """Every optimizer request that is not Muon on Megatron-FSDP goes to megatron-core's own factory:
 through megatron_muon's it builds the same optimizer and trains the same model bit for bit, or
 fails as megatron-core alone fails, for each optimizer megatron-core offers on Megatron DDP; but
-where megatron_muon.upstream_fixes repairs megatron-core's optimizer (adaptive_muon), which
+where megatron_muon.compat.upstream_fixes repairs megatron-core's optimizer (adaptive_muon), which
 then trains (its updates: tests/test_adaptive_muon.py)."""
 
 import torch
 from megatron.core.optimizer import get_megatron_optimizer as megatron_cores_factory
 
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.testing import ddp_gpt, init_parallel_state, lm_loss, optimizer_config
+from megatron_muon.tools.testing import ddp_gpt, init_parallel_state, lm_loss, optimizer_config
 
 NOT_DISTRIBUTED = dict(use_distributed_optimizer=False)
 LAYER_WISE = dict(use_layer_wise_distributed_optimizer=True)

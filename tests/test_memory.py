@@ -1,4 +1,4 @@
-"""Memory, measured (megatron_muon.memory.AllocationTracker on CPU: the profiler's allocation
+"""Memory, measured (megatron_muon.tools.memory.AllocationTracker on CPU: the profiler's allocation
 records): the tracker itself, Newton-Schulz's working set against what the plan counts for it,
 and the owner step within --muon-max-exchange-bytes: the plan's own count (plan.working_memory)
 bounds what the step really holds, and a small budget changes the plan, which the tracker sees,
@@ -14,13 +14,14 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.group_planner import GroupPlanner
-from megatron_muon.memory import PHASES, AllocationTracker, at_rest_bytes, measure_train_step
+from megatron_muon.core.group_planner import GroupPlanner
+from megatron_muon.tools.memory import PHASES, AllocationTracker, at_rest_bytes, measure_train_step
 from megatron_muon.plan import (MAX_EXCHANGE_BYTES, ExchangeMemory, Matrix, RowLayout,
                                 affordable_bytes, largest_alone, newton_schulz_bytes,
                                 working_memory)
-from megatron_muon.testing import GPTShape, fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
-from megatron_muon.zero_muon import ZeROTensorParallelMuon
+from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, init_parallel_state, lm_loss,
+                                         optimizer_config)
+from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from megatron_muon import (ZeROTensorParallelAdaptiveMuon, ZeROTensorParallelMuon,
                            get_megatron_optimizer)
-from megatron_muon.testing import optimizer_config
+from megatron_muon.tools.testing import optimizer_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -134,8 +134,8 @@ def test_syrk_where_it_cannot_run(precision, refusal):
 def _syrk_under_tensor_parallelism(rank, world_size):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_muon import upstream
-    from megatron_muon.testing import fsdp_gpt, init_parallel_state
+    from megatron_muon.compat import upstream
+    from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state
 
     init_parallel_state(tensor_parallel=2)
     model = fsdp_gpt()
@@ -163,7 +163,7 @@ def test_syrk_in_a_tensor_parallel_mode_upstream_cannot_pass_it_to(distributed):
 def _experts_without_an_expert_group(rank, world_size):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_muon.testing import fsdp_gpt, init_parallel_state
+    from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state
 
     init_parallel_state()
     model = fsdp_gpt(num_experts=2)

@@ -1,5 +1,5 @@
 """Which precision Newton-Schulz runs at, on either kind of CPU: the probe for emulated bf16
-matmuls (megatron_muon.cpu.bf16_matmul_is_emulated) is patched both ways, so the suite shows the
+matmuls (compat.cpu.bf16_matmul_is_emulated) is patched both ways, so the suite shows the
 choice whatever CPU it runs on.
 
 - the demo (and the benchmarks, through cpu.fast_newton_schulz_precision) run fp32 ('highest')
@@ -42,7 +42,7 @@ def _parsed(provider, argv, rank=0):
 
 def _the_demo_chooses(rank, world_size, emulated):
     import megatron_muon.training
-    from megatron_muon import cpu
+    from megatron_muon.compat import cpu
 
     megatron_muon.training.install()
     cpu.bf16_matmul_is_emulated = lambda: emulated
@@ -83,8 +83,8 @@ def test_the_demo_keeps_megatrons_bf16_newton_schulz_where_bf16_matmuls_are_nati
 
 def _a_scripts_request(rank, world_size):
     import megatron_muon.training
-    from megatron_muon import cpu
-    from megatron_muon.arguments import add_muon_args
+    from megatron_muon.compat import cpu
+    from megatron_muon.integrations.arguments import add_muon_args
 
     megatron_muon.training.install()
     cpu.bf16_matmul_is_emulated = lambda: False

@@ -11,9 +11,11 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, ONE_BATCH, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
                          matrices_per_newton_schulz_call, muon_param_groups,
                          reference_optimizers, same_shape_linears, split_params)
-from megatron_muon import ZeROTensorParallelMuon, second_moment, upstream
-from megatron_muon.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
-from megatron_muon.exchange import Traffic, observed
+from megatron_muon import ZeROTensorParallelMuon
+from megatron_muon.core import second_moment
+from megatron_muon.compat import upstream
+from megatron_muon.core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
+from megatron_muon.core.exchange import Traffic, observed
 
 STEPS = 6
 

@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from fsdp_models import (MUON_KWARGS, ONE_BATCH, fully_shard, matrices_per_newton_schulz_call,
                          same_shape_linears)
-from megatron_muon import ZeROTensorParallelMuon, group_planner, measured_cost
-from megatron_muon.group_planner import GroupPlanner
+from megatron_muon import ZeROTensorParallelMuon
+from megatron_muon.core import group_planner, measured_cost
+from megatron_muon.core.group_planner import GroupPlanner
 
 
 def _gathered(value):

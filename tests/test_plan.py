@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_muon.exchange import OwnerRoutes
+from megatron_muon.core.exchange import OwnerRoutes
 import random
 
 from megatron_muon.plan import (ExchangeMemory, Matrix, RowLayout, StepCost, batch_matrices,

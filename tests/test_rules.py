@@ -1,4 +1,4 @@
-"""The one table of what Muon on Megatron-FSDP refuses (megatron_muon.rules): each rule refuses its
+"""The one table of what Muon on Megatron-FSDP refuses (integrations.rules): each rule refuses its
 configuration and accepts the supported one next to it, and each way in (the command line, the
 factory) names the settings as its users spell them."""
 
@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from megatron_muon import rules
-from megatron_muon.arguments import validate_muon_args
-from megatron_muon.factory import get_megatron_optimizer
+from megatron_muon.integrations import rules
+from megatron_muon.integrations.arguments import validate_muon_args
+from megatron_muon.integrations.factory import get_megatron_optimizer
 
 SUPPORTED = dict(fp16=False, optimizer_cpu_offload=False, use_precision_aware_optimizer=False,
                  num_distributed_optimizer_instances=1, overlap_grad_reduce=False, qk_clip=False,

@@ -7,9 +7,10 @@ from megatron.core import parallel_state
 
 from benchmarks import scale_model
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.chained import named_main_weights
-from megatron_muon.testing import GPTShape, fsdp_gpt, gpt, init_parallel_state, optimizer_config
-from megatron_muon.zero_muon import ZeROTensorParallelMuon
+from megatron_muon.step.chained import named_main_weights
+from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, gpt, init_parallel_state,
+                                         optimizer_config)
+from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
 
 # Uneven shards at W=4: widths 48 and 96 (biases too) in one bucket per layer.
 SHAPE = GPTShape(layers=2, hidden=48, ffn=96, heads=4, vocab=72, seq=16)

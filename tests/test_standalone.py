@@ -21,10 +21,10 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
 from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon, TensorParallelMuon
 
 from fsdp_models import MEGATRON_FSDP, STRATEGIES, ForwardReads, fully_shard, full_tensor
-from megatron_muon import upstream_fixes
-from megatron_muon.placement import place
-from megatron_muon.standalone import muon_optimizer
-from megatron_muon.testing import hugging_face_model
+from megatron_muon.compat import upstream_fixes
+from megatron_muon.integrations.placement import place
+from megatron_muon.integrations.standalone import muon_optimizer
+from megatron_muon.tools.testing import hugging_face_model
 from tolerances import ATOL, RTOL
 
 VOCAB, HIDDEN, QKV_ROWS = 40, 24, (8, 4, 4)  # q, k, v rows per query group; 2 groups

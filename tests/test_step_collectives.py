@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.exchange import Traffic, observed
-from megatron_muon.testing import (ddp_gpt, fsdp_gpt, init_parallel_state, lm_loss,
-                                   optimizer_config)
+from megatron_muon.core.exchange import Traffic, observed
+from megatron_muon.tools.testing import (ddp_gpt, fsdp_gpt, init_parallel_state, lm_loss,
+                                         optimizer_config)
 
 STEPS = 2  # the second step is counted: the first may create state
 ONE_EXCHANGE = 1 << 30  # a budget that holds every matrix here

@@ -25,7 +25,7 @@ def _validate(*flags):
     """Parse and validate as megatron.training does (parse_and_validate_args, minus its global)."""
     import megatron.training.arguments as megatron_arguments
 
-    from megatron_muon.arguments import add_muon_args
+    from megatron_muon.integrations.arguments import add_muon_args
 
     sys.argv = BASE_ARGV + list(flags)
     args = megatron_arguments.parse_args(extra_args_provider=add_muon_args)
@@ -45,21 +45,21 @@ def _switch(rank, world_size, checkout):
     import megatron.training.global_vars
     import megatron.training.training
 
-    import megatron_muon.training
+    from megatron_muon.integrations import megatron_lm
     # In a Megatron-LM checkout (a Makefile beside the helper) the build runs, and a failing build
     # still stops the run.
     wheel_file, build = datasets.__file__, datasets.compile_helpers
     datasets.__file__ = f"{checkout}/utils.py"
-    megatron_muon.training.install()
+    megatron_lm.install()
     assert datasets.compile_helpers is build
     with pytest.raises(SystemExit):
         datasets.compile_helpers()  # make in the checkout: its Makefile fails
     datasets.__file__ = wheel_file
-    megatron_muon.training.install()
-    megatron_muon.training.install()  # idempotent
+    megatron_lm.install()
+    megatron_lm.install()  # idempotent
     # This venv has megatron-core's wheel: its helper is built, its Makefile absent.
-    assert datasets.compile_helpers is megatron_muon.training.skip_dataset_helper_build
-    assert megatron.training.training.get_megatron_optimizer is megatron_muon.training._get_megatron_optimizer
+    assert datasets.compile_helpers is megatron_lm.skip_dataset_helper_build
+    assert megatron.training.training.get_megatron_optimizer is megatron_lm._get_megatron_optimizer
     args = _validate("--optimizer", "muon")
     assert args.optimizer == "muon" and args.use_megatron_fsdp and args.muon_dist_mode == "owner"
     # Megatron-LM's own name for Muon at scale: on Megatron-FSDP ours, said once.
@@ -73,7 +73,7 @@ def _switch(rank, world_size, checkout):
         "--optimizer", "muon", "--muon-dist-mode", "allgather", "--muon-owner-choice", "bytes",
         "--muon-max-consecutive-skipped-steps", "3", "--muon-check-interval", "5",
         "--muon-max-exchange-bytes", "65536", "--muon-use-syrk"))
-    with mock.patch.object(megatron_muon.factory, "get_megatron_optimizer") as factory:
+    with mock.patch.object(megatron_lm.factory, "get_megatron_optimizer") as factory:
         megatron.training.training.get_megatron_optimizer("config", ["chunk"])
     factory.assert_called_once_with("config", ["chunk"], muon_dist_mode="allgather",
                                     muon_owner_choice="bytes",
@@ -128,7 +128,7 @@ def test_install_lets_megatron_validate_muon_on_megatron_fsdp_only(distributed, 
     (["helpers.cpp"], False),  # nothing to build with, nothing built: the build fails, as before
 ])
 def test_dataset_helper_is_prebuilt_only_in_the_wheels_layout(tmp_path, files, prebuilt):
-    from megatron_muon.training import dataset_helper_is_prebuilt
+    from megatron_muon.integrations.megatron_lm import dataset_helper_is_prebuilt
 
     for name in files:
         (tmp_path / name).touch()
@@ -140,12 +140,12 @@ def _inert_with_cuda():
 
     stream, device_count = torch.cuda.Stream, torch.cuda.device_count
     torch.cuda.is_available = lambda: True
-    from megatron_muon import cpu
+    from megatron_muon.compat import cpu
 
     assert cpu.apply_cpu_compat() is False and cpu.apply_megatron_training_compat() is False
-    import megatron_muon.training
+    from megatron_muon.integrations import megatron_lm
 
-    megatron_muon.training.install()
+    megatron_lm.install()
     assert torch.cuda.Stream is stream and torch.cuda.device_count is device_count
     assert torch.overrides._get_current_function_mode() is None
 
@@ -165,11 +165,11 @@ def test_the_top_level_arguments_module_is_the_packages():
     import importlib.util
     from pathlib import Path
 
-    import megatron_muon.arguments
+    import megatron_muon.integrations.arguments
 
     spec = importlib.util.spec_from_file_location(
         "top_level_arguments", Path(__file__).resolve().parents[1] / "arguments.py")
     top_level = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(top_level)
-    assert top_level.add_muon_args is megatron_muon.arguments.add_muon_args
-    assert top_level.validate_muon_args is megatron_muon.arguments.validate_muon_args
+    assert top_level.add_muon_args is megatron_muon.integrations.arguments.add_muon_args
+    assert top_level.validate_muon_args is megatron_muon.integrations.arguments.validate_muon_args

@@ -1,7 +1,7 @@
 """What megatron-muon borrows from upstream: a name gone from an installed version fails the import
 with one error that says what to install; the patches install() and the CPU layer apply come off
 again, leaving megatron.training, Megatron-FSDP and torch as they were; and no module but
-megatron_muon.upstream reaches a private upstream name."""
+megatron_muon.compat.upstream reaches a private upstream name."""
 
 import ast
 import subprocess
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_muon import upstream
-from megatron_muon.supported_versions import SUPPORTED
+from megatron_muon.compat import upstream
+from megatron_muon.compat.supported_versions import SUPPORTED
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_muon"
 
@@ -106,7 +106,7 @@ def test_uninstall_leaves_megatron_training_megatron_fsdp_and_torch_as_they_were
 
 
 def test_an_unlisted_target_is_refused():
-    with pytest.raises(KeyError, match="not listed in megatron_muon.upstream.PATCHES"):
+    with pytest.raises(KeyError, match="not listed in megatron_muon.compat.upstream.PATCHES"):
         upstream.patch("torch.cuda.is_available", lambda: True)
     with pytest.raises(KeyError):
         with upstream.temporarily("megatron.training.training.pretrain", None):
@@ -146,7 +146,8 @@ def test_only_the_upstream_module_reaches_private_upstream_names():
         "self._plan; from ._own import _helper; os._exit(2)\n") == [
         "torch.distributed._coalescing_manager", "torch.autograd._engine_run_backward",
         "getattr(mesh, '_shard_order', None)"]
-    reached = {path.name: names for path in PACKAGE.glob("*.py") if path.name != "upstream.py"
+    reached = {str(path.relative_to(PACKAGE)): names for path in PACKAGE.rglob("*.py")
+               if path != PACKAGE / "compat" / "upstream.py"
                for names in [_private_upstream_names(path.read_text())] if names}
     assert reached == {}
 

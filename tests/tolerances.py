@@ -25,7 +25,7 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import get_coefficient_iterator
 
-from megatron_muon import upstream
+from megatron_muon.compat import upstream
 
 UNIT_ROUNDOFF = 2.0 ** -24  # fp32
 ATOL, RTOL = 1e-6, 1e-5

@@ -12,7 +12,7 @@ import megatron_muon.bridge  # first: on CPU, Bridge's GPU-only imports need its
 import torch
 import transformers
 from bridge_pretrain import ExactValues, _megatron_cores_clip_qk_in_fp32
-from megatron_muon import upstream
+from megatron_muon.compat import upstream
 
 from megatron.bridge import AutoBridge  # noqa: E402
 from megatron.bridge.recipes.deepseek.h100.deepseek_v3 import (  # noqa: E402
@@ -102,7 +102,7 @@ def shrink(cfg, args) -> None:
     cfg.comm_overlap = None
     # Two micro-batches per rank: the experts' buffer (expert parallel = data parallel) reduces
     # over one rank, which released Megatron-FSDP rescales at every micro-batch
-    # (megatron_muon.upstream_fixes).
+    # (megatron_muon.compat.upstream_fixes).
     cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size = args.iters, 4, 1
     cfg.train.manual_gc, cfg.train.exit_signal_handler = False, False
     cfg.validation.eval_interval, cfg.validation.eval_iters = None, 0

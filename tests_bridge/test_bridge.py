@@ -228,12 +228,12 @@ def _config(**changes):
      "OptimizerConfig.adaptive_muon_beta2"),
 ])
 def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refusal):
-    import megatron_muon.bridge
+    from megatron_muon.integrations import bridge as muon_bridge
 
     cfg = _config(**changes)
     before = dataclasses.asdict(cfg.optimizer), type(cfg.optimizer), cfg.dist.distributed_backend
     with pytest.raises(ValueError) as refused:
-        megatron_muon.bridge.install(cfg)
+        muon_bridge.install(cfg)
     assert refusal in str(refused.value)
     assert (dataclasses.asdict(cfg.optimizer), type(cfg.optimizer),
             cfg.dist.distributed_backend) == before
@@ -242,37 +242,37 @@ def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refu
 def test_install_takes_the_recipes_dist_muon_on_megatron_fsdp_as_ours(capsys):
     """Bridge's Kimi K2 recipe names megatron-core's layer-wise Muon
     ('dist_muon', for Megatron DDP): on Megatron-FSDP it means megatron-muon's, said once."""
-    import megatron_muon.bridge
+    from megatron_muon.integrations import bridge as muon_bridge
 
     cfg = _config(**{"optimizer.optimizer": "dist_muon"})
-    megatron_muon.bridge.install(cfg)
+    muon_bridge.install(cfg)
     assert cfg.optimizer.optimizer == "muon"
-    assert isinstance(cfg.optimizer, megatron_muon.bridge.MuonOptimizerConfig)
+    assert isinstance(cfg.optimizer, muon_bridge.MuonOptimizerConfig)
     assert capsys.readouterr().out.count("'dist_muon' with Megatron-FSDP") == 1
     ddp = _config(**{"optimizer.optimizer": "dist_muon", "ddp.use_megatron_fsdp": False,
                      "dist.use_megatron_fsdp": False})
-    megatron_muon.bridge.install(ddp)
+    muon_bridge.install(ddp)
     assert ddp.optimizer.optimizer == "dist_muon"  # megatron-core's, on Megatron DDP
 
 
 def test_install_refuses_fp16_from_bridges_mixed_precision():
-    import megatron_muon.bridge
+    from megatron_muon.integrations import bridge as muon_bridge
 
     cfg = _config()
     cfg.mixed_precision = "fp16_mixed"
     with pytest.raises(ValueError, match=r"cfg.optimizer.fp16 \(use bf16 or fp32:"):
-        megatron_muon.bridge.install(cfg)
+        muon_bridge.install(cfg)
     cfg.mixed_precision = "bf16_mixed"
-    megatron_muon.bridge.install(cfg)
+    muon_bridge.install(cfg)
 
 
 def test_install_makes_the_optimizer_config_ours_keeping_every_setting():
-    import megatron_muon.bridge
+    from megatron_muon.integrations import bridge as muon_bridge
 
     cfg = _config(**{"optimizer.lr": 0.02, "optimizer.muon_momentum": 0.8})
     given = dataclasses.asdict(cfg.optimizer)
-    megatron_muon.bridge.install(cfg)
-    assert isinstance(cfg.optimizer, megatron_muon.bridge.MuonOptimizerConfig)
+    muon_bridge.install(cfg)
+    assert isinstance(cfg.optimizer, muon_bridge.MuonOptimizerConfig)
     assert {k: v for k, v in dataclasses.asdict(cfg.optimizer).items() if k in given} == given
     assert cfg.optimizer.muon_dist_mode == "owner" and cfg.optimizer.muon_owner_choice == "time"
 
@@ -280,12 +280,12 @@ def test_install_makes_the_optimizer_config_ours_keeping_every_setting():
 def test_the_optimizer_configs_own_fields_reach_the_factory():
     from unittest import mock
 
-    import megatron_muon.bridge
+    from megatron_muon.integrations import bridge as muon_bridge
 
     cfg = _config()
-    megatron_muon.bridge.install(cfg)
+    muon_bridge.install(cfg)
     cfg.optimizer.muon_use_syrk, cfg.optimizer.muon_max_exchange_bytes = True, 4096
-    with mock.patch.object(megatron_muon.bridge.factory, "get_megatron_optimizer") as factory:
+    with mock.patch.object(muon_bridge.factory, "get_megatron_optimizer") as factory:
         cfg.optimizer.provide(["chunk"])
     settings = factory.call_args.kwargs
     assert settings["muon_use_syrk"] is True and settings["muon_max_exchange_bytes"] == 4096
@@ -296,14 +296,14 @@ def test_bridges_qk_clip_is_ours_for_megatron_fsdp_models_only():
 
     import megatron.bridge.training.train as bridge_train
 
-    import megatron_muon.bridge
+    from megatron_muon.integrations import bridge as muon_bridge
 
-    megatron_muon.bridge.install(_config())
-    assert bridge_train.clip_qk is megatron_muon.bridge._clip_qk
+    muon_bridge.install(_config())
+    assert bridge_train.clip_qk is muon_bridge._clip_qk
     fsdp_chunk = mock.Mock(spec=["install_optimized_model_weights", "finish_grad_sync"])
-    with mock.patch.object(megatron_muon.bridge.qk_clip, "take_max_attention_logit",
+    with mock.patch.object(muon_bridge.qk_clip, "take_max_attention_logit",
                            return_value=7.0) as ours, \
-            mock.patch.object(megatron_muon.bridge, "_megatron_clip_qk") as megatron_cores:
+            mock.patch.object(muon_bridge, "_megatron_clip_qk") as megatron_cores:
         assert bridge_train.clip_qk([fsdp_chunk]) == 7.0
         ours.assert_called_once_with([fsdp_chunk])
         megatron_cores.assert_not_called()
@@ -316,14 +316,14 @@ def test_undo_patches_leaves_bridge_and_builtins_as_they_were():
     code = """
 import builtins, importlib
 real_import = builtins.__import__
-import megatron_muon.bridge
-from megatron_muon import upstream
+from megatron_muon.integrations import bridge as muon_bridge
+from megatron_muon.compat import upstream
 import bridge_pretrain, argparse
 owners = sorted({t.rpartition(".")[0] for t in upstream.PATCHES if t.startswith("megatron.bridge.")})
 before = {o: dict(vars(importlib.import_module(o))) for o in owners}
 cfg = bridge_pretrain.config(argparse.Namespace(strategy="optim", ddp=False, iters=1,
     qk_clip=False, qk_clip_threshold=1.0, save=None, load=None, save_interval=None))
-megatron_muon.bridge.install(cfg)
+muon_bridge.install(cfg)
 changed = [o for o in owners if dict(vars(importlib.import_module(o))) != before[o]]
 assert changed, owners
 upstream.undo_patches()
@@ -340,16 +340,16 @@ print("restored", changed)
 
 
 def test_install_checksums_bridges_fsdp_dtensor_checkpoints_unless_the_user_has_a_manager():
-    import megatron_muon.bridge
+    from megatron_muon.integrations import bridge as muon_bridge
 
     cfg = _config()
-    megatron_muon.bridge.install(cfg)
+    muon_bridge.install(cfg)
     assert cfg.checkpoint.custom_manager_class == (
         "megatron_muon.bridge.ChecksummedCheckpointManager")
     theirs = _config(**{"checkpoint.custom_manager_class": "their.package.Manager"})
     with pytest.warns(UserWarning, match="their.package.Manager: checkpoints are saved and "
                                          "loaded without megatron-muon's checksums"):
-        megatron_muon.bridge.install(theirs)
+        muon_bridge.install(theirs)
     assert theirs.checkpoint.custom_manager_class == "their.package.Manager"
 
 
@@ -359,7 +359,7 @@ import builtins
 import torch
 real_import = builtins.__import__
 torch.cuda.is_available = lambda: True
-from megatron_muon import cpu, upstream
+from megatron_muon.compat import cpu, upstream
 assert cpu.stand_in_for_gpu_only_imports() is False
 assert cpu.apply_bridge_compat() is False
 assert builtins.__import__ is real_import and not upstream.is_patched("builtins.__import__")

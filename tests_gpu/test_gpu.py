@@ -9,7 +9,7 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
   megatron-core's own Muon on Megatron DDP over the first iterations (fp32 Newton-Schulz);
 - with two GPUs or more, the same comparison at W=2, and Adam's grad norms and losses with
   experts over expert-parallel 2 and two micro-batches per rank equal Megatron DDP's on NCCL
-  (the experts' buffer reduces over one rank: megatron_muon.upstream_fixes); with four, the same
+  (the experts' buffer reduces over one rank: compat.upstream_fixes); with four, the same
   under --ddp-average-in-collective (the experts' scale before the average: upstream_fixes);
 - --muon-use-syrk (emerging_optimizers' Triton SYRK kernel): its Newton-Schulz differs from the
   plain bf16 kernel's by less than bf16's own error, and the demo trains with it;
@@ -37,7 +37,7 @@ from fake_ranks import run_fake_ranks  # noqa: E402
 from test_memory import newton_schulz_held  # noqa: E402
 from tolerances import RTOL  # noqa: E402
 
-from megatron_muon.memory import AllocationTracker  # noqa: E402
+from megatron_muon.tools.memory import AllocationTracker  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (this machine has none)")
@@ -60,7 +60,7 @@ DEMO_RUNS = {
     "megatron_core_muon_on_ddp": (*FP32_NEWTON_SCHULZ, "--no-use-megatron-fsdp", "--ckpt-format",
                                   "torch_dist"),
     # Several micro-batches per rank with experts (NVIDIA/Megatron-LM#6660,
-    # megatron_muon.upstream_fixes): at W=2 with EP=2 the experts' buffer reduces over one rank.
+    # compat.upstream_fixes): at W=2 with EP=2 the experts' buffer reduces over one rank.
     "experts_accumulated": ACCUMULATED_EXPERTS,
     "experts_accumulated_on_ddp": (*ACCUMULATED_EXPERTS, *MEGATRON_DDP),
     # --ddp-average-in-collective (upstream_fixes, 2.): at W=4 with EP=2, two micro-batches per
@@ -95,11 +95,11 @@ def test_batched_bf16_newton_schulz_is_within_bf16s_own_error(shape):
 
 @pytest.mark.parametrize("shape", [(1024, 4096), (4096, 1024), (2048, 2048), (36, 100)])
 def test_syrk_newton_schulz_is_within_bf16s_own_error_of_the_plain_kernel(shape):
-    """megatron_muon.syrk's orthogonalization (the kernel where it takes the matrix; (36, 100)
+    """megatron_muon.core.syrk's orthogonalization (the kernel where it takes the matrix; (36, 100)
     is not a multiple of 8 and takes the plain one) against TensorParallelMuon's own."""
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-    from megatron_muon import syrk
+    from megatron_muon.core import syrk
 
     muon = TensorParallelMuon([torch.nn.Parameter(torch.zeros(1, device="cuda"))])
     with_syrk = syrk.scaled_orthogonalize_fn(muon.scaled_orthogonalize_fn, 5, "quintic",
@@ -176,7 +176,7 @@ def test_zero3_matches_megatron_core_muon_on_ddp_on_two_gpus():
 
 def _equal_to_megatron_ddp_on_nccl(run, processes, iterations=4):
     """The demo's `run` and the same on Megatron DDP: each iteration's grad norm and loss equal
-    (within RTOL), Megatron-FSDP patched by megatron_muon.upstream_fixes."""
+    (within RTOL), Megatron-FSDP patched by megatron_muon.compat.upstream_fixes."""
     logs = [demo_log_of(name, iterations, processes) for name in (run, f"{run}_on_ddp")]
     assert "patched Megatron-FSDP" in logs[0], logs[0][-3000:]
     (norms, ddp_norms) = (demo_log.exact_values(log, "grad norm") for log in logs)
@@ -192,7 +192,7 @@ def _equal_to_megatron_ddp_on_nccl(run, processes, iterations=4):
                     reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
 def test_accumulated_expert_gradients_match_megatron_ddp_on_nccl():
     """EP=2 at W=2, 2 micro-batches per rank, ZeRO-3: the experts' buffer reduces over one rank,
-    which released Megatron-FSDP rescales at every micro-batch (megatron_muon.upstream_fixes holds it
+    which released Megatron-FSDP rescales at every micro-batch (compat.upstream_fixes holds it
     to one explicit scale at the grad sync): grad norms and losses equal Megatron DDP's."""
     _equal_to_megatron_ddp_on_nccl("experts_accumulated", 2)
 
@@ -203,5 +203,5 @@ def test_averaged_expert_gradients_match_megatron_ddp_on_nccl():
     """--ddp-average-in-collective, EP=2 at W=4, 2 micro-batches per rank, ZeRO-3: released
     Megatron-FSDP averages the experts' gradients without their scale (EDP / DP), silently on
     NCCL (docs/flags.md; on gloo the flag sweep shows it): grad norms and losses equal Megatron
-    DDP's with megatron_muon.upstream_fixes."""
+    DDP's with megatron_muon.compat.upstream_fixes."""
     _equal_to_megatron_ddp_on_nccl("experts_averaged", 4)

@@ -13,7 +13,9 @@ from emerging_optimizers.orthogonalized_optimizers.muon import MuonScaleT
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import syrk, upstream
+from ..compat import upstream
+from ..plan import MAX_EXCHANGE_BYTES
+from . import syrk
 from .checks import CheckResult
 from .dtensor_rows import (ParamAttributes, data_parallel_layout, num_experts,
                            tensor_parallel_group, tp_local_rows)
@@ -21,7 +23,6 @@ from .exchange import all_gather_rows, owner_exchange, run_overlapped
 from .group_planner import GroupPlan, GroupPlanner
 from .muon_math import momentum_update_
 from .owner_check import OwnerCheck
-from .plan import MAX_EXCHANGE_BYTES
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -171,7 +172,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             (plan.affordable_bytes), so that the step never holds more than Adam's state would.
             "allgather" mode and a checked step hold every update at once, beyond it.
         use_syrk: Newton-Schulz through emerging_optimizers' Triton SYRK kernel
-            (--muon-use-syrk; megatron_muon.syrk says where it runs): CUDA, bf16 (`medium`),
+            (--muon-use-syrk; megatron_muon.core.syrk says where it runs): CUDA, bf16 (`medium`),
             each matrix in its own call (the kernel takes no batch); refused at construction
             where it cannot run.
         param_names: {param: name}, for error messages.

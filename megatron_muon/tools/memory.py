@@ -13,7 +13,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from . import upstream
+from ..compat import upstream
 
 # What holds the bytes at rest; a storage shared by two kinds counts for the first.
 AT_REST = ("optimizer state", "main weights", "gradients", "model weights")
@@ -21,7 +21,7 @@ AT_REST = ("optimizer state", "main weights", "gradients", "model weights")
 UNCOUNTED = "other"
 # The phases of a train step measure_train_step measures.
 PHASES = ("forward-backward", "optimizer step")
-_PHASE = "megatron_muon.memory.phase."
+_PHASE = "megatron_muon.tools.memory.phase."
 
 
 class AllocationTracker:
@@ -107,7 +107,7 @@ def _megatron_fsdp_buffers(model_chunks) -> dict[str, list[torch.Tensor]]:
     """Megatron-FSDP's buffers by kind (its ParameterGroup's DataParallelBuffer fields: main
     weights, gradients, model weights), which hold what its params view between steps (under
     ZeRO-1/2 the unsharded compute weights are reachable through no param then)."""
-    from .chained import find_megatron_fsdp
+    from ..step.chained import find_megatron_fsdp
 
     kinds = {"main weights": [], "gradients": [], "model weights": []}
     for chunk in model_chunks:

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import upstream
-from .plan import (IN_FLIGHT, Matrix, RowLayout, gather_moves, gather_segments, scatter_moves,
-                   scatter_segments)
+from ..compat import upstream
+from ..plan import (IN_FLIGHT, Matrix, RowLayout, gather_moves, gather_segments, scatter_moves,
+                    scatter_segments)
 
 
 def all_gather_ints(values: list[int], group, device: torch.device) -> list[list[int]]:

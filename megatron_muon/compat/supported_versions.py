@@ -1,6 +1,6 @@
 """The versions of Python and of each dependency this release supports, each range tested at both
 ends (constraints/lowest.txt, constraints/newest.txt). setup.py reads this file before anything
-is installed, and megatron_muon.upstream names these ranges when an installed version lacks a
+is installed, and megatron_muon.compat.upstream names these ranges when an installed version lacks a
 name it borrows: plain data, no imports."""
 
 SUPPORTED = {

@@ -1,6 +1,6 @@
 """Defects of released upstream that upstream fixed, or that megatron-muon fixes, where the
 installed version still has them, each decided by reading the installed code or by a cheap probe,
-never by a version list. Every target is listed in megatron_muon.upstream.PATCHES;
+never by a version list. Every target is listed in megatron_muon.compat.upstream.PATCHES;
 `megatron_muon.training.uninstall()` undoes them. `apply()` is called by `training.install()`,
 `bridge.install(cfg)`, the factory and `standalone.muon_optimizer`, for every optimizer, and says
 what it patched in one line each.
@@ -45,9 +45,10 @@ import os
 import weakref
 
 import torch.distributed as dist
+
+from ..core.dtensor_rows import tensor_parallel_group
+from ..core.muon_math import unscaled_orthogonalize_fn
 from . import upstream
-from .dtensor_rows import tensor_parallel_group
-from .muon_math import unscaled_orthogonalize_fn
 
 # Params each pipeline held back since its last grad sync.
 _held = weakref.WeakKeyDictionary()
@@ -218,7 +219,7 @@ def _fix_one_rank_reduce() -> list[str]:
 
 def _fix_average_in_collective() -> list[str]:
     """The Megatron-FSDP copies patched now. The scale's target is the CPU layer's too
-    (megatron_muon.cpu): the probe, not is_patched, tells whether the fix is in."""
+    (megatron_muon.compat.cpu): the probe, not is_patched, tells whether the fix is in."""
     fixed = []
     for copy in upstream.INSTALLED_MEGATRON_FSDP_COPIES:
         scale, dense = (f"{copy}.{target}" for target in (upstream.AVERAGE_SCALE_TARGET,

@@ -21,10 +21,10 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
-from . import upstream
+from ..compat import upstream
+from ..core.muon_math import mla_kv_row_factors, mla_q_row_factors, qk_clip_row_factors
+from ..plan import QKVRows
 from .chained import named_main_weights
-from .muon_math import mla_kv_row_factors, mla_q_row_factors, qk_clip_row_factors
-from .plan import QKVRows
 
 # The attentions megatron-core's clip_qk clips (megatron.core.optimizer.qk_clip's).
 CLIPPED_ATTENTIONS = (SelfAttention, MultiLatentAttention)

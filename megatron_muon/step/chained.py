@@ -10,11 +10,11 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from . import upstream
-from .checks import (MuonCheckError, agree_on_every_rank, compute_weights_that_differ,
-                     replicas_that_differ)
+from ..compat import upstream
+from ..core.checks import (MuonCheckError, agree_on_every_rank, compute_weights_that_differ,
+                           replicas_that_differ)
+from ..core.zero_muon import ZeROTensorParallelMuon
 from .nonfinite_skip import NonfiniteSkip
-from .zero_muon import ZeROTensorParallelMuon
 
 # The profiler's label of the install and param sync (benchmarks/step_profile.py reads it).
 PARAM_SYNC = "muon.param_sync"
@@ -52,9 +52,9 @@ class FSDPMuonChainedOptimizer:
 
     A step whose gradients hold a NaN or Inf on any rank is skipped on every rank and said so;
     after `max_consecutive_skipped_steps` of them in a row (0: never) the step raises instead
-    (megatron_muon.nonfinite_skip: no collective of its own where the chain reduces a grad norm).
+    (step.nonfinite_skip: no collective of its own where the chain reduces a grad norm).
 
-    `max_attention_logits` (megatron_muon.qk_clip, for --log-max-attention-logit and --qk-clip):
+    `max_attention_logits` (step.qk_clip, for --log-max-attention-logit and --qk-clip):
     each step reduces the forward's max attention logits, and a step that updates the weights
     clips the main weights' q and k rows (MuonClip) before installing them.
 

@@ -15,15 +15,15 @@ import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from torch.distributed.tensor import DTensor
 
-from . import upstream
+from ..compat import upstream
+from ..plan import (Matrix, RowLayout, StepCost, batch_matrices, cost_key, exchange_budget,
+                    orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
+                    qkv_row_blocks, row_layouts, split_matrices)
 from .checks import data_parallel_dims
-from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_layout, num_experts,
-                           shard_index, tp_local_rows)
+from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_layout, num_experts, shard_index,
+                           tp_local_rows)
 from .exchange import OwnerRoutes, all_gather_ints
 from .measured_cost import measure, seconds_beyond_noise
-from .plan import (Matrix, RowLayout, StepCost, batch_matrices, cost_key, exchange_budget,
-                   orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
-                   qkv_row_blocks, row_layouts, split_matrices)
 
 # Measured batched Newton-Schulz must take at most this share of the per-matrix calls' time to be
 # chosen at fp32 `highest`: a near tie is noise (on this project's CPU 256x1024 batched by 2 took

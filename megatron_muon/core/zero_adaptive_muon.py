@@ -10,11 +10,11 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 from torch.distributed.tensor import DTensor, Shard
 
+from ..compat.upstream_fixes import whole_shape
 from .dtensor_rows import ParamAttributes, num_experts, tp_local_rows
 from .group_planner import GroupPlan
 from .muon_math import unscaled_orthogonalize_fn
 from .second_moment import SECOND_MOMENTS
-from .upstream_fixes import whole_shape
 from .zero_muon import ZeROTensorParallelMuon, tensor_parallel_muon_settings
 
 MOMENT2_METHODS = typing.get_args(Moment2MethodT)
@@ -44,7 +44,7 @@ def check_adaptive_settings(moment2_method, beta2, eps, use_syrk,
 
 
 class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
-    """megatron-core's TensorParallelAdaptiveMuon (as megatron_muon.upstream_fixes repairs it)
+    """megatron-core's TensorParallelAdaptiveMuon (as compat.upstream_fixes repairs it)
     for Megatron-FSDP main weights: each update bit-identical (fp32 `highest`) to it on the
     unsharded model. An AdaptiveMuon as megatron-core's is (its second-moment methods), stepped
     by ZeROTensorParallelMuon.

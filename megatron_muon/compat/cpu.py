@@ -5,7 +5,7 @@ synchronous, so that bookkeeping can be a no-op (apply_cpu_compat). megatron.tra
 further asks for CUDA tensors, RNG states and devices (apply_megatron_training_compat). Nothing
 here runs when CUDA is available; nor does the probe for emulated bf16 matmuls
 (bf16_matmul_is_emulated), which chooses the Newton-Schulz precision of the demo and benchmarks.
-Every patch goes through megatron_muon.upstream, which lists it and can undo it.
+Every patch goes through megatron_muon.compat.upstream, which lists it and can undo it.
 """
 
 import atexit
@@ -154,7 +154,7 @@ def _split_sizes_as_numpy_on_cpu(move_tensor_to_cpu):
 
 def apply_cpu_compat() -> bool:
     """Patch torch.cuda's stream/event API into no-ops when CUDA is absent; idempotent. Each
-    patch is listed, and undone, in megatron_muon.upstream.
+    patch is listed, and undone, in megatron_muon.compat.upstream.
 
     Returns True when the patches are (or already were) in place, False on a CUDA machine.
     """

@@ -10,14 +10,14 @@ from megatron.core.optimizer import get_standard_config_overrides
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from . import rules, upstream, upstream_fixes
+from ..compat import upstream, upstream_fixes
+from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
+from ..core.zero_muon import ZeROTensorParallelMuon
+from ..plan import MAX_EXCHANGE_BYTES
+from ..step.chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
+from ..step.qk_clip import build_max_attention_logits
+from . import rules
 from .arguments import FSDP_OPTIMIZERS
-from .chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
-from .plan import MAX_EXCHANGE_BYTES
-from .qk_clip import build_max_attention_logits
-from .zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
-from .zero_muon import ZeROTensorParallelMuon
-
 
 # What steps each of arguments.FSDP_OPTIMIZERS on Megatron-FSDP.
 MUON_CLASSES = {"muon": ZeROTensorParallelMuon, "adaptive_muon": ZeROTensorParallelAdaptiveMuon}
@@ -64,13 +64,13 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
                                     muon_max_consecutive_skipped_steps, max_attention_logits)
 
 
-# The config class that holds each section of megatron_muon.rules' settings, as users name them.
+# The config class that holds each section of integrations.rules' settings, as users name them.
 _CONFIG_CLASSES = {"optimizer": "OptimizerConfig", "ddp": "DistributedDataParallelConfig",
                    "model": "TransformerConfig"}
 
 
 def _config_field(config, model_chunks):
-    """megatron_muon.rules' settings of a factory call: the OptimizerConfig, and the first
+    """integrations.rules' settings of a factory call: the OptimizerConfig, and the first
     chunk's DDP and transformer configs (AttributeError where there is none)."""
     sections = {"optimizer": lambda: config, "ddp": lambda: model_chunks[0].ddp_config,
                 "model": lambda: model_chunks[0].config}

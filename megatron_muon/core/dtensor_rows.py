@@ -7,7 +7,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from . import upstream
+from ..compat import upstream
 from .checks import data_parallel_dims
 
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import upstream
+from ..compat import upstream
 
 
 class AdaMuon:

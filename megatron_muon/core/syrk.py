@@ -13,7 +13,7 @@ whole on its rank (no tensor-parallel partition, or a TP group of one), which
 
 import torch
 
-from . import upstream
+from ..compat import upstream
 
 FLAG = "--muon-use-syrk"
 # emerging_optimizers' Muon.__init__ turns use_syrk off elsewhere: "Correctness of Triton kernel

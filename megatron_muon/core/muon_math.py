@@ -9,8 +9,8 @@ bit-identical to the unsharded optimizer's rows.
 import torch
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
 
-from . import upstream
-from .plan import QKVRows
+from ..compat import upstream
+from ..plan import QKVRows
 
 
 def momentum_update_(optimizer, param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor,

@@ -1,0 +1,228 @@
+"""Muon on Megatron-FSDP through Megatron-Bridge's recipes and training loop (megatron-muon[bridge]).
+
+    import megatron_muon.bridge                  # before megatron.bridge, on a machine without CUDA
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    cfg = recipe()                                # any ConfigContainer
+    cfg.optimizer.optimizer = "muon"
+    cfg.ddp.use_megatron_fsdp = True
+    megatron_muon.bridge.install(cfg)            # validates; Bridge then builds our Muon
+    pretrain(cfg, forward_step)
+
+Bridge runs neither megatron.training's argument validation nor its optimizer factory: it builds
+the optimizer through the config's `provide()` where the config has one (Bridge's
+setup_optimizer). `install(cfg)` checks the ConfigContainer against integrations.rules (each
+refusal naming Bridge's field), turns `cfg.optimizer` into a MuonOptimizerConfig, whose
+`provide()` builds ours for Muon on Megatron-FSDP and megatron-core's otherwise, and makes Bridge's
+MuonClip ours: its train step calls megatron-core's `clip_qk(model)` after `optimizer.step()`,
+which would clip the whole weights again after our in-step clip of the sharded main weights.
+Without CUDA it applies the CPU layer for Bridge (compat.cpu); with CUDA it touches none.
+"""
+
+import dataclasses
+import os
+import warnings
+from pathlib import Path
+
+import megatron.core.datasets.utils
+
+from ..compat import cpu, upstream, upstream_fixes
+from ..core.zero_adaptive_muon import check_adaptive_settings
+from ..core.zero_muon import DIST_MODES, OWNER_CHOICES
+from ..plan import MAX_EXCHANGE_BYTES
+from ..step import checksums, qk_clip
+from ..step.chained import find_megatron_fsdp
+from . import factory, rules
+from .arguments import FSDP_OPTIMIZERS
+
+# Where users, and the configs Bridge saves, name this module's classes (megatron_muon/bridge.py).
+PUBLIC_MODULE = "megatron_muon.bridge"
+
+cpu.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
+upstream.import_bridge()
+
+import megatron.bridge.training.initialize  # noqa: E402  (after the stand-ins)
+import megatron.bridge.training.train  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.bridge.training.checkpointing import DefaultCheckpointManager  # noqa: E402
+from megatron.bridge.training.config import OptimizerConfig  # noqa: E402
+from megatron.bridge.training.mixed_precision import get_mixed_precision_config  # noqa: E402
+from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name  # noqa: E402
+from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix  # noqa: E402
+
+from .megatron_lm import dataset_helper_is_prebuilt, skip_dataset_helper_build  # noqa: E402
+
+_megatron_clip_qk = megatron.bridge.training.train.clip_qk
+
+
+@dataclasses.dataclass(kw_only=True)
+class MuonOptimizerConfig(OptimizerConfig):
+    """Bridge's OptimizerConfig plus megatron-muon's settings (its flags'), built by Bridge through
+    `provide()`: Muon on Megatron-FSDP is ours, everything else megatron-core's, as Bridge's
+    setup_optimizer would build it."""
+
+    muon_dist_mode: str = "owner"
+    """ZeROTensorParallelMuon's dist_mode: "owner" or "allgather" (--muon-dist-mode)."""
+
+    muon_owner_choice: str = "time"
+    """How owner mode picks owners: "time" (estimated step time, rates measured at
+    construction) or "bytes" (fewest bytes first) (--muon-owner-choice)."""
+
+    muon_max_consecutive_skipped_steps: int = 10
+    """Stop after this many steps in a row skipped for non-finite gradients; 0: never."""
+
+    muon_check_interval: int = 0
+    """Every this many steps, compare each Muon update with the whole-matrix reference
+    (ZeROTensorParallelMuon's check_interval); 0: never."""
+
+    muon_max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES
+    """The most the owner step's working memory holds at once on a rank, in bytes
+    (--muon-max-exchange-bytes; ZeROTensorParallelMuon's max_exchange_bytes); None: what Muon's
+    state saves a rank against Adam's."""
+
+    muon_use_syrk: bool = False
+    """Newton-Schulz through emerging-optimizers' Triton SYRK kernel (--muon-use-syrk;
+    ZeROTensorParallelMuon's use_syrk): CUDA, bf16 (muon_fp32_matmul_prec "medium")."""
+
+    def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False,
+                pg_collection=None):
+        chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+        return factory.get_megatron_optimizer(
+            self, chunks, config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
+            muon_dist_mode=self.muon_dist_mode, muon_owner_choice=self.muon_owner_choice,
+            muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps,
+            muon_check_interval=self.muon_check_interval,
+            muon_max_exchange_bytes=self.muon_max_exchange_bytes,
+            muon_use_syrk=self.muon_use_syrk)
+
+
+class ChecksummedCheckpointManager(DefaultCheckpointManager):
+    """Bridge's own checkpoint manager plus megatron-muon's checksums (step.checksums):
+    after a persistent, synchronous save each rank records its files' sizes and CRC-32s; before a
+    load the checkpoint Bridge will read (its own choice of it) is verified on every rank, and a
+    damaged file stops the run, named, before anything is read. install() makes it Bridge's
+    manager (cfg.checkpoint.custom_manager_class) for Muon on Megatron-FSDP in fsdp_dtensor."""
+
+    def save(self, ctx, callback_manager) -> None:
+        super().save(ctx, callback_manager)
+        config = self.checkpoint_config
+        if not ctx.non_persistent_ckpt and not config.async_save:
+            checksums.record_on_every_rank(
+                Path(get_checkpoint_name(config.save, ctx.state.train_state.step)))
+
+    def load(self, ctx):
+        config = self.checkpoint_config
+        if config.load is not None:
+            iteration, release = upstream.resolve_checkpoint_iteration(config.load,
+                                                                      config.ckpt_step)
+            if iteration == upstream.DIRECT_ITERATION_DIR:
+                checksums.verify_on_every_rank(Path(config.load))
+            elif iteration >= 0 or release:
+                checksums.verify_on_every_rank(
+                    Path(get_checkpoint_name(config.load, iteration, release)))
+        return super().load(ctx)
+
+
+def _megatron_fsdp(cfg) -> bool:
+    return cfg.ddp.use_megatron_fsdp or cfg.dist.use_megatron_fsdp
+
+
+def muon_on_megatron_fsdp(cfg) -> bool:
+    """Whether a ConfigContainer asks for what megatron_muon provides."""
+    return cfg.optimizer.optimizer in FSDP_OPTIMIZERS and _megatron_fsdp(cfg)
+
+
+def install(cfg) -> None:
+    """Check `cfg` (a Bridge ConfigContainer) and have Bridge build Muon on Megatron-FSDP with
+    megatron_muon; raise, naming each field, before anything is built. Call before pretrain()."""
+    # Bridge's Kimi K2 recipe (optimizer_utils.distributed_muon_with_cosine_annealing) names
+    # megatron-core's layer-wise distributed Muon, which is for Megatron DDP; on Megatron-FSDP
+    # ours distributes Muon.
+    takes_dist_muon = cfg.optimizer.optimizer == "dist_muon" and _megatron_fsdp(cfg)
+    muon = takes_dist_muon or muon_on_megatron_fsdp(cfg)
+    upstream_fixes.apply()  # for every optimizer, where the installed upstream needs them
+    if _megatron_fsdp(cfg):
+        rules.refuse(_reader(cfg), _field_name, training_loop=True, muon=muon,
+                     what=("Muon on " if muon else "") + "Megatron-FSDP through Megatron-Bridge")
+    if muon:
+        for field, choices in (("muon_dist_mode", DIST_MODES), ("muon_owner_choice", OWNER_CHOICES)):
+            value = getattr(cfg.optimizer, field, choices[0])
+            if value not in choices:
+                raise ValueError(f"cfg.optimizer.{field} {value!r}: choose from {choices}")
+        if cfg.optimizer.optimizer == "adaptive_muon":
+            optimizer = cfg.optimizer
+            check_adaptive_settings(
+                optimizer.adaptive_muon_moment2_method, optimizer.adaptive_muon_beta2,
+                optimizer.adaptive_muon_eps, getattr(optimizer, "muon_use_syrk", False))
+        budget = getattr(cfg.optimizer, "muon_max_exchange_bytes", MAX_EXCHANGE_BYTES)
+        if budget is not None and (not isinstance(budget, int) or budget <= 0):
+            raise ValueError(f"cfg.optimizer.muon_max_exchange_bytes {budget!r}: None (what "
+                             f"Muon's state saves a rank) or a positive number of bytes "
+                             f"(--muon-max-exchange-bytes)")
+    if takes_dist_muon:
+        cfg.optimizer.optimizer = "muon"
+        _log("cfg.optimizer.optimizer 'dist_muon' with Megatron-FSDP: megatron-muon's "
+             "distributed Muon (ZeROTensorParallelMuon) steps it")
+    if not isinstance(cfg.optimizer, MuonOptimizerConfig):
+        cfg.optimizer = MuonOptimizerConfig(**{
+            field.name: getattr(cfg.optimizer, field.name)
+            for field in dataclasses.fields(cfg.optimizer) if field.init})
+    upstream.patch("megatron.bridge.training.train.clip_qk", _clip_qk)
+    _checksum_checkpoints(cfg)
+    if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
+        # Bridge's initialize imports compile_helpers by name: patch its copy.
+        upstream.patch("megatron.bridge.training.initialize.compile_helpers",
+                       skip_dataset_helper_build)
+    if cpu.apply_bridge_compat():
+        cfg.dist.distributed_backend = "gloo"  # NCCL needs GPUs
+
+
+def _checksum_checkpoints(cfg) -> None:
+    """ChecksummedCheckpointManager for Muon on Megatron-FSDP in fsdp_dtensor, unless the user
+    brings a manager of their own (then said, once)."""
+    if not (muon_on_megatron_fsdp(cfg) and cfg.checkpoint.ckpt_format == "fsdp_dtensor"):
+        return
+    ours = f"{PUBLIC_MODULE}.{ChecksummedCheckpointManager.__name__}"
+    if cfg.checkpoint.custom_manager_class not in (None, ours):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            warnings.warn(f"cfg.checkpoint.custom_manager_class is "
+                          f"{cfg.checkpoint.custom_manager_class}: checkpoints are saved and "
+                          f"loaded without megatron-muon's checksums")
+        return
+    # Bridge instantiates allow-listed names only.
+    register_allowed_target_prefix(f"{PUBLIC_MODULE}.")
+    cfg.checkpoint.custom_manager_class = ours
+
+
+def _field_name(section: str, field: str) -> str:
+    return f"cfg.{section}.{field}"
+
+
+def _log(message: str) -> None:
+    """One line from the first rank (install runs before Bridge starts the process group)."""
+    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+        print(f"megatron-muon: {message}", flush=True)
+
+
+def _reader(cfg):
+    """integrations.rules' settings of a ConfigContainer. fp16 is what Bridge's mixed precision
+    will set (runtime_config_update applies it to the optimizer config in pretrain)."""
+
+    def read(section, field):
+        if (section, field) == ("optimizer", "fp16") and cfg.mixed_precision is not None:
+            return get_mixed_precision_config(cfg.mixed_precision).fp16
+        return getattr(getattr(cfg, section), field)
+
+    return read
+
+
+def _clip_qk(model, log_max_only=False):
+    """Bridge's QK-clip after the optimizer's step: for Muon on Megatron-FSDP the step has
+    reduced the max logits and clipped (megatron_muon.step.qk_clip); what is left is the value to
+    log."""
+    chunks = model if isinstance(model, list) else [model]
+    if not all(find_megatron_fsdp(chunk) for chunk in chunks):
+        return _megatron_clip_qk(model, log_max_only)
+    return qk_clip.take_max_attention_logit(chunks)

@@ -1,0 +1,255 @@
+"""The switch that lets megatron.training train with `--optimizer muon --use-megatron-fsdp`.
+
+Call `install()` once, before Megatron parses its arguments (it is idempotent). It
+
+* takes `--optimizer dist_muon` with `--use-megatron-fsdp` as muon, ours, saying so once (Megatron
+  refuses it; on Megatron DDP dist_muon stays megatron-core's layer-wise Muon);
+* makes `validate_args` accept muon with Megatron-FSDP, which Megatron refuses twice
+  (megatron.training.arguments.validate_args asserts both "Megatron-FSDP does not support the
+  muon optimizer yet" and "Emerging optimizer does not support Megatron-FSDP for now").
+  Megatron validates that combination as it would Adam on Megatron-FSDP, after
+  `validate_muon_args` has refused what Muon on Megatron-FSDP lacks; every other combination is
+  validated, and refused, as before;
+* routes megatron.training's optimizer factory to `integrations.factory.get_megatron_optimizer`
+  with `--muon-dist-mode` (training.py imports the name, so megatron.core.optimizer's attribute is
+  not the one it calls);
+* without CUDA, makes megatron.training run on CPU with gloo (compat.cpu; inert with CUDA);
+* fixes released Megatron-FSDP's gradients where upstream fixed them after the release, for every
+  optimizer (compat.upstream_fixes: a buffer reduced over one rank, e.g. the experts' at
+  expert parallel = data parallel, rescaled at every micro-batch);
+* lets a megatron-core whose dataset helper is already built start without a Makefile to build it
+  with: the wheel ships `helpers_cpp` built and no Makefile, and initialize_megatron's
+  `compile_helpers()` would exit. A source checkout (Makefile present) still builds, and a build
+  failure still stops the run;
+* says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
+  another optimizer, or with --no-save-optim), where DCP names one missing key;
+* gives Muon on Megatron-FSDP MuonClip (--qk-clip) and --log-max-attention-logit, on
+  megatron-core's local attention too: the optimizer's step reduces the max logits over the
+  data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
+  the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
+* makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
+  (megatron_muon.step.checksums) and verify them before a load, on every rank together: a damaged
+  file stops the run, named, before any state changes;
+* accepts `--muon-fp32-matmul-prec highest` (fp32 Newton-Schulz, which Megatron's choices lack
+  on CUDA) in every parse megatron.training makes, and warns once, on rank 0, when a Muon run
+  asks for bf16 Newton-Schulz on a CPU that emulates bf16 matmuls (docs/newton-schulz-precision.md).
+"""
+
+import functools
+import importlib.machinery
+import inspect
+import re
+import warnings
+from pathlib import Path
+
+import megatron.core.datasets.utils
+import megatron.training.arguments
+import megatron.training.checkpointing
+import megatron.training.training
+import torch
+from megatron.training.checkpointing import get_checkpoint_name, get_load_checkpoint_path_by_args
+from megatron.training.utils import print_rank_last
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..compat import cpu, upstream, upstream_fixes
+from ..compat.cpu import apply_megatron_training_compat
+from ..plan import MAX_EXCHANGE_BYTES
+from ..step import checksums, qk_clip
+from . import factory
+from .arguments import (FSDP_OPTIMIZERS, mend_help_texts, muon_on_megatron_fsdp,
+                        offer_fp32_newton_schulz, validate_muon_args)
+
+_megatron_add_arguments = megatron.training.arguments.add_megatron_arguments
+_megatron_validate_args = megatron.training.arguments.validate_args
+_megatron_load_base_checkpoint = upstream.current(
+    'megatron.training.checkpointing._load_base_checkpoint')
+_megatron_save_checkpoint = megatron.training.training.save_checkpoint
+_megatron_load_checkpoint = megatron.training.training.load_checkpoint
+_megatron_clip_qk = megatron.training.training.clip_qk
+_megatron_training_log = megatron.training.training.training_log
+_TRAINING_LOG_PARAMETERS = inspect.signature(_megatron_training_log)
+# Megatron's optimizers that run Newton-Schulz at --muon-fp32-matmul-prec.
+MUON_OPTIMIZERS = ('muon', 'dist_muon', 'adaptive_muon')
+MISSING_OPTIMIZER_STATE = re.compile(
+    r'Missing key in checkpoint state_dict: (optimizer\.[^\s]*?)\.?$', re.MULTILINE)
+
+
+def _add_megatron_arguments(parser):
+    parser = _megatron_add_arguments(parser)
+    offer_fp32_newton_schulz(parser)
+    mend_help_texts(parser)
+    return parser
+
+
+_warned_of_emulated_bf16 = False
+
+
+def _warn_if_newton_schulz_is_emulated(args) -> None:
+    """Once, on rank 0: Muon asked for bf16 Newton-Schulz (--muon-fp32-matmul-prec medium,
+    Megatron's default) on a CPU that emulates bf16 matmuls. The run keeps what it asked for."""
+    global _warned_of_emulated_bf16
+    if (_warned_of_emulated_bf16 or args.rank != 0 or args.optimizer not in MUON_OPTIMIZERS
+            or args.muon_fp32_matmul_prec != 'medium' or not cpu.bf16_matmul_is_emulated()):
+        return
+    _warned_of_emulated_bf16 = True
+    bf16, fp32 = cpu.matmul_seconds(torch.bfloat16), cpu.matmul_seconds(torch.float32)
+    warnings.warn(
+        f'--muon-fp32-matmul-prec medium runs Newton-Schulz in bf16, which this CPU has no native '
+        f'matmul for: a 512x512 matmul took {bf16 * 1e3:.0f} ms here in bf16 against '
+        f'{fp32 * 1e3:.1f} ms in fp32 ({bf16 / fp32:.0f}x). --muon-fp32-matmul-prec highest runs '
+        f'it in fp32.', stacklevel=2)
+
+
+def _take_dist_muon_on_megatron_fsdp(args) -> None:
+    """--optimizer dist_muon (megatron-core's layer-wise distributed Muon, for Megatron DDP) with
+    --use-megatron-fsdp, which megatron.training refuses: on Megatron-FSDP our distributed Muon
+    steps it, as bridge.install(cfg) takes Bridge's recipes' dist_muon. Said once, on rank 0."""
+    if args.optimizer != 'dist_muon' or not args.use_megatron_fsdp:
+        return
+    args.optimizer = 'muon'
+    if args.rank == 0:
+        print('megatron-muon: --optimizer dist_muon with --use-megatron-fsdp: megatron-muon\'s '
+              'distributed Muon (ZeROTensorParallelMuon) steps it', flush=True)
+
+
+def _validate_args(args, defaults={}):
+    _take_dist_muon_on_megatron_fsdp(args)
+    _warn_if_newton_schulz_is_emulated(args)
+    validate_muon_args(args)
+    if not muon_on_megatron_fsdp(args):
+        return _megatron_validate_args(args, defaults)
+    print_args = upstream.current('megatron.training.arguments._print_args')
+
+    optimizer = args.optimizer
+
+    def print_args_as_given(title, args_to_print):
+        # validate_args prints the arguments once every check has run: show the real optimizer.
+        args_to_print.optimizer = optimizer
+        print_args(title, args_to_print)
+
+    # Megatron measures max attention logits only in TransformerEngine's attention (it asserts
+    # TE >= 2.9 for both flags); megatron_muon measures them in the local one too
+    # (megatron_muon.step.qk_clip), and validate_muon_args has checked --qk-clip's settings.
+    qk_flags = {'qk_clip': args.qk_clip, 'log_max_attention_logit': args.log_max_attention_logit}
+    args.optimizer = 'adam'
+    if args.transformer_impl == 'local':
+        args.qk_clip = args.log_max_attention_logit = False
+    try:
+        with upstream.temporarily('megatron.training.arguments._print_args', print_args_as_given):
+            return _megatron_validate_args(args, defaults)
+    finally:
+        args.optimizer = optimizer
+        vars(args).update(qk_flags)
+
+
+def _get_megatron_optimizer(*args, **kwargs):
+    flags = megatron.training.get_args()
+    return factory.get_megatron_optimizer(
+        *args, muon_dist_mode=getattr(flags, 'muon_dist_mode', 'owner'),
+        muon_owner_choice=getattr(flags, 'muon_owner_choice', 'time'),
+        muon_max_consecutive_skipped_steps=getattr(flags, 'muon_max_consecutive_skipped_steps', 10),
+        muon_check_interval=getattr(flags, 'muon_check_interval', 0),
+        muon_max_exchange_bytes=getattr(flags, 'muon_max_exchange_bytes', MAX_EXCHANGE_BYTES),
+        muon_use_syrk=getattr(flags, 'muon_use_syrk', False),
+        **kwargs)
+
+
+def _load_base_checkpoint(*args, **kwargs):
+    try:
+        return _megatron_load_base_checkpoint(*args, **kwargs)
+    except CheckpointException as error:  # a BaseException
+        missing = MISSING_OPTIMIZER_STATE.search(str(error))
+        if missing is None or megatron.training.get_args().optimizer not in FSDP_OPTIMIZERS:
+            raise
+        raise RuntimeError(
+            f'the checkpoint has no optimizer state for this run (first missing: {missing[1]}): '
+            f'it was saved by another optimizer, or with --no-save-optim. Load the model only with '
+            f'--no-load-optim: the optimizer state (Muon\'s momentum, the scalar optimizer\'s '
+            f'moments) then starts at zero.') from error
+
+
+def _clip_qk(model, log_max_only=False):
+    """megatron.training's QK-clip after the optimizer's step: for Muon on Megatron-FSDP the step
+    has reduced the max logits and clipped (megatron_muon.step.qk_clip); what is left is the value
+    to log."""
+    if not muon_on_megatron_fsdp(megatron.training.get_args()):
+        return _megatron_clip_qk(model, log_max_only)
+    return qk_clip.take_max_attention_logit(model)
+
+
+@functools.wraps(_megatron_training_log)  # its signature, for wrappers that bind arguments
+def _training_log(*args, **kwargs):
+    """Megatron's log line, then the iteration's max attention logit (measured in its forward,
+    before any clip) on a line of its own: Megatron sends it only to TensorBoard and W&B."""
+    report_memory_flag = _megatron_training_log(*args, **kwargs)
+    logged = _TRAINING_LOG_PARAMETERS.bind(*args, **kwargs).arguments
+    flags, iteration = megatron.training.get_args(), logged['iteration']
+    if flags.log_max_attention_logit and (iteration % flags.log_interval == 0
+                                          or logged.get('is_first_iteration')):
+        print_rank_last(f' iteration {iteration:8d} | max attention logit: '
+                        f'{logged["max_attention_logit"]:.4f} |')
+    return report_memory_flag
+
+
+def _checksummed(flags) -> bool:
+    return muon_on_megatron_fsdp(flags) and flags.ckpt_format == 'fsdp_dtensor'
+
+
+def _save_checkpoint(iteration, *args, **kwargs):
+    """Megatron's save, then each rank's files' checksums: of persistent, synchronous saves (an
+    async one is still writing when this returns). A save killed before Megatron's final barrier
+    never reaches its tracker file, so --load keeps picking the previous checkpoint."""
+    result = _megatron_save_checkpoint(iteration, *args, **kwargs)
+    flags = megatron.training.get_args()
+    if (_checksummed(flags) and not flags.async_save
+            and not kwargs.get('non_persistent_ckpt', False)):
+        checkpoint = get_checkpoint_name(flags.save, iteration, kwargs.get('release', False),
+                                         return_base_dir=True)
+        checksums.record_on_every_rank(Path(checkpoint))
+    return result
+
+
+def _load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', *args, **kwargs):
+    flags = megatron.training.get_args()
+    if _checksummed(flags) and getattr(flags, load_arg, None):
+        checksums.verify_on_every_rank(Path(get_load_checkpoint_path_by_args(flags, load_arg)))
+    return _megatron_load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *args,
+                                     **kwargs)
+
+
+def dataset_helper_is_prebuilt(datasets_dir: Path) -> bool:
+    """The wheel's layout: megatron.core.datasets holds the built helper and no Makefile."""
+    built = any((datasets_dir / f'helpers_cpp{suffix}').exists()
+                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+    return built and not (datasets_dir / 'Makefile').exists()
+
+
+def skip_dataset_helper_build():
+    """Replaces compile_helpers where the helper is prebuilt (dataset_helper_is_prebuilt)."""
+
+
+def install() -> None:
+    """Point megatron.training's argument validation and optimizer factory at Muon-on-FSDP, and
+    let it start on this machine (CPU layer without CUDA, the wheel's prebuilt dataset helper).
+    Each patch is listed in megatron_muon.compat.upstream; `uninstall()` undoes them all."""
+    apply_megatron_training_compat()
+    upstream_fixes.apply()
+    if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
+        # initialize.py imports compile_helpers from the module when it runs: patch the module.
+        upstream.patch('megatron.core.datasets.utils.compile_helpers', skip_dataset_helper_build)
+    for target, replacement in (
+            ('megatron.training.arguments.add_megatron_arguments', _add_megatron_arguments),
+            ('megatron.training.arguments.validate_args', _validate_args),
+            ('megatron.training.checkpointing._load_base_checkpoint', _load_base_checkpoint),
+            ('megatron.training.training.save_checkpoint', _save_checkpoint),
+            ('megatron.training.training.load_checkpoint', _load_checkpoint),
+            ('megatron.training.training.clip_qk', _clip_qk),
+            ('megatron.training.training.training_log', _training_log),
+            ('megatron.training.training.get_megatron_optimizer', _get_megatron_optimizer)):
+        upstream.patch(target, replacement)
+
+
+def uninstall() -> None:
+    """Put back what install() (and the CPU layer) replaced in megatron.training, megatron-core,
+    Megatron-FSDP and torch."""
+    upstream.undo_patches()

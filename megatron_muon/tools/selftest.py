@@ -1,0 +1,242 @@
+"""Prove megatron-muon exact on this cluster:
+`torchrun --nproc-per-node N -m megatron_muon.selftest`.
+
+For each sharding strategy and, where the world size allows, tensor parallelism 2, expert
+parallelism 2 and HSDP (2 replicas), it builds a small megatron-core GPT on Megatron-FSDP, trains a
+few iterations with Muon (or --optimizer adaptive_muon) in owner mode and the check interval at 2:
+on iterations 2, 4 and 6 every matrix's update from the owner exchange is compared with the update
+of the whole, unsharded matrix (megatron-core's TensorParallelMuon, as single-device Muon computes
+it from the same momentum; NorMuon's second moment with it),
+then replicas and compute weights with the main weights. Rank 0 prints one row per configuration
+(the largest |owner - reference|, pass or fail, the median optimizer step of the unchecked
+iterations, Newton-Schulz TFLOP/s, bytes received per rank per step, from the plan, and the
+largest rank's peak memory in two more, unchecked, train steps: at rest plus the most its forward-
+backward or optimizer step adds, megatron_muon.tools.memory.measure_train_step) and the exit
+status is 0 only when every configuration passed; 1 when one failed; 2 when one ran past
+--time-limit (it is named: a hang in a collective). NCCL on GPUs, gloo on CPU.
+"""
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..compat import upstream
+from ..core.checks import MuonCheckError
+from ..core.second_moment import SECOND_MOMENTS
+from ..integrations.arguments import FSDP_OPTIMIZERS
+
+ITERATIONS, CHECK_INTERVAL = 6, 2
+
+
+def configurations(world_size: int) -> list[dict]:
+    """(name, settings) the world size allows: every strategy; EP=2 on an even world; TP=2 and
+    HSDP once each leaves at least 2 data-parallel ranks."""
+    configs = [dict(name=f"{label} ({strategy})", strategy=strategy) for label, strategy in
+               (("no_shard", "no_shard"), ("ZeRO-1", "optim"), ("ZeRO-2", "optim_grads"),
+                ("ZeRO-3", "optim_grads_params"))]
+    if world_size % 2 == 0:
+        configs.append(dict(name="ZeRO-2, EP=2 (4 experts)", strategy="optim_grads",
+                            expert_parallel=2))
+    if world_size % 2 == 0 and world_size >= 4:
+        configs.append(dict(name="ZeRO-3, TP=2", strategy="optim_grads_params", tensor_parallel=2))
+        configs.append(dict(name="HSDP: 2 replicas of ZeRO-3", strategy="optim_grads_params",
+                            replicas=2))
+    return configs
+
+
+def _synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _NewtonSchulzClock:
+    """Time and FLOPs of the Newton-Schulz this rank runs as an owner, around the optimizer's own
+    orthogonalize (an attribute of that one instance; nothing upstream is touched)."""
+
+    def __init__(self, muon, steps: int):
+        from ..plan import ns_flops
+
+        self.seconds, self.flops = 0.0, 0
+        orthogonalize = muon.orthogonalize
+
+        def timed(attrs, matrix, **options):
+            _synchronize()
+            start = time.perf_counter()
+            result = orthogonalize(attrs, matrix, **options)
+            _synchronize()
+            self.seconds += time.perf_counter() - start
+            batch = matrix.shape[0] if matrix.dim() == 3 else 1
+            self.flops += batch * ns_flops(matrix.shape[-2], matrix.shape[-1], steps)
+            return result
+
+        muon.orthogonalize = timed
+
+
+def run_configuration(config: dict, args, corrupt: bool) -> dict:
+    """Train one configuration; its row's figures (collective: every rank returns the same)."""
+    from megatron.core import parallel_state
+
+    from .. import get_megatron_optimizer
+    from .memory import measure_train_step
+    from .testing import GPTShape, fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
+
+    init_parallel_state(expert_parallel=config.get("expert_parallel", 1),
+                        tensor_parallel=config.get("tensor_parallel", 1),
+                        replicas=config.get("replicas", 1))
+    shape = GPTShape(layers=2, hidden=args.hidden, ffn=4 * args.hidden, heads=4, vocab=256,
+                     seq=args.seq, micro_batch=2)
+    model = fsdp_gpt(shape, strategy=config["strategy"], overlap=True,
+                     num_experts=4 if config.get("expert_parallel", 1) > 1 else None)
+    settings = optimizer_config(optimizer=args.optimizer,
+                                adaptive_muon_moment2_method=args.adaptive_muon_moment2_method,
+                                muon_fp32_matmul_prec=args.muon_fp32_matmul_prec)
+    optimizer = get_megatron_optimizer(settings, [model], muon_check_interval=CHECK_INTERVAL)
+    clocks = [_NewtonSchulzClock(muon, settings.muon_num_ns_steps)
+              for muon in optimizer.muon_optimizers]
+    if corrupt:
+        _corrupt_one_owner_result(optimizer.muon_optimizers[0])
+    step_seconds, worst = [], 0.0
+
+    def forward_backward(iteration):
+        optimizer.zero_grad()
+        with model.no_sync():  # as Megatron's schedules mark the last micro-batch
+            pass
+        lm_loss(model, iteration, parallel_state.get_data_parallel_rank(), shape).backward()
+        _synchronize()
+
+    for iteration in range(1, ITERATIONS + 1):
+        forward_backward(iteration)
+        before = [(clock.flops, clock.seconds) for clock in clocks]
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):  # the checks' own lines
+            optimizer.step()
+        _synchronize()
+        if iteration % CHECK_INTERVAL:
+            step_seconds.append(time.perf_counter() - start)
+        else:  # timed: the unchecked steps alone (a check runs the reference's Newton-Schulz too)
+            worst = max([worst] + [muon.last_check.worst for muon in optimizer.muon_optimizers])
+            for clock, (flops, seconds) in zip(clocks, before):
+                clock.flops, clock.seconds = flops, seconds
+    device = next(model.parameters()).device
+    for muon in optimizer.muon_optimizers:  # memory as a run between checks holds it
+        muon.check_interval = 0
+    with contextlib.redirect_stdout(io.StringIO()):
+        memory = measure_train_step([model], optimizer, lambda: forward_backward(ITERATIONS + 1),
+                                    device)
+    received = sum(muon.bytes_received_per_step() for muon in optimizer.muon_optimizers)
+    figures = torch.tensor([statistics.median(step_seconds), received, memory.peak],
+                           dtype=torch.float64, device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    work = torch.tensor([sum(c.flops for c in clocks), sum(c.seconds for c in clocks)],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(work)
+    return dict(worst=worst, step_ms=figures[0].item() * 1e3, bytes=int(figures[1].item()),
+                peak_mib=figures[2].item() / 2**20,
+                tflops=work[0].item() / work[1].item() / 1e12 if work[1] else 0.0)
+
+
+def _corrupt_one_owner_result(muon):
+    """--corrupt: on checked iterations, one element of the first result of each batch an owner
+    orthogonalizes is off by 1e-3 (what a broken exchange would do); the check must catch it."""
+    owned_results = muon.orthogonalize_owned
+
+    def corrupted(params, fulls, batch_key):
+        results = owned_results(params, fulls, batch_key)
+        if muon.iteration % CHECK_INTERVAL == 0 and results and results[0].numel():
+            results[0] = results[0].clone()
+            results[0][(0,) * results[0].dim()] += 1e-3
+        return results
+
+    muon.orthogonalize_owned = corrupted
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, name: str):
+    """Ends the process (status 2) naming the configuration when it runs past `seconds`: a rank
+    waiting forever in a collective never raises."""
+    def expire():
+        print(f"megatron-muon self-test: rank {dist.get_rank()}: '{name}' ran past "
+              f"{seconds:g} s (--time-limit): hung (a collective that never completes) or too "
+              f"slow for the limit; stopping",
+              file=sys.stderr, flush=True)
+        os._exit(2)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def parse_args(argv=None):
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(prog="python -m megatron_muon.selftest", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024 if cuda else 64,
+                        help="hidden size of the test GPTs (default: 1024 on GPUs, 64 on CPU)")
+    parser.add_argument("--seq", type=int, default=256 if cuda else 32, help="sequence length")
+    parser.add_argument("--muon-fp32-matmul-prec", default="highest",
+                        choices=("highest", "high", "medium", "low"),
+                        help="Newton-Schulz precision (default highest: fp32, bound 0; a lower one "
+                             "is held to its own distance from fp32)")
+    parser.add_argument("--optimizer", default="muon", choices=FSDP_OPTIMIZERS,
+                        help="Megatron's --optimizer: muon, or adaptive_muon (the check covers "
+                             "its second moment too)")
+    parser.add_argument("--adaptive-muon-moment2-method", default="adamuon",
+                        choices=tuple(SECOND_MOMENTS), help="--optimizer adaptive_muon's variant")
+    parser.add_argument("--time-limit", type=float, default=600,
+                        help="seconds one configuration may take before the run stops as hung")
+    parser.add_argument("--corrupt", action="store_true",
+                        help="corrupt one owner result in the first configuration, to see a "
+                             "failure caught (the run then exits 1)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        from ..compat.cpu import apply_cpu_compat
+        apply_cpu_compat()
+    dist.init_process_group(backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    device = (f"{torch.cuda.get_device_name()} x {world_size}" if torch.cuda.is_available()
+              else f"CPU, {world_size} processes")
+    say(f"megatron-muon self-test: {backend} on {device}; torch {torch.__version__}, megatron-core "
+        f"{upstream.installed_version('megatron-core')}, megatron-muon {upstream.own_version()}; "
+        f"--optimizer {args.optimizer}"
+        f"{f' ({args.adaptive_muon_moment2_method})' if args.optimizer != 'muon' else ''}; "
+        f"Newton-Schulz "
+        f"--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec}; GPT hidden {args.hidden}, "
+        f"seq {args.seq}; {ITERATIONS} iterations, checked at every {CHECK_INTERVAL}nd", flush=True)
+    header = (f"{'configuration':<30} {'max |diff|':>10}  {'result':<6} {'step ms':>9} "
+              f"{'NS TFLOP/s':>10} {'bytes recv/rank':>15} {'peak MiB':>9}")
+    say(header + "\n" + "=" * len(header), flush=True)
+    failed = []
+    for index, config in enumerate(configurations(world_size)):
+        with time_limit(args.time_limit, config["name"]):
+            try:
+                row = run_configuration(config, args, corrupt=args.corrupt and index == 0)
+            except MuonCheckError as error:  # every rank raises it together
+                failed.append(config["name"])
+                say(f"{config['name']:<30} {'-':>10}  {'FAIL':<6}\n{error}", flush=True)
+                continue
+        say(f"{config['name']:<30} {row['worst']:>10.3e}  {'pass':<6} {row['step_ms']:>9.1f} "
+            f"{row['tflops']:>10.4f} {row['bytes']:>15,} {row['peak_mib']:>9.1f}", flush=True)
+    say(f"self-test {'FAILED: ' + ', '.join(failed) if failed else 'passed'}", flush=True)
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
