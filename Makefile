@@ -22,7 +22,8 @@
 # ones (constraints/lowest.txt), in .venv-lowest.
 # `make test-bridge` trains through Megatron-Bridge's own loop (tests_bridge/), in .venv-bridge
 # (constraints/bridge.txt). `make test-automodel` builds and steps ours as NeMo Automodel's recipe
-# does (tests/test_automodel.py, skipped elsewhere), in .venv-automodel (constraints/automodel.txt).
+# does (tests/integrations/test_automodel.py, skipped elsewhere), in .venv-automodel
+# (constraints/automodel.txt).
 SHELL := /bin/bash
 VENV := .venv
 LOWEST_VENV := .venv-lowest
@@ -30,11 +31,12 @@ BRIDGE_VENV := .venv-bridge
 AUTOMODEL_VENV := .venv-automodel
 PY := $(VENV)/bin/python
 RANGES := megatron_muon/compat/supported_versions.py
-LOWEST_TESTS := tests/test_plan.py tests/test_exchange.py tests/test_numerics.py \
-	tests/test_factory.py tests/test_checkpoint.py tests/test_fake_pg.py tests/test_versions.py \
-	tests/test_upstream.py tests/test_standalone.py tests/test_grad_accumulation.py \
-	tests/test_cpu_collectives.py tests/test_flag_sweep.py \
-	tests/test_e2e_training.py::test_muon_on_megatron_fsdp_loss_falls
+LOWEST_TESTS := tests/plan/test_plan.py tests/distribution/test_exchange.py \
+	tests/core/test_numerics.py tests/integrations/test_factory.py tests/step/test_checkpoint.py \
+	tests/test_fake_pg.py tests/compat/test_versions.py tests/compat/test_upstream.py \
+	tests/integrations/test_standalone.py tests/compat/test_grad_accumulation.py \
+	tests/compat/test_cpu_collectives.py tests/e2e/test_flag_sweep.py \
+	tests/e2e/test_e2e_training.py::test_muon_on_megatron_fsdp_loss_falls
 NPROC ?= 2
 COMMA := ,
 DEMO_ARGS ?=
@@ -109,7 +111,7 @@ test-bridge: $(BRIDGE_VENV)/.installed
 	$(BRIDGE_VENV)/bin/python -m pytest -q tests_bridge
 
 test-automodel: $(AUTOMODEL_VENV)/.installed
-	$(AUTOMODEL_VENV)/bin/python -m pytest -q tests/test_automodel.py
+	$(AUTOMODEL_VENV)/bin/python -m pytest -q tests/integrations/test_automodel.py
 
 test-gpu: venv
 	$(PY) -m pytest -q -rs tests_gpu
@@ -125,7 +127,7 @@ scale: venv
 	$(PY) benchmarks/scale_model.py $(SCALE_ARGS)
 
 sweep: venv
-	SWEEP=all $(PY) -m pytest -q tests/test_flag_sweep.py
+	SWEEP=all $(PY) -m pytest -q tests/e2e/test_flag_sweep.py
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) $(AUTOMODEL_VENV) *.egg-info

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_muon.compat.cpu import fast_newton_schulz_precision
-from megatron_muon.core.exchange import Traffic, observed
+from megatron_muon.distribution.exchange import Traffic, observed
 import per_world_size  # beside this script
 from step_profile import PHASES, profiled
 
@@ -196,7 +196,7 @@ def plan_figures(model, optimizer, config):
     ranks is the single-device model (experts of other expert-parallel ranks are other matrices)."""
     from megatron.core import parallel_state
 
-    from megatron_muon.step.chained import named_main_weights
+    from megatron_muon.step.model_chunks import named_main_weights
     from megatron_muon.plan import layout_min_bytes
     from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
 

@@ -268,7 +268,7 @@ class Part:
     owners of the other placements."""
 
     def __init__(self, matrices, world, cost):
-        from megatron_muon.core.exchange import OwnerRoutes
+        from megatron_muon.distribution.exchange import OwnerRoutes
         from megatron_muon.plan import choose_owners, owner_plan, whole_matrix_owners
 
         self.matrices, self.world = matrices, world

@@ -17,7 +17,7 @@ from collections import Counter
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from megatron_muon.step.chained import PARAM_SYNC
-from megatron_muon.core.exchange import GATHER, SCATTER
+from megatron_muon.distribution.exchange import GATHER, SCATTER
 
 PHASES = ("elementwise", "gather", "ns_matmul", "scatter", "scalar_opt", "param_sync", "other")
 LABELS = {GATHER: "gather", SCATTER: "scatter", PARAM_SYNC: "param_sync"}

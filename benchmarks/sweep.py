@@ -13,7 +13,7 @@ with), and where a flag exists on one side only, by that flag. Adam on both side
 upstream's gradients from ours; Muon and adaptive Muon are ours on Megatron-FSDP against
 megatron-core's on Megatron DDP.
 
-Each row ends as one of OUTCOMES; `make sweep` runs every row (tests/test_flag_sweep.py, SWEEP=all)
+Each row ends as one of OUTCOMES; `make sweep` runs every row (tests/e2e/test_flag_sweep.py, SWEEP=all)
 and writes benchmarks/results/sweep.json; the main suite runs the rows marked `suite`.
 """
 
@@ -357,7 +357,7 @@ ROWS = [
     *_each("--qk-clip", ["dense W=2"], ["muon"], expect="limitation",
            limitation_shows="no reference",
            why="Megatron DDP's --qk-clip needs TransformerEngine >= 2.9 (validate_args), absent "
-               "on CPU: ours is held to single-device MuonClip in tests/test_qk_clip.py"),
+               "on CPU: ours is held to single-device MuonClip in tests/step/test_qk_clip.py"),
     # HSDP.
     # HSDP's flags exist on Megatron-FSDP's side only: Megatron DDP replicates over all ranks.
     *_suite(_each(f"{HSDP} --overlap-grad-reduce", ["dense W=4", "MoE W=4 EP=2"],

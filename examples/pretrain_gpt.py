@@ -141,7 +141,7 @@ def refuse_layer_wise_muon_in_fp32(args):
     (LayerWiseDistributedOptimizer) cannot be built in fp32: it chains raw torch optimizers, which
     carry no config, and megatron-core's ChainedOptimizer stops on a bare AssertionError
     (in ChainedOptimizer.__init__) when it chains it with its Adam part.
-    tests/test_megatron_core_paths.py shows megatron-core's own factory failing alike."""
+    tests/integrations/test_megatron_core_paths.py shows megatron-core's own factory failing alike."""
     if args.use_layer_wise_distributed_optimizer and not (args.bf16 or args.fp16):
         raise SystemExit(
             'pretrain_gpt.py: --optimizer muon --use-distributed-optimizer on Megatron DDP '

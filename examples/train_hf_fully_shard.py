@@ -8,7 +8,7 @@ A tiny Llama or Qwen3 built from its config (no download) learns a fixed Markov 
 package where installed, else megatron-core's copy), `megatron_muon.standalone.muon_optimizer`
 puts Muon on its hidden matrices and AdamW on the rest (it prints which at start). gloo and fp32
 Newton-Schulz on CPU, NCCL and Megatron's bf16 Newton-Schulz on GPUs. That each step is exactly
-single-device Muon + AdamW is tests/test_standalone.py's to show.
+single-device Muon + AdamW is tests/integrations/test_standalone.py's to show.
 """
 
 import argparse

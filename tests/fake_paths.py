@@ -4,7 +4,7 @@ checked here (the gloo suite does that)."""
 
 from fsdp_models import load_checkpoint, save_checkpoint
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.step.chained import named_main_weights
+from megatron_muon.step.model_chunks import named_main_weights
 from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 
 # (name, sharding strategy, Muon dist mode, experts, HSDP replicas, minimum world size)

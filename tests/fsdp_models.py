@@ -17,7 +17,7 @@ from megatron.core.utils import unwrap_model
 from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from megatron_muon.compat import upstream, upstream_fixes
-from megatron_muon.step.chained import find_megatron_fsdp
+from megatron_muon.step.model_chunks import find_megatron_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]

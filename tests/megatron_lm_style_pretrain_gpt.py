@@ -2,7 +2,7 @@
 it parses its arguments itself, chaining its own extra_args_provider, and provides the model,
 the batches, the loss and the datasets (megatron-core's
 MockGPTDataset with --mock-data). The only lines megatron-muon adds are the README's, marked
-"megatron-muon". tests/test_megatron_lm_script.py runs it with torchrun.
+"megatron-muon". tests/e2e/test_e2e_training.py runs it with torchrun.
 """
 
 from functools import partial

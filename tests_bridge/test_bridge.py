@@ -359,9 +359,9 @@ import builtins
 import torch
 real_import = builtins.__import__
 torch.cuda.is_available = lambda: True
-from megatron_muon.compat import cpu, upstream
-assert cpu.stand_in_for_gpu_only_imports() is False
-assert cpu.apply_bridge_compat() is False
+from megatron_muon.compat import cpu_training, upstream
+assert cpu_training.stand_in_for_gpu_only_imports() is False
+assert cpu_training.apply_bridge_compat() is False
 assert builtins.__import__ is real_import and not upstream.is_patched("builtins.__import__")
 try:
     import megatron.bridge.training.pretrain

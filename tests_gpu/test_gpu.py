@@ -14,9 +14,9 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
 - --muon-use-syrk (emerging_optimizers' Triton SYRK kernel): its Newton-Schulz differs from the
   plain bf16 kernel's by less than bf16's own error, and the demo trains with it;
 - memory.AllocationTracker reads CUDA's allocator: each phase's peak, and Newton-Schulz within
-  what the plan counts for it (plan.newton_schulz_bytes), as on CPU (tests/test_memory.py).
+  what the plan counts for it (plan.newton_schulz_bytes), as on CPU (tests/tools/test_memory.py).
 
-The demo's command lines are data (DEMO_RUNS): tests/test_command_lines.py parses each of them
+The demo's command lines are data (DEMO_RUNS): tests/integrations/test_command_lines.py parses each of them
 with megatron.training's parser on CPU, so that a flag or value it refuses fails there first."""
 
 import subprocess

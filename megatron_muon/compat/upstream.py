@@ -3,78 +3,45 @@
 Private names (torch's, megatron-core's, emerging_optimizers') may be renamed by any release. Each
 one is resolved here, once, when megatron_muon is imported: where the installed versions lack some,
 the import raises one ImportError naming each package, its installed version, the missing names and
-the versions this release supports, rather than an AttributeError deep inside a run. The rest of
-the package uses the names below.
+the versions this release supports (compat/versions.py), rather than an AttributeError deep inside
+a run. The rest of the package uses the names below; this is the one module of megatron_muon that
+names private upstream code (tests/compat/test_upstream.py checks it).
 
 The patches that `megatron_muon.training.install()`, `megatron_muon.bridge.install()` and the CPU
 layer (compat.cpu) apply to torch, megatron.training, Megatron-FSDP and Megatron-Bridge are
 listed in PATCHES, each target checked here too (Bridge's when megatron_muon.bridge is imported);
-they are applied only through `patch`, `temporarily` and `enter_torch_function_mode`, which refuse
-an unlisted target, and `undo_patches()` restores what they replaced.
+they are applied only through `patch`, `temporarily` and `enter_torch_function_mode` (a
+compat/patching.py Patcher over PATCHES), which refuse an unlisted target, and `undo_patches()`
+restores what they replaced.
 """
 
 import argparse
-import contextlib
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
-import platform
 import sys
 import types
 from collections.abc import Callable
 from typing import Any
 
-from .supported_versions import OPTIONAL, SUPPORTED
+from .patching import Patcher, resolve
+from .versions import unsupported
 
-_RANGES = {**SUPPORTED, **{name: versions for extra in OPTIONAL.values()
-                           for name, versions in extra.items()}}
-
-# Which distribution provides a module, for the error's version and supported range: the first
-# whose prefix the module's name starts with.
-_DISTRIBUTIONS = {"megatron.bridge": "megatron-bridge", "megatron": "megatron-core",
-                  "torch": "torch", "emerging_optimizers": "emerging-optimizers",
-                  "megatron_fsdp": "megatron-fsdp", "argparse": "python", "builtins": "python"}
 # Patched only where installed: the standalone Megatron-FSDP (megatron-core uses its own copy).
 _OPTIONAL_MODULES = ("megatron_fsdp",)
-# Where a distribution's __version__ lives when it has no package metadata (a source checkout):
-# megatron-core's in megatron.core (the namespace package megatron has none).
-_VERSION_MODULES = {"megatron-core": "megatron.core"}
 # Resolved when megatron_muon.bridge is imported, not before: Bridge is an optional extra, and
 # importing it without TransformerEngine needs megatron_muon.compat.cpu's stand-ins first.
 _BRIDGE = "megatron.bridge."
 
 
-def _distribution(dotted: str) -> str:
-    return next(d for prefix, d in _DISTRIBUTIONS.items()
-                if f"{dotted}.".startswith(f"{prefix}."))
-
-
 _missing: dict[str, str] = {}  # dotted name -> why megatron-muon needs it
-
-
-def _resolve(dotted: str) -> Any:
-    """The object a dotted name names: its longest importable module prefix, then attributes."""
-    parts = dotted.split(".")
-    for split in range(len(parts), 0, -1):
-        module = ".".join(parts[:split])
-        try:
-            found = importlib.import_module(module)
-        except ModuleNotFoundError as error:
-            if error.name is None or not f"{module}.".startswith(f"{error.name}."):
-                raise  # the module exists, but something it imports does not
-            continue
-        for attribute in parts[split:]:
-            found = getattr(found, attribute)
-        return found
-    raise AttributeError(dotted)
 
 
 def _borrow(dotted: str, why: str, get: Callable[[], Any] | None = None) -> Any:
     """The named object (`get` finds one that no dotted name reaches), or None, recorded as
     missing, when the installed version lacks it."""
     try:
-        return get() if get else _resolve(dotted)
+        return get() if get else resolve(dotted)
     except (AttributeError, RuntimeError):  # torch.ops raises RuntimeError for an unknown op
         _missing[dotted] = why
         return None
@@ -171,7 +138,7 @@ _fully_shard_optimizer_codes = {inspect.unwrap(f).__code__ for f in (_borrow(
 _fully_shard_wrapper_codes = {code for code in (_borrow(
     f"{module}.fully_shard_optimizer.<locals>.{name}",
     "its step and zero_grad wrappers are not installed on ours, which syncs and installs itself, "
-    "once", get=lambda: _nested_code(_resolve(f"{module}.fully_shard_optimizer"), name))
+    "once", get=lambda: _nested_code(resolve(f"{module}.fully_shard_optimizer"), name))
     for module in _FULLY_SHARD for name in _FULLY_SHARD_WRAPPERS) if code}
 
 
@@ -201,21 +168,6 @@ def has_one_rank_reduce_defect(copy: str) -> bool:
                 or "group_size" in inspect.signature(preprocessing).parameters)
 
 
-def drops_expert_scale_under_average(copy: str) -> bool:
-    """Whether a Megatron-FSDP copy's gradient_reduce_preprocessing drops the scaling factor
-    under average_in_collective (compat.upstream_fixes), by a probe: with the flag and a
-    factor of 0.5 it returns ReduceOp.AVG and leaves the gradient as it was. Megatron DDP scales
-    the gradient by the factor first (the experts' expert-DP / DP), then averages."""
-    import torch
-
-    buffers = importlib.import_module(f"{copy}.param_and_grad_buffer")
-    config = importlib.import_module(f"{copy}.distributed_data_parallel_config")
-    grad = torch.ones(1, device="cpu")
-    reduce_op = buffers.gradient_reduce_preprocessing(
-        grad, 0.5, config.DistributedDataParallelConfig(average_in_collective=True))
-    return reduce_op == torch.distributed.ReduceOp.AVG and grad.item() == 1.0
-
-
 def needs_an_expert_group_to_average(copy: str) -> bool:
     """Whether a Megatron-FSDP copy's MegatronFSDP._init_fsdp_param_and_grad_buffer reads the
     expert data-parallel group's size under average_in_collective whether or not the model has
@@ -226,44 +178,6 @@ def needs_an_expert_group_to_average(copy: str) -> bool:
         fsdp._init_fsdp_param_and_grad_buffer)
 
 
-def has_adaptive_muon_defect() -> bool:
-    """Whether megatron-core's TensorParallelAdaptiveMuon cannot step AdaptiveMuon's algorithm
-    (compat.upstream_fixes), by a probe on one 2x2 matrix: its step reads `scale_mode`,
-    which only AdaptiveMuon's constructor sets (0.19 runs TensorParallelMuon's alone), or its
-    orthogonalize applies Muon's scale (here an extra factor of 2), which AdaptiveMuon applies
-    after the second moment."""
-    import torch
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
-
-    class Probe(TensorParallelAdaptiveMuon):
-        """A class of its own: torch.optim wraps the step of an optimizer's class when it builds
-        the first instance, which should not be megatron-core's class here."""
-
-    identity = torch.eye(2, device="cpu")  # a probe of the code, wherever the run is
-    p = torch.nn.Parameter(identity.clone())
-    probe = Probe([p], extra_scale_factor=2.0, num_ns_steps=5)
-    if not hasattr(probe, "scale_mode"):
-        return True
-    with torch.no_grad():
-        return not torch.equal(probe.orthogonalize(p, identity), newton_schulz(identity, steps=5))
-
-
-def has_triton_syrk() -> bool:
-    """Whether emerging_optimizers' Triton SYRK kernel can be built here (Triton >= 3.4)."""
-    try:
-        return bool(importlib.import_module("emerging_optimizers.triton_kernels").HAS_TRITON_340)
-    except ImportError:  # no Triton
-        return False
-
-
-def tensor_parallel_muon_takes_syrk() -> bool:
-    """Whether megatron-core's TensorParallelMuon runs the SYRK kernel itself, in every TP mode
-    (megatron-core main's --muon-use-syrk; 0.19 has no such argument)."""
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-
-    return "use_syrk" in inspect.signature(TensorParallelMuon.__init__).parameters
-
-
 # Python
 _borrow("argparse.ArgumentParser._actions",
         "the parser's arguments, to add 'highest' to Megatron's --muon-fp32-matmul-prec choices",
@@ -272,7 +186,7 @@ _borrow("argparse.ArgumentParser._actions",
 
 _borrow("torch._ops.OpOverload._schema",
         "the argument names of a c10d op, to read its process group and tensors by name in "
-        "exchange.observed", get=lambda: _resolve("torch.ops.c10d.allreduce_.default")._schema)
+        "exchange.observed", get=lambda: resolve("torch.ops.c10d.allreduce_.default")._schema)
 
 
 def op_argument_names(op) -> list[str]:
@@ -295,6 +209,14 @@ def mesh_shard_order(mesh) -> Any:
     """The order in which Megatron-FSDP shards a mesh's dims: the attribute its
     param_and_grad_buffer sets on the mesh and its uneven_dtensor reads, None where unset."""
     return getattr(mesh, "_shard_order", None)
+
+
+def tensor_parallel_group(pg_collection, attrs):
+    """The TP group megatron-core's TensorParallelMuon.orthogonalize gives a param with these
+    tags (the expert TP group for expert weights), None without process groups."""
+    if not pg_collection:
+        return None
+    return pg_collection.expt_tp if getattr(attrs, "expert_tp", False) else pg_collection.tp
 
 
 # Megatron-FSDP's one-rank gradient reduce (compat.upstream_fixes), in each copy that has
@@ -363,7 +285,7 @@ PATCHES = {
                "scale_mode) and scales in orthogonalize: Newton-Schulz unscaled, Muon's scale "
                "once after the second moment, by the whole (TP-unsharded) matrix's shape"
        for target in ADAPTIVE_MUON_TARGETS},
-    # CPU layer, megatron.training (megatron_muon.compat.cpu.apply_megatron_training_compat).
+    # CPU layer, megatron.training (compat.cpu_training.apply_megatron_training_compat).
     "torch.cuda.get_rng_state": "Megatron saves the CUDA RNG state every step: the CPU one",
     "torch.cuda.set_rng_state": "no CUDA generator to restore on CPU",
     "torch.overrides.TorchFunctionMode": "a mode that creates on CPU what Megatron asks on CUDA",
@@ -394,7 +316,7 @@ PATCHES = {
     "megatron.training.training.get_megatron_optimizer": "megatron_muon's factory",
     # Megatron-Bridge (megatron_muon.bridge.install, and its CPU layer).
     "builtins.__import__": "without CUDA, placeholders for the GPU-only packages Bridge's modules "
-                           "import unconditionally (megatron_muon.compat.cpu.GPU_ONLY_IMPORTS)",
+                           "import unconditionally (compat.cpu_training.GPU_ONLY_IMPORTS)",
     "megatron.bridge.training.setup.initialize_megatron": "with allow_no_cuda (CPU)",
     "megatron.bridge.training.initialize._set_random_seed": "then a CPU RNG tracker (CPU)",
     "megatron.bridge.training.initialize.compile_helpers": "the wheel's helper is prebuilt and it "
@@ -403,6 +325,7 @@ PATCHES = {
 }
 _TORCH_FUNCTION_MODE = "torch.overrides.TorchFunctionMode"
 
+
 def _check_patch_targets(wanted: Callable[[str], bool]) -> None:
     for target, why in PATCHES.items():
         optional = target.split(".")[0] in _OPTIONAL_MODULES
@@ -410,42 +333,9 @@ def _check_patch_targets(wanted: Callable[[str], bool]) -> None:
             _borrow(target, "patched: " + why)
 
 
-def installed_version(distribution: str) -> str:
-    """A distribution's installed version, also for megatron-core from a source checkout."""
-    if distribution == "python":
-        return platform.python_version()
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:  # e.g. megatron-core from a source checkout
-        module = _VERSION_MODULES.get(distribution) or next(
-            m for m, d in _DISTRIBUTIONS.items() if d == distribution)
-        return str(getattr(importlib.import_module(module), "__version__", "of unknown version"))
-
-
-def own_version() -> str:
-    """megatron-muon's version, or "(from source)" where it runs from a checkout on the path
-    (its metadata is then absent)."""
-    try:
-        return importlib.metadata.version("megatron-muon")
-    except importlib.metadata.PackageNotFoundError:
-        return "(from source)"
-
-
 def _raise_if_missing() -> None:
-    if not _missing:
-        return
-    lacking: dict[str, list[str]] = {}
-    for name, why in _missing.items():
-        lacking.setdefault(_distribution(name), []).append(f"  {name}: {why}")
-    raise ImportError(
-        f"megatron-muon {own_version()} does not support the installed "
-        + ", ".join(f"{d} {installed_version(d)}" for d in lacking)
-        + ": names it uses are gone.\n"
-        + "".join(f"{d} {installed_version(d)} ("
-                  + (f"supported: {d}{_RANGES[d]}" if d in _RANGES else "not required")
-                  + ") has no\n" + "\n".join(names) + "\n" for d, names in lacking.items())
-        + "Install the versions this release supports ("
-        + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")
+    if _missing:
+        raise unsupported(_missing)
 
 
 # Megatron-Bridge's, resolved by import_bridge().
@@ -471,65 +361,8 @@ _check_patch_targets(lambda target: not target.startswith(_BRIDGE))
 _raise_if_missing()
 
 
-# What each applied patch replaced, in order: the target and an undo.
-_applied: dict[str, Callable[[], None]] = {}
-_ABSENT = object()
-
-
-def _owner_and_name(target: str) -> tuple[Any, str]:
-    if target not in PATCHES:
-        raise KeyError(f"{target} is not listed in megatron_muon.compat.upstream.PATCHES")
-    owner, _, name = target.rpartition(".")
-    return _resolve(owner), name
-
-
-def _replace(target: str, replacement: Any) -> Callable[[], None]:
-    """Set the attribute; return what puts back the original (removing an attribute the owner
-    only inherited)."""
-    owner, name = _owner_and_name(target)
-    original = vars(owner).get(name, _ABSENT)
-    setattr(owner, name, replacement)
-    return lambda: setattr(owner, name, original) if original is not _ABSENT \
-        else delattr(owner, name)
-
-
-def current(target: str) -> Any:
-    """A listed attribute as it is now (the original, before it is patched)."""
-    owner, name = _owner_and_name(target)
-    return getattr(owner, name)
-
-
-def patch(target: str, replacement: Any) -> None:
-    """Replace a listed attribute until undo_patches(); patching it again keeps the first
-    original."""
-    undo = _replace(target, replacement)
-    _applied.setdefault(target, undo)
-
-
-def is_patched(target: str) -> bool:
-    return target in _applied
-
-
-@contextlib.contextmanager
-def temporarily(target: str, replacement: Any):
-    """Replace a listed attribute for the duration of a block."""
-    undo = _replace(target, replacement)
-    try:
-        yield
-    finally:
-        undo()
-
-
-def enter_torch_function_mode(mode) -> None:
-    """Enter a torch function mode for the rest of the process, until undo_patches()."""
-    if is_patched(_TORCH_FUNCTION_MODE):
-        raise RuntimeError("a torch function mode is already entered by megatron_muon")
-    mode.__enter__()
-    _applied[_TORCH_FUNCTION_MODE] = lambda: mode.__exit__(None, None, None)
-
-
-def undo_patches() -> None:
-    """Put back everything patch() and enter_torch_function_mode() changed, newest first."""
-    for undo in reversed(list(_applied.values())):
-        undo()
-    _applied.clear()
+# The patches, applied only through these, which refuse a target PATCHES does not list.
+_patcher = Patcher(PATCHES, "megatron_muon.compat.upstream.PATCHES", _TORCH_FUNCTION_MODE)
+current, patch, is_patched = _patcher.current, _patcher.patch, _patcher.is_patched
+temporarily, enter_torch_function_mode = _patcher.temporarily, _patcher.enter_torch_function_mode
+undo_patches = _patcher.undo

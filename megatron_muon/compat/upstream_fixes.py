@@ -40,14 +40,15 @@ what it patched in one line each.
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import os
 import weakref
 
+import torch
 import torch.distributed as dist
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
 
-from ..core.dtensor_rows import tensor_parallel_group
-from ..core.muon_math import unscaled_orthogonalize_fn
 from . import upstream
 
 # Params each pipeline held back since its last grad sync.
@@ -149,6 +150,18 @@ def average_hfsdp_gradients(fsdp_modules) -> None:
                 helper.gradient_scaling_factor = group.main_grad_buffer.gradient_scaling_factor
 
 
+def unscaled_orthogonalize_fn(num_ns_steps: int, coefficient_type: str, tp_mode: str):
+    """TensorParallelMuon's scaled_orthogonalize_fn without Muon's scale (its own
+    newton_schulz_tp call), for AdaptiveMuon's step, which scales after the second moment."""
+    tp_mode = "duplicated" if tp_mode == "blockwise" else tp_mode
+
+    def unscaled(grad, tp_group, partition_dim=None):
+        return newton_schulz_tp(grad, steps=num_ns_steps, coefficient_type=coefficient_type,
+                                tp_group=tp_group, partition_dim=partition_dim, tp_mode=tp_mode)
+
+    return unscaled
+
+
 def _adaptive_muon_scaled_once(init):
     """TensorParallelAdaptiveMuon.__init__: megatron-core's, then what AdaptiveMuon's constructor
     sets for its step (`scale_mode`, `extra_scale_factor`), and Newton-Schulz without the scale
@@ -174,7 +187,7 @@ def whole_shape(optimizer, p, shape) -> tuple[int, int]:
     scale reads it (its orthogonalize's TP group and partition dim); `p`: the param's tags."""
     size = list(shape[-2:])
     partition_dim = None if optimizer.tp_mode == "blockwise" else getattr(p, "partition_dim", None)
-    tp_group = tensor_parallel_group(optimizer.pg_collection, p)
+    tp_group = upstream.tensor_parallel_group(optimizer.pg_collection, p)
     if partition_dim not in (None, -1) and tp_group is not None:
         size[partition_dim] *= tp_group.size()
     return tuple(size)
@@ -201,6 +214,39 @@ def _scaled_by_the_whole_shape(apply_muon_scale):
     return scaled
 
 
+def drops_expert_scale_under_average(copy: str) -> bool:
+    """Whether a Megatron-FSDP copy's gradient_reduce_preprocessing drops the scaling factor
+    under average_in_collective (2.), by a probe: with the flag and a factor of 0.5 it returns ReduceOp.AVG and leaves the gradient as it was. Megatron DDP scales
+    the gradient by the factor first (the experts' expert-DP / DP), then averages."""
+    buffers = importlib.import_module(f"{copy}.param_and_grad_buffer")
+    config = importlib.import_module(f"{copy}.distributed_data_parallel_config")
+    grad = torch.ones(1, device="cpu")
+    reduce_op = buffers.gradient_reduce_preprocessing(
+        grad, 0.5, config.DistributedDataParallelConfig(average_in_collective=True))
+    return reduce_op == torch.distributed.ReduceOp.AVG and grad.item() == 1.0
+
+
+def has_adaptive_muon_defect() -> bool:
+    """Whether megatron-core's TensorParallelAdaptiveMuon cannot step AdaptiveMuon's algorithm
+    (4.), by a probe on one 2x2 matrix: its step reads `scale_mode`, which only AdaptiveMuon's constructor sets (0.19 runs TensorParallelMuon's alone), or its
+    orthogonalize applies Muon's scale (here an extra factor of 2), which AdaptiveMuon applies
+    after the second moment."""
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
+
+    class Probe(TensorParallelAdaptiveMuon):
+        """A class of its own: torch.optim wraps the step of an optimizer's class when it builds
+        the first instance, which should not be megatron-core's class here."""
+
+    identity = torch.eye(2, device="cpu")  # a probe of the code, wherever the run is
+    p = torch.nn.Parameter(identity.clone())
+    probe = Probe([p], extra_scale_factor=2.0, num_ns_steps=5)
+    if not hasattr(probe, "scale_mode"):
+        return True
+    with torch.no_grad():
+        return not torch.equal(probe.orthogonalize(p, identity),
+                               upstream.newton_schulz(identity, steps=5))
+
+
 def _fix_one_rank_reduce() -> list[str]:
     """The Megatron-FSDP copies patched now."""
     fixed = []
@@ -225,7 +271,7 @@ def _fix_average_in_collective() -> list[str]:
         scale, dense = (f"{copy}.{target}" for target in (upstream.AVERAGE_SCALE_TARGET,
                                                           upstream.AVERAGE_DENSE_TARGET))
         patched = False
-        if upstream.drops_expert_scale_under_average(copy):
+        if drops_expert_scale_under_average(copy):
             upstream.patch(scale, _scaled_before_the_average(upstream.current(scale)))
             patched = True
         if not upstream.is_patched(dense) and upstream.needs_an_expert_group_to_average(copy):
@@ -239,7 +285,7 @@ def _fix_average_in_collective() -> list[str]:
 def _fix_adaptive_muon() -> bool:
     """Whether TensorParallelAdaptiveMuon was patched now."""
     init, orthogonalize, scale = upstream.ADAPTIVE_MUON_TARGETS
-    if upstream.is_patched(init) or not upstream.has_adaptive_muon_defect():
+    if upstream.is_patched(init) or not has_adaptive_muon_defect():
         return False
     for target, fixed in ((init, _adaptive_muon_scaled_once),
                           (orthogonalize, _noting_the_whole_shape),

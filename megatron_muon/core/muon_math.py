@@ -6,14 +6,15 @@ megatron-core's SelfAttention.clip_qk and MultiLatentAttention.clip_qk, so each 
 bit-identical to the unsharded optimizer's rows.
 """
 
+from typing import Any
+
 import torch
-from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
 
 from ..compat import upstream
 from ..plan import QKVRows
 
 
-def momentum_update_(optimizer, param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor,
+def momentum_update_(optimizer: Any, param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor,
                      group: dict) -> torch.Tensor:
     """Apply weight decay (emerging_optimizers' helper, any of its methods) and the momentum EMA
     in place; return the tensor to orthogonalize."""
@@ -22,18 +23,6 @@ def momentum_update_(optimizer, param: torch.Tensor, grad: torch.Tensor, momentu
     if optimizer.nesterov:
         return grad.lerp(momentum_buffer, group["momentum"])
     return momentum_buffer
-
-
-def unscaled_orthogonalize_fn(num_ns_steps: int, coefficient_type: str, tp_mode: str):
-    """TensorParallelMuon's scaled_orthogonalize_fn without Muon's scale (its own
-    newton_schulz_tp call), for AdaptiveMuon's step, which scales after the second moment."""
-    tp_mode = "duplicated" if tp_mode == "blockwise" else tp_mode
-
-    def unscaled(grad, tp_group, partition_dim=None):
-        return newton_schulz_tp(grad, steps=num_ns_steps, coefficient_type=coefficient_type,
-                                tp_group=tp_group, partition_dim=partition_dim, tp_mode=tp_mode)
-
-    return unscaled
 
 
 def _eta(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:

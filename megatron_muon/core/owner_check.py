@@ -5,23 +5,29 @@ owners' result for its rows with it before anything is applied. The bound: 0 wit
 `highest` Newton-Schulz; at a lower precision, where batched kernels may round differently
 (docs/design.md, "Library"), the reference's own distance from fp32 Newton-Schulz."""
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 
+from ..distribution.dtensor_rows import num_experts
+from ..distribution.group_planner import GroupPlan
 from .checks import CheckResult, MuonCheckError, agree_on_every_rank
-from .dtensor_rows import num_experts
-from .group_planner import GroupPlan
+
+# What the step does with a matrix's rows that come back: apply(plan, matrix, this rank's rows).
+ApplyUpdate = Callable[[GroupPlan, int, torch.Tensor], None]
 
 
 class OwnerCheck:
     """A checked step of a ZeROTensorParallelMuon in owner mode (`step`), which it runs every
     check_interval iterations in place of its own."""
 
-    def __init__(self, muon):
+    def __init__(self, muon: Any) -> None:
         self.muon = muon
 
-    def step(self, apply) -> None:
+    def step(self, apply: ApplyUpdate) -> None:
         """Owner mode's step with the check: every update computed at once (the reference needs
         them all), the owners' results kept, compared with the reference, then applied; on a
         difference the params and momentum are restored and every rank raises."""

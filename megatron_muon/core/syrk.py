@@ -11,24 +11,32 @@ whole on its rank (no tensor-parallel partition, or a TP group of one), which
 `use_syrk` runs it in every TP mode itself.
 """
 
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 
 from ..compat import upstream
+from ..distribution.dtensor_rows import ParamAttributes
 
 FLAG = "--muon-use-syrk"
+# TensorParallelMuon's scaled_orthogonalize_fn: (grad, tp_group, partition_dim) -> update.
+OrthogonalizeFn = Callable[..., torch.Tensor]
 # emerging_optimizers' Muon.__init__ turns use_syrk off elsewhere: "Correctness of Triton kernel
 # on SM ... cannot be guaranteed".
 SM_VERSIONS = ((8, 0), (9, 0), (10, 0), (10, 3))
 
 
-def why_it_cannot_run(fp32_matmul_prec: str, tp_mode: str, tp_sizes, device: torch.device,
-                      ) -> str | None:
+def why_it_cannot_run(fp32_matmul_prec: str, tp_mode: str, tp_sizes: Sequence[int],
+                      device: torch.device) -> str | None:
     """What stops the kernel here, naming the flag to change, or None. `tp_sizes`: the sizes of
     the tensor-parallel groups the Muon matrices are partitioned over (dense and expert)."""
     if fp32_matmul_prec != "medium":
         return (f"{FLAG} runs a bf16 kernel, which emerging_optimizers' newton_schulz uses only at "
                 f"--muon-fp32-matmul-prec medium, not {fp32_matmul_prec}")
-    if (not upstream.tensor_parallel_muon_takes_syrk() and tp_mode != "blockwise"
+    if (not tensor_parallel_muon_takes_syrk() and tp_mode != "blockwise"
             and max(tp_sizes, default=1) > 1):
         return (f"{FLAG} with --muon-tp-mode {tp_mode} under tensor parallelism "
                 f"{max(tp_sizes)}: this megatron-core's TensorParallelMuon cannot pass it to the "
@@ -36,7 +44,7 @@ def why_it_cannot_run(fp32_matmul_prec: str, tp_mode: str, tp_sizes, device: tor
                 "use --muon-tp-mode blockwise, or a megatron-core with --muon-use-syrk")
     if device.type != "cuda":
         return f"{FLAG} needs CUDA (a Triton kernel); the params are on {device.type}"
-    if not upstream.has_triton_syrk():
+    if not has_triton_syrk():
         return f"{FLAG} needs Triton 3.4 or later (emerging_optimizers.triton_kernels)"
     capability = torch.cuda.get_device_capability(device)
     if capability not in SM_VERSIONS:
@@ -45,14 +53,31 @@ def why_it_cannot_run(fp32_matmul_prec: str, tp_mode: str, tp_sizes, device: tor
     return None
 
 
+def has_triton_syrk() -> bool:
+    """Whether emerging_optimizers' Triton SYRK kernel can be built here (Triton >= 3.4)."""
+    try:
+        return bool(importlib.import_module("emerging_optimizers.triton_kernels").HAS_TRITON_340)
+    except ImportError:  # no Triton
+        return False
+
+
+def tensor_parallel_muon_takes_syrk() -> bool:
+    """Whether megatron-core's TensorParallelMuon runs the SYRK kernel itself, in every TP mode
+    (megatron-core main's --muon-use-syrk; 0.19 has no such argument)."""
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    return "use_syrk" in inspect.signature(TensorParallelMuon.__init__).parameters
+
+
 def _kernel_takes(matrix: torch.Tensor) -> bool:
     """2-D, with both dims multiples of 8: the kernel's tensor descriptors need 16-byte-aligned
     strides (megatron-core main's _syrk_compatible); other matrices take the plain kernel."""
     return matrix.ndim == 2 and matrix.shape[-1] % 8 == 0 and matrix.shape[-2] % 8 == 0
 
 
-def scaled_orthogonalize_fn(upstream_fn, num_ns_steps: int, coefficient_type: str,
-                            scale_mode: str, extra_scale_factor: float):
+def scaled_orthogonalize_fn(upstream_fn: OrthogonalizeFn, num_ns_steps: int,
+                            coefficient_type: str, scale_mode: str,
+                            extra_scale_factor: float) -> OrthogonalizeFn:
     """TensorParallelMuon's scaled_orthogonalize_fn (`upstream_fn`) with the SYRK kernel where a
     matrix is whole on this rank: what its closure computes there (newton_schulz, then
     get_muon_scale_factor of the matrix's shape times extra_scale_factor), with use_syrk."""
@@ -65,3 +90,20 @@ def scaled_orthogonalize_fn(upstream_fn, num_ns_steps: int, coefficient_type: st
         return orthogonalized * scale * extra_scale_factor
 
     return orthogonalize
+
+
+def route_newton_schulz_through_it(muon: Any, settings: dict, upstream_runs_it: bool) -> None:
+    """Refuse --muon-use-syrk where the kernel cannot run (before any state), else route a
+    ZeROTensorParallelMuon's Newton-Schulz through it where megatron-core's TensorParallelMuon
+    does not run it itself (`upstream_runs_it`). `settings`: TensorParallelMuon's arguments."""
+    first = muon.param_groups[0]["params"][0]
+    tp_groups = {muon.tp_group_of(ParamAttributes(p)) for group in muon.param_groups
+                 for p in group["params"]} - {None}
+    problem = why_it_cannot_run(muon.fp32_matmul_prec, muon.tp_mode,
+                                [g.size() for g in tp_groups], first.to_local().device)
+    if problem:
+        raise ValueError(f"ZeROTensorParallelMuon: {problem}")
+    if not upstream_runs_it:
+        muon.scaled_orthogonalize_fn = scaled_orthogonalize_fn(
+            muon.scaled_orthogonalize_fn, settings["num_ns_steps"], settings["coefficient_type"],
+            settings["scale_mode"], settings["extra_scale_factor"])

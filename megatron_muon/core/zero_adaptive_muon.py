@@ -5,23 +5,24 @@ run, and Muon's scale once, by the whole (TP-unsharded) matrix's shape."""
 
 import math
 import typing
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 from torch.distributed.tensor import DTensor, Shard
 
-from ..compat.upstream_fixes import whole_shape
-from .dtensor_rows import ParamAttributes, num_experts, tp_local_rows
-from .group_planner import GroupPlan
-from .muon_math import unscaled_orthogonalize_fn
-from .second_moment import SECOND_MOMENTS
+from ..compat.upstream_fixes import unscaled_orthogonalize_fn, whole_shape
+from ..distribution.dtensor_rows import ParamAttributes, num_experts, tp_local_rows
+from ..distribution.group_planner import GroupPlan
+from .second_moment import SECOND_MOMENTS, Columns
 from .zero_muon import ZeROTensorParallelMuon, tensor_parallel_muon_settings
 
 MOMENT2_METHODS = typing.get_args(Moment2MethodT)
 
 
-def check_adaptive_settings(moment2_method, beta2, eps, use_syrk,
-                            decoupled_weight_decay=True) -> None:
+def check_adaptive_settings(moment2_method: str, beta2: float, eps: float, use_syrk: bool,
+                            decoupled_weight_decay: bool = True) -> None:
     """Refuse, before any state, what the variants cannot run here, naming Megatron's flag."""
     def setting(name):
         return (f"ZeROTensorParallelAdaptiveMuon: {name} (OptimizerConfig.adaptive_muon_{name}, "
@@ -61,13 +62,13 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
     (second_moment.py).
     """
 
-    def __init__(self, params, *, moment2_method: str = "adamuon", beta2: float = 0.95,
-                 eps: float = 1e-8, use_syrk: bool = False, **kwargs):
+    def __init__(self, params: Iterable[DTensor] | Iterable[dict], *,
+                 moment2_method: str = "adamuon", beta2: float = 0.95, eps: float = 1e-8,
+                 use_syrk: bool = False, **kwargs: Any) -> None:
         decoupled = tensor_parallel_muon_settings(kwargs)["use_decoupled_weight_decay"]
         check_adaptive_settings(moment2_method, beta2, eps, use_syrk, decoupled)
-        self.second_moment = SECOND_MOMENTS[moment2_method]  # the planner reads it
-        self.moment2_method = moment2_method
-        super().__init__(params, **kwargs)
+        super().__init__(params, second_moment=SECOND_MOMENTS[moment2_method], **kwargs)
+        self.moment2_method = moment2_method  # AdaptiveMuon's methods read it
         for group in self.param_groups:
             group.setdefault("beta2", beta2)
             group.setdefault("eps", eps)
@@ -79,7 +80,7 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
         self.scaled_orthogonalize_fn = unscaled_orthogonalize_fn(
             settings["num_ns_steps"], settings["coefficient_type"], settings["tp_mode"])
 
-    def initial_state(self, p: DTensor) -> dict:
+    def initial_state(self, p: DTensor) -> dict[str, DTensor]:
         """Muon's state and the second moment, placed as `p` is: its columns per row
         (second_moment.py) beside each of this rank's rows."""
         rows, cols = tp_local_rows(p) // num_experts(p), p.to_local().shape[-1]
@@ -104,28 +105,33 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
         beside = self.second_moment.travelling(self.grad_rows(plan, i), self._moment2_rows(plan, i))
         return rows if beside is None else torch.cat([rows, beside], dim=1)
 
-    def orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
+    def _columns(self, p: DTensor, rows: int) -> Columns:
+        return self.second_moment.columns(rows, p.to_local().shape[-1])
+
+    def orthogonalize_owned(self, params: list[DTensor], fulls: list[torch.Tensor],
+                            batch_key: Any) -> list[torch.Tensor]:
         """Newton-Schulz (unscaled) on the update's columns, batched as Muon's, then the second
-        moment's owner part on each whole matrix with its state's columns."""
-        cols = params[0].to_local().shape[-1]
-        updates = [full[:, :cols].contiguous() for full in fulls]
+        moment's owner part on each whole matrix with its travelling columns."""
+        parts = [self._columns(p, full.shape[0]).split(full) for p, full in zip(params, fulls)]
+        updates = [update.contiguous() for update, _, _ in parts]
         orthogonalized = super().orthogonalize_owned(params, updates, batch_key)
-        return [self._on_owner(p, update, result, full[:, cols:])
-                for p, full, update, result in zip(params, fulls, updates, orthogonalized)]
+        return [self._owner_update(p, update, result, grad, moment2) for p, update, result,
+                (_, grad, moment2) in zip(params, updates, orthogonalized, parts)]
 
-    def orthogonalize_whole(self, p, full: torch.Tensor) -> torch.Tensor:
-        cols = p.to_local().shape[-1]
-        update = full[:, :cols].contiguous()
-        return self._on_owner(p, update, super().orthogonalize_whole(p, update), full[:, cols:])
+    def orthogonalize_whole(self, p: DTensor, full: torch.Tensor) -> torch.Tensor:
+        update, grad, moment2 = self._columns(p, full.shape[0]).split(full)
+        update = update.contiguous()
+        return self._owner_update(p, update, super().orthogonalize_whole(p, update), grad, moment2)
 
-    def _on_owner(self, p, update, orthogonalized, state) -> torch.Tensor:
-        return self.second_moment.on_owner(self, update, orthogonalized, state, self.group_of(p),
-                                           whole_shape(self, ParamAttributes(p),
-                                                       orthogonalized.shape))
+    def _owner_update(self, p: DTensor, update: torch.Tensor, orthogonalized: torch.Tensor,
+                      grad: torch.Tensor, moment2: torch.Tensor) -> torch.Tensor:
+        return self.second_moment.owner_update(
+            self, update, orthogonalized, grad, moment2, self.group_of(p),
+            whole_shape(self, ParamAttributes(p), orthogonalized.shape))
 
     def apply_update(self, plan: GroupPlan, i: int, rows: torch.Tensor) -> None:
-        p = plan.param_of(i)
-        update = self.second_moment.on_holder(
-            self, rows, self._moment2_rows(plan, i), self.group_of(p),
-            whole_shape(self, ParamAttributes(p), plan.matrices[i].shape))
+        p, shape = plan.param_of(i), plan.matrices[i].shape
+        update = self.second_moment.holder_update(
+            self, rows, self._columns(p, shape[0]), self._moment2_rows(plan, i), self.group_of(p),
+            whole_shape(self, ParamAttributes(p), shape))
         super().apply_update(plan, i, update)

@@ -2,6 +2,7 @@
 
 import inspect
 import typing
+from collections.abc import Callable, Hashable, Iterable
 from functools import partial
 from typing import Any, Literal
 
@@ -14,15 +15,16 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat import upstream
+from ..distribution.dtensor_rows import (ParamAttributes, data_parallel_layout, num_experts,
+                                         tp_local_rows)
+from ..distribution.exchange import all_gather_rows, owner_exchange, run_overlapped
+from ..distribution.group_planner import GroupPlan, GroupPlanner
 from ..plan import MAX_EXCHANGE_BYTES
 from . import syrk
 from .checks import CheckResult
-from .dtensor_rows import (ParamAttributes, data_parallel_layout, num_experts,
-                           tensor_parallel_group, tp_local_rows)
-from .exchange import all_gather_rows, owner_exchange, run_overlapped
-from .group_planner import GroupPlan, GroupPlanner
 from .muon_math import momentum_update_
-from .owner_check import OwnerCheck
+from .owner_check import ApplyUpdate, OwnerCheck
+from .second_moment import SecondMoment
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -176,6 +178,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             each matrix in its own call (the kernel takes no batch); refused at construction
             where it cannot run.
         param_names: {param: name}, for error messages.
+        second_moment: an adaptive variant's second moment after Newton-Schulz (SecondMoment,
+            core/second_moment.py; ZeROTensorParallelAdaptiveMuon passes its own), None for
+            Muon: the planner sizes the exchanges by the columns it carries.
         check_interval: every this many iterations (0: never), owner mode also computes every
             matrix's update as "allgather" does and compares what the owners sent back with it
             before anything is applied; above the bound (0 with fp32 `highest` Newton-Schulz,
@@ -189,20 +194,20 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     the setting (or Megatron flag) and the param.
     """
 
-    # A variant's second moment after Newton-Schulz (second_moment.py); Muon has none.
-    second_moment = None
-
-    def __init__(self, params, *, dp_group=None, dist_mode: DistMode = "owner",
+    def __init__(self, params: Iterable[DTensor] | Iterable[dict], *,
+                 dp_group: dist.ProcessGroup | None = None, dist_mode: DistMode = "owner",
                  owner_choice: OwnerChoice = "time", byte_slack: float | None = None,
                  max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
-                 param_names: dict | None = None,
-                 check_interval: int = 0, use_syrk: bool = False, **kwargs: Any):
+                 param_names: dict | None = None, check_interval: int = 0,
+                 use_syrk: bool = False, second_moment: SecondMoment | None = None,
+                 **kwargs: Any) -> None:
         _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
                         kwargs)
         _check_hooks(type(self))
-        upstream_runs_syrk = use_syrk and upstream.tensor_parallel_muon_takes_syrk()
+        upstream_runs_syrk = use_syrk and syrk.tensor_parallel_muon_takes_syrk()
         super().__init__(params, **kwargs, **({"use_syrk": True} if upstream_runs_syrk else {}))
         self.use_syrk = use_syrk
+        self.second_moment = second_moment
         self.dp_group = dp_group
         self.dist_mode = dist_mode
         self.owner_choice = owner_choice
@@ -217,37 +222,20 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._set_newton_schulz(tensor_parallel_muon_settings(kwargs), use_syrk,
                                 upstream_runs_syrk)
         # What this rank carries out each step, per exchange group (the bench and tests read it),
-        # the rows of each param it holds, and where same-shape matrices run batched.
+        # the rows of each param it holds, and where same-shape matrices run batched; rank 0
+        # names the matrices too large to share an exchange under a budget the user set.
         planner = GroupPlanner(self)
         self.batched_newton_schulz = planner.batched_newton_schulz
         self.plans: list[GroupPlan] = planner.plan(byte_slack, max_exchange_bytes)
         self._held_rows = planner.held_rows
         self._check = OwnerCheck(self)
-        if dist.get_rank() == 0 and dist_mode == "owner" and max_exchange_bytes is not None:
-            planner.say_which_go_alone(self.plans)
 
     def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
         """Newton-Schulz as TensorParallelMuon's orthogonalize runs it (scaled), through the SYRK
         kernel with --muon-use-syrk. A variant may run it otherwise (before planning, which
         times it)."""
         if use_syrk:
-            self._use_syrk(settings, upstream_runs_syrk)
-
-    def _use_syrk(self, settings: dict, upstream_runs_it: bool) -> None:
-        """Refuse --muon-use-syrk where the kernel cannot run (before any state), else route
-        Newton-Schulz through it where megatron-core's TensorParallelMuon does not."""
-        first = self.param_groups[0]["params"][0]
-        tp_groups = {self.tp_group_of(ParamAttributes(p)) for group in self.param_groups
-                     for p in group["params"]} - {None}
-        problem = syrk.why_it_cannot_run(self.fp32_matmul_prec, self.tp_mode,
-                                         [g.size() for g in tp_groups], first.to_local().device)
-        if problem:
-            raise ValueError(f"ZeROTensorParallelMuon: {problem}")
-        if not upstream_runs_it:
-            self.scaled_orthogonalize_fn = syrk.scaled_orthogonalize_fn(
-                self.scaled_orthogonalize_fn, settings["num_ns_steps"],
-                settings["coefficient_type"], settings["scale_mode"],
-                settings["extra_scale_factor"])
+            syrk.route_newton_schulz_through_it(self, settings, upstream_runs_syrk)
 
     def held_rows(self, p: DTensor) -> tuple[int, int, int]:
         """(start, stop, rows): this rank's shard of `p` holds rows [start, stop) of its
@@ -256,25 +244,23 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     def bytes_received_per_step(self) -> int:
         """What this rank receives in one owner step (gather and scatter), from its plan."""
-        return sum(sum(route.recv_counts) * plan.param_of(0).element_size()
-                   for plan in self.plans for routes in plan.routes
-                   for route in (routes.gather, routes.scatter) if route.moves)
+        return sum(plan.bytes_received() for plan in self.plans)
 
     def device(self) -> torch.device:
         """The params' device, that of their process groups (CPU without params)."""
         return next((p.to_local().device for group in self.param_groups for p in group["params"]),
                     torch.device("cpu"))
 
-    def name_of(self, p) -> str:
+    def name_of(self, p: torch.Tensor) -> str:
         return self._param_names.get(p) or f"the parameter of shape {tuple(p.shape)}"
 
-    def tp_group_of(self, attrs):
-        return tensor_parallel_group(self.pg_collection, attrs)
+    def tp_group_of(self, attrs: Any) -> dist.ProcessGroup | None:
+        return upstream.tensor_parallel_group(self.pg_collection, attrs)
 
-    def splits_qkv(self, attrs) -> bool:
+    def splits_qkv(self, attrs: Any) -> bool:
         return self.split_qkv and self.is_qkv_fn(attrs)
 
-    def orthogonalize_full(self, p, full: torch.Tensor) -> torch.Tensor:
+    def orthogonalize_full(self, p: DTensor, full: torch.Tensor) -> torch.Tensor:
         """TensorParallelMuon.orthogonalize on a full matrix (or a stack of them) of param `p`,
         with Megatron's tags and its param group's options, as OrthogonalizedOptimizer.step
         calls it."""
@@ -297,7 +283,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             shape=p.shape, stride=p.stride())}
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: None = None) -> None:
         """OrthogonalizedOptimizer.step's loop on this rank's rows: per matrix weight decay,
         momentum and Nesterov (muon_math.momentum_update_, upstream's operations in its order,
         elementwise, so on a matrix's rows as on its whole param); then, in place of one
@@ -305,8 +291,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         (on their owners, or on every rank in "allgather" mode); then p -= lr * update on this
         rank's rows. In owner mode each exchange computes its matrices' updates when it starts
         and frees them when it ends, so the working memory stays within max_exchange_bytes. The
-        weight-update hooks around that update are refused at construction
-        (WEIGHT_UPDATE_HOOKS)."""
+        weight-update hooks around that update are refused (WEIGHT_UPDATE_HOOKS)."""
         if closure is not None:
             raise ValueError("closure is not supported")
         self.iteration += 1
@@ -331,7 +316,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         p = plan.param_of(i)
         plan.rows_of(i, p.to_local()).add_(rows, alpha=-self.group_of(p)["lr"])
 
-    def group_of(self, p) -> dict:
+    def group_of(self, p: DTensor) -> dict:
         return self.param_groups[self._group_index[p]]
 
     def all_update_rows(self, plan: GroupPlan) -> dict[int, torch.Tensor]:
@@ -353,13 +338,15 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             return torch.zeros_like(plan.rows_of(i, p.to_local()))
         return plan.rows_of(i, p.grad.to_local())
 
-    def allgather_orthogonalize(self, plan: GroupPlan, local: dict, apply) -> None:
+    def allgather_orthogonalize(self, plan: GroupPlan, local: dict[int, torch.Tensor],
+                                apply: ApplyUpdate) -> None:
         for i, matrix in enumerate(plan.matrices):
             full = all_gather_rows(local[i], matrix.layout, plan.group)
             start, stop = matrix.layout.row_range(plan.rank)
             apply(plan, i, self.orthogonalize_whole(plan.param_of(i), full)[start:stop])
 
-    def owner_orthogonalize(self, plan: GroupPlan, local_rows, apply) -> None:
+    def owner_orthogonalize(self, plan: GroupPlan, local_rows: Callable[[int], torch.Tensor],
+                            apply: ApplyUpdate) -> None:
         """Each exchange's matrices gathered to their owners, orthogonalized there batch by
         batch, the rows sent back and `apply(plan, matrix, this rank's rows)`, two exchanges in
         flight (exchange.run_overlapped). `local_rows(i)`: this rank's rows of matrix i's update,
@@ -372,12 +359,13 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                                       orthogonalize, lambda i, rows: apply(plan, i, rows))
                        for routes in plan.routes)
 
-    def orthogonalize_whole(self, p, full: torch.Tensor) -> torch.Tensor:
+    def orthogonalize_whole(self, p: DTensor, full: torch.Tensor) -> torch.Tensor:
         """One matrix's update as "allgather" mode computes it, on its own (the check's
         reference, apart from the owners' orthogonalize_owned)."""
         return self.orthogonalize_full(p, full)
 
-    def orthogonalize_owned(self, params: list, fulls: list, batch_key) -> list:
+    def orthogonalize_owned(self, params: list[DTensor], fulls: list[torch.Tensor],
+                            batch_key: Hashable) -> list[torch.Tensor]:
         """Newton-Schulz on the full matrices this rank owns in one batch: one batched call per
         param group (orthogonalize gets that group's options) where `batched_newton_schulz`
         allows it, else one call each. The owner's hook: what it returns is what the owner

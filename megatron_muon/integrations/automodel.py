@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from nemo_automodel.components.optim.optimizer import OptimizerConfig
 
-from ..step.chained import find_megatron_fsdp
+from ..step.model_chunks import find_megatron_fsdp
 from .standalone import muon_optimizer
 
 

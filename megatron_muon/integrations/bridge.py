@@ -27,19 +27,19 @@ from pathlib import Path
 
 import megatron.core.datasets.utils
 
-from ..compat import cpu, upstream, upstream_fixes
+from ..compat import cpu_training, upstream, upstream_fixes
 from ..core.zero_adaptive_muon import check_adaptive_settings
 from ..core.zero_muon import DIST_MODES, OWNER_CHOICES
 from ..plan import MAX_EXCHANGE_BYTES
 from ..step import checksums, qk_clip
-from ..step.chained import find_megatron_fsdp
+from ..step.model_chunks import find_megatron_fsdp
 from . import factory, rules
 from .arguments import FSDP_OPTIMIZERS
 
 # Where users, and the configs Bridge saves, name this module's classes (megatron_muon/bridge.py).
 PUBLIC_MODULE = "megatron_muon.bridge"
 
-cpu.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
+cpu_training.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
 upstream.import_bridge()
 
 import megatron.bridge.training.initialize  # noqa: E402  (after the stand-ins)
@@ -175,7 +175,7 @@ def install(cfg) -> None:
         # Bridge's initialize imports compile_helpers by name: patch its copy.
         upstream.patch("megatron.bridge.training.initialize.compile_helpers",
                        skip_dataset_helper_build)
-    if cpu.apply_bridge_compat():
+    if cpu_training.apply_bridge_compat():
         cfg.dist.distributed_backend = "gloo"  # NCCL needs GPUs
 
 

@@ -14,7 +14,8 @@ from ..compat import upstream, upstream_fixes
 from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from ..core.zero_muon import ZeROTensorParallelMuon
 from ..plan import MAX_EXCHANGE_BYTES
-from ..step.chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
+from ..step.chained import FSDPMuonChainedOptimizer
+from ..step.model_chunks import find_megatron_fsdp
 from ..step.qk_clip import build_max_attention_logits
 from . import rules
 from .arguments import FSDP_OPTIMIZERS

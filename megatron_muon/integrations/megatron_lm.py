@@ -52,7 +52,7 @@ from megatron.training.utils import print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..compat import cpu, upstream, upstream_fixes
-from ..compat.cpu import apply_megatron_training_compat
+from ..compat.cpu_training import apply_megatron_training_compat
 from ..plan import MAX_EXCHANGE_BYTES
 from ..step import checksums, qk_clip
 from . import factory

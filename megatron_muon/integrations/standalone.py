@@ -13,7 +13,8 @@ import torch.distributed as dist
 from ..compat import upstream, upstream_fixes
 from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from ..core.zero_muon import ZeROTensorParallelMuon
-from ..step.chained import FSDPMuonChainedOptimizer, find_megatron_fsdp
+from ..step.chained import FSDPMuonChainedOptimizer
+from ..step.model_chunks import find_megatron_fsdp
 from .placement import place
 
 

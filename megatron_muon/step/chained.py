@@ -5,41 +5,18 @@ import collections
 import functools
 
 import torch
-import torch.distributed as dist
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from ..compat import upstream
-from ..core.checks import (MuonCheckError, agree_on_every_rank, compute_weights_that_differ,
-                           replicas_that_differ)
 from ..core.zero_muon import ZeROTensorParallelMuon
+from .model_chunks import find_megatron_fsdp, named_main_weights
 from .nonfinite_skip import NonfiniteSkip
+from .weights_check import check_after_param_sync
 
 # The profiler's label of the install and param sync (benchmarks/step_profile.py reads it).
 PARAM_SYNC = "muon.param_sync"
-
-
-def find_megatron_fsdp(chunk):
-    """The MegatronFSDP inside a model chunk (megatron-core's FullyShardedDataParallel wraps it as
-    `.module`), or None. Duck-typed: megatron_fsdp and megatron-core each ship a MegatronFSDP."""
-    while chunk is not None:
-        if hasattr(chunk, "install_optimized_model_weights") and hasattr(chunk, "finish_grad_sync"):
-            return chunk
-        chunk = getattr(chunk, "module", None)
-    return None
-
-
-def named_main_weights(chunk) -> list:
-    """(name, main weight) for every param of a Megatron-FSDP model chunk, named as the chunk
-    names its params. The chunk's modules hold the main weights only between the grad sync and
-    the next param sync or forward (Megatron-FSDP swaps them), so this asks Megatron-FSDP."""
-    fsdp = find_megatron_fsdp(chunk)
-    prefix, module = "", chunk
-    while module is not fsdp:
-        prefix, module = prefix + "module.", module.module
-    return [(f"{prefix}module.{name}", p)
-            for name, p in fsdp.param_and_grad_buffer.optimizer_named_parameters]
 
 
 class FSDPMuonChainedOptimizer:
@@ -136,34 +113,9 @@ class FSDPMuonChainedOptimizer:
                 self.max_attention_logits.clip_main_weights()
             self._install_weights_for_the_next_forward(force_sync=bool(checking))
             if checking:
-                self._check_weights()
+                check_after_param_sync(self.model_chunks, self._fsdp_models,
+                                       self.muon_optimizers, self.iteration)
         return result
-
-    def _check_weights(self):
-        """The check interval's second half, after the param sync; every rank raises or none."""
-        failures, replica_groups = [], 0
-        for chunk, fsdp in zip(self.model_chunks, self._fsdp_models):
-            differ, compared = replicas_that_differ(named_main_weights(chunk))
-            replica_groups += compared
-            failures += [f"{name}: its replicas differ" for name in differ]
-            failures += [f"{name}: the compute weights differ from the main weights"
-                         for name in compute_weights_that_differ(fsdp)]
-        device = next(self.model_chunks[0].parameters()).device
-        _, replica_groups, failures = agree_on_every_rank(0.0, replica_groups, failures, device)
-        if failures:
-            raise MuonCheckError(
-                f"muon check at iteration {self.iteration}: after the param sync the weights are "
-                f"not what this step made (the step was applied; the run stops):\n  "
-                + "\n  ".join(failures))
-        checks = [muon.last_check for muon in self.muon_optimizers
-                  if muon.last_check and muon.last_check.iteration == muon.iteration]
-        update = (f"max |owner - reference| = {max(c.worst for c in checks):.3e} over "
-                  f"{sum(c.matrices for c in checks)} matrices" if checks
-                  else "no owner exchange to compare (dist_mode allgather)")
-        replicas = "replicas equal" if replica_groups else "no replicas"
-        if dist.get_rank() == 0:
-            print(f"muon check at iteration {self.iteration}: {update}; {replicas}; compute "
-                  f"weights equal", flush=True)
 
     def _install_weights_for_the_next_forward(self, force_sync=False):
         """Copy the main weights into the compute weights, then sync them as megatron-core's

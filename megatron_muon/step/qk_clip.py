@@ -24,7 +24,7 @@ from megatron.core.transformer.multi_latent_attention import MultiLatentAttentio
 from ..compat import upstream
 from ..core.muon_math import mla_kv_row_factors, mla_q_row_factors, qk_clip_row_factors
 from ..plan import QKVRows
-from .chained import named_main_weights
+from .model_chunks import named_main_weights
 
 # The attentions megatron-core's clip_qk clips (megatron.core.optimizer.qk_clip's).
 CLIPPED_ATTENTIONS = (SelfAttention, MultiLatentAttention)

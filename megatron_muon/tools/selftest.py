@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..compat import upstream
+from ..compat import versions
 from ..core.checks import MuonCheckError
 from ..core.second_moment import SECOND_MOMENTS
 from ..integrations.arguments import FSDP_OPTIMIZERS
@@ -84,7 +84,7 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
     """Train one configuration; its row's figures (collective: every rank returns the same)."""
     from megatron.core import parallel_state
 
-    from .. import get_megatron_optimizer
+    from ..integrations.factory import get_megatron_optimizer
     from .memory import measure_train_step
     from .testing import GPTShape, fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     device = (f"{torch.cuda.get_device_name()} x {world_size}" if torch.cuda.is_available()
               else f"CPU, {world_size} processes")
     say(f"megatron-muon self-test: {backend} on {device}; torch {torch.__version__}, megatron-core "
-        f"{upstream.installed_version('megatron-core')}, megatron-muon {upstream.own_version()}; "
+        f"{versions.installed_version('megatron-core')}, megatron-muon {versions.own_version()}; "
         f"--optimizer {args.optimizer}"
         f"{f' ({args.adaptive_muon_moment2_method})' if args.optimizer != 'muon' else ''}; "
         f"Newton-Schulz "

@@ -1,0 +1,325 @@
+"""Collectives that carry out a row layout: learn it once, gather each matrix's rows, and the
+owner exchange; with the one instrumentation hook that observes them (and everything else a step
+sends through torch.distributed)."""
+
+import contextlib
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from ..compat import upstream
+from ..plan import (IN_FLIGHT, Matrix, RowLayout, gather_moves, gather_segments, scatter_moves,
+                    scatter_segments)
+
+
+def all_gather_ints(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
+    """Every rank's list of as many ints (e.g. its row counts), rank-major (one collective).
+    `device`: the group's (CUDA for NCCL, CPU for gloo), e.g. that of the params it describes."""
+    world = dist.get_world_size(group)
+    local = torch.tensor(values, dtype=torch.int64, device=device)
+    table = torch.empty(world * len(values), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(table, local, group=group)
+    return table.view(world, len(values)).tolist()
+
+
+def all_gather_rows(local: torch.Tensor, layout: RowLayout,
+                    group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full matrix on every rank from uneven row shards (`local`: this rank's rows).
+
+    Shards are padded to the largest one because gloo's all_gather rejects unequal sizes; the
+    padding is trimmed away after the gather. A matrix every rank holds whole needs no collective.
+    """
+    if len(layout.rows) == 1:
+        return local
+    padded = local.new_zeros((layout.max_rows, *local.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    gathered = local.new_empty((layout.ranks * layout.max_rows, *local.shape[1:]))
+    with _held(padded, gathered), record_function(GATHER):
+        dist.all_gather_into_tensor(gathered, padded, group=group)
+        gathered = gathered.view(layout.ranks, layout.max_rows, *local.shape[1:])
+        return torch.cat([gathered[layout.holders(shard)[0], :rows]
+                          for shard, rows in enumerate(layout.rows)])
+
+
+class Route(NamedTuple):
+    """What this rank sends and receives in one direction of an exchange: segments per peer,
+    their element counts, and whether any rank moves anything (else no collective is issued)."""
+
+    sends: list
+    recvs: list
+    send_counts: list[int]
+    recv_counts: list[int]
+    moves: bool
+
+
+class OwnerRoutes:
+    """One exchange of an owner plan, as this rank sees it, fixed at construction: its batches
+    (each of one shape), the matrices it owns in each, and the routes of both directions (each
+    matrix's rows to its owner; the owner's result rows back to every rank holding rows of it,
+    replicas too). Rows already on their owner never travel."""
+
+    def __init__(self, matrices: Sequence[Matrix], owners: Sequence[int],
+                 batches: Sequence[Sequence[int]], rank: int) -> None:
+        self.rank, self.matrices = rank, matrices
+        self.batches = [list(batch) for batch in batches]
+        self.batch = [i for batch in self.batches for i in batch]
+        self.gather = self._route(gather_segments, gather_moves, owners)
+        self.scatter = self._route(scatter_segments, scatter_moves, owners)
+        self.owned_batches = [[i for i in batch if owners[i] == rank] for batch in self.batches]
+        self.owned = [i for owned in self.owned_batches for i in owned]
+
+    def _route(self, segments_of, moves, owners) -> Route:
+        # This rank's row and column of the (src, dst) table only: O(world) per exchange, not
+        # O(world^2), so a plan at a thousand ranks is built in seconds.
+        world = range(self.matrices[self.batch[0]].layout.ranks)
+        sends = [segments_of(self.matrices, owners, self.batch, self.rank, dst) for dst in world]
+        recvs = [segments_of(self.matrices, owners, self.batch, src, self.rank) for src in world]
+        return Route(sends, recvs, [self.elements(s) for s in sends],
+                     [self.elements(s) for s in recvs], moves(self.matrices, owners, self.batch))
+
+    def elements(self, segments: Iterable[tuple[int, int, int]]) -> int:
+        return sum((stop - start) * self.matrices[i].width for i, start, stop in segments)
+
+    def pieces(self, buffer: torch.Tensor, per_rank: Sequence[Sequence[tuple[int, int, int]]],
+               ) -> Iterator[tuple[tuple[int, int, int], torch.Tensor]]:
+        """(segment, its rows) of a received buffer laid out as `per_rank`'s segments."""
+        segments = [segment for segments in per_rank for segment in segments]
+        pieces = buffer.split([self.elements([segment]) for segment in segments])
+        return zip(segments, [piece.view(-1, self.matrices[i].width)
+                              for (i, _, _), piece in zip(segments, pieces)])
+
+
+def _all_to_all(route: Route, send: list[torch.Tensor], like: torch.Tensor, group):
+    """(the receive buffer, the payload, the in-flight work or None): one variable-size
+    all_to_all_single (gloo and NCCL both take split sizes), none where nothing moves."""
+    received = like.new_empty(sum(route.recv_counts))
+    if not route.moves:
+        return received, None, None
+    payload = torch.cat([t.reshape(-1) for t in send]) if send else like.new_empty(0)
+    work = dist.all_to_all_single(received, payload, route.recv_counts, route.send_counts,
+                                  group=group, async_op=True)
+    return received, payload, work
+
+
+# Profiler labels (torch.profiler): the bench's per-phase profile reads them.
+GATHER, SCATTER = "muon.gather", "muon.scatter"
+
+
+def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: dict[int, torch.Tensor],
+                   orthogonalize: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]],
+                   apply: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
+    """One exchange, as a generator that yields after issuing each of its (at most two)
+    collectives, so a driver (run_overlapped) can start others before it resumes this one.
+
+    `local[i]`: this rank's rows of each matrix of the exchange. The owners assemble their full
+    matrices, `orthogonalize(owned, fulls)` each owned batch, and send the result rows back;
+    finally `apply(i, rows)` for this rank's rows of every matrix (the rows are views into this
+    exchange's buffers, which are freed when the generator ends)."""
+    with record_function(GATHER):
+        received, payload, work = _all_to_all(
+            routes.gather, [local[i] for segments in routes.gather.sends for i, _, _ in segments],
+            local[routes.batch[0]], group)
+    with _held(received, payload):
+        yield
+        with record_function(GATHER):
+            full = _assembled(routes, local, received, work)
+    del received, payload, work  # freed before Newton-Schulz runs (the work holds its tensors)
+    results = {}
+    with _held(*(full[i] for i in routes.owned if full[i] is not local[i])):
+        for owned in routes.owned_batches:
+            if owned:  # each batch's assembled matrices freed once it has its results
+                results.update(zip(owned, orthogonalize(owned, [full.pop(i) for i in owned])))
+    with record_function(SCATTER):
+        returned, payload, work = _all_to_all(
+            routes.scatter, [results[i][start:stop] for segments in routes.scatter.sends
+                             for i, start, stop in segments], local[routes.batch[0]], group)
+    with _held(returned, payload, *results.values()):
+        yield
+        with record_function(SCATTER):
+            if work is not None:
+                work.wait()
+        rows = {}
+        for i in routes.owned:
+            start, stop = routes.matrices[i].layout.row_range(routes.rank)
+            rows[i] = results[i][start:stop]
+        for (i, _, _), piece in routes.pieces(returned, routes.scatter.recvs):
+            rows[i] = piece
+        for i in routes.batch:
+            apply(i, rows.get(i, local[i]))  # local[i]: this rank holds no rows of it
+
+
+def _assembled(routes: OwnerRoutes, local: dict, received: torch.Tensor, work) -> dict:
+    """The full matrices this rank owns, once the gather's rows have arrived."""
+    if work is not None:
+        work.wait()
+    full = {}
+    for i in routes.owned:
+        layout = routes.matrices[i].layout
+        if layout.held(routes.rank) == layout.num_rows:
+            full[i] = local[i]  # held whole: nothing to assemble
+            continue
+        full[i] = local[i].new_empty((layout.num_rows, routes.matrices[i].width))
+        start, stop = layout.row_range(routes.rank)
+        full[i][start:stop] = local[i]
+    for (i, start, stop), piece in routes.pieces(received, routes.gather.recvs):
+        full[i][start:stop] = piece
+    return full
+
+
+def run_overlapped(exchanges: Iterable[Iterator[None]], in_flight: int = IN_FLIGHT) -> None:
+    """Carry out exchanges (generators yielding at each collective, as owner_exchange) in order,
+    `in_flight` at a time: exchange k+1's gather is issued before exchange k computes, and
+    exchange k is finished (its rows applied) before exchange k+2 is taken from `exchanges`, so
+    at most `in_flight` exchanges hold buffers at once (plan.working_memory counts them). The
+    order of collectives depends only on the plan, so every rank issues the same ones."""
+    running: deque = deque()
+    pending = iter(exchanges)
+    while True:
+        if len(running) == in_flight:
+            deque(running.popleft(), maxlen=0)  # to its end
+        exchange = next(pending, None)
+        if exchange is None:
+            break
+        next(exchange, None)  # its gather issued
+        running.append(exchange)
+        if len(running) == in_flight:
+            next(running[0], None)  # the oldest computes and issues its scatter
+    for exchange in running:
+        deque(exchange, maxlen=0)
+
+
+# The instrumentation hook.
+
+class Observer:
+    """What `observed(observer)` reports to; subclass it. `collective`: every collective this
+    process issues through torch.distributed (the optimizer's, Megatron-FSDP's, megatron-core's),
+    after it is issued; `buffers`: the bytes of the owner exchange's and all_gather_rows'
+    buffers alive now, whenever some are added."""
+
+    def collective(self, call: "Collective") -> None:
+        pass
+
+    def buffers(self, live_bytes: int) -> None:
+        pass
+
+
+class Collective(NamedTuple):
+    """One collective: its c10d op (e.g. "alltoall_base_", "_allgather_base_", "allreduce_"),
+    its group's size and this rank's place in it, the tensors handed to it, and the bytes this
+    rank receives from other ranks (gathers and all-to-alls; 0 for reductions and broadcasts)."""
+
+    name: str
+    group_size: int
+    group_rank: int
+    tensors: tuple
+    received_bytes: int
+
+
+class Traffic(Observer):
+    """Counts of what a step sends: collectives over more than one rank (by c10d op), bytes
+    received from other ranks, and the peak bytes of the exchange's buffers alive at once."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.collectives, self.received_bytes, self.peak_buffer_bytes = 0, 0, 0
+        self.by_name: Counter = Counter()
+
+    def collective(self, call: Collective) -> None:
+        if call.group_size > 1:
+            self.collectives += 1
+            self.received_bytes += call.received_bytes
+            self.by_name[call.name] += 1
+
+    def buffers(self, live_bytes: int) -> None:
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, live_bytes)
+
+
+_observers: list[Observer] = []
+_live_bytes = 0
+
+
+@contextlib.contextmanager
+def observed(observer: Observer) -> Iterator[Observer]:
+    """Report to `observer` while the block runs (see Observer). It sees collectives at the c10d
+    ops torch.distributed dispatches to, through a dispatch mode: nothing is patched, and nothing
+    is observed (or slowed down) outside the block; inside it every tensor op passes through
+    Python, so time a step apart from the one observed."""
+    _observers.append(observer)
+    try:
+        with _CollectiveMode():
+            yield observer
+    finally:
+        _observers.remove(observer)
+
+
+@contextlib.contextmanager
+def _held(*tensors):
+    """Report `tensors` (None skipped) alive while the block runs."""
+    global _live_bytes
+    if not _observers:
+        yield
+        return
+    nbytes = _nbytes(t for t in tensors if t is not None)
+    _live_bytes += nbytes
+    for observer in _observers:
+        observer.buffers(_live_bytes)
+    try:
+        yield
+    finally:
+        _live_bytes -= nbytes
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _received_bytes(name: str, args: dict, rank: int, size: int) -> int:
+    if name == "alltoall_base_":
+        output, splits = args["output"], args["output_split_sizes"]
+        row = output.numel() // output.shape[0] if output.dim() and output.shape[0] else 0
+        own = splits[rank] * row if splits else output.numel() // size
+        return (output.numel() - own) * output.element_size()
+    if name == "_allgather_base_":
+        return _nbytes([args["output_tensor"]]) - _nbytes([args["input_tensor"]])
+    if name == "allgather_into_tensor_coalesced_":
+        return _nbytes(args["outputs"]) - _nbytes(args["inputs"])
+    if name == "allgather_":  # output_tensors[input][rank]
+        return sum(_nbytes(t for j, t in enumerate(outputs) if j != rank)
+                   for outputs in args["output_tensors"])
+    if name == "allgather_coalesced_":  # output_lists[rank][input]
+        return sum(_nbytes(outputs) for j, outputs in enumerate(args["output_lists"]) if j != rank)
+    return 0
+
+
+class _CollectiveMode(upstream.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # Every other op of the observed block passes here too: c10d's data collectives only.
+        if func.namespace != "c10d" or func.name().startswith("c10d::barrier"):
+            return out
+        bound = dict(zip(upstream.op_argument_names(func), args), **(kwargs or {}))
+        if "process_group" not in bound:
+            return out
+        name = func.name().removeprefix("c10d::")
+        group = dist.ProcessGroup.unbox(bound["process_group"])
+        rank, size = group.rank(), group.size()
+        call = Collective(name, size, rank,
+                          tuple(t for value in bound.values() for t in _tensors(value)),
+                          _received_bytes(name, bound, rank, size))
+        for observer in list(_observers):
+            observer.collective(call)
+        return out
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)

@@ -1,0 +1,268 @@
+"""What ZeROTensorParallelMuon plans at construction, once: its params' exchange groups (dense
+params over dp_cp, experts over expert data parallelism), each param's row layout learned in one
+collective, the matrices it orthogonalizes, same-shape batches (batched where exact or faster),
+the rates owners by time are chosen with (measured_cost), and the owners and exchanges
+(plan.owner_plan) within the working-memory budget: a GroupPlan per exchange group."""
+
+import dataclasses
+import math
+import statistics
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from emerging_optimizers import utils as eo_utils
+from torch.distributed.tensor import DTensor
+
+from ..compat import upstream
+from ..plan import (Matrix, RowLayout, StepCost, batch_matrices, cost_key, exchange_budget,
+                    orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
+                    qkv_row_blocks, row_layouts, split_matrices)
+from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_dims, data_parallel_layout,
+                           num_experts, shard_index, tp_local_rows)
+from .exchange import OwnerRoutes, all_gather_ints
+from .measured_cost import measure, seconds_beyond_noise
+
+# Measured batched Newton-Schulz must take at most this share of the per-matrix calls' time to be
+# chosen at fp32 `highest`: a near tie is noise (on this project's CPU 256x1024 batched by 2 took
+# 1.02x the per-matrix calls' time in one measurement, and was measured faster in another), and
+# per-matrix calls are megatron-core's own.
+BATCHED_MUST_SAVE = 0.9
+
+
+class GroupPlan:
+    """The matrices of one exchange group, fixed at construction: one per param, or one per
+    expert of a stacked expert weight; where this rank's rows of each sit in its param's local
+    shard; their owners, this rank's routes through the exchanges that carry their batches, and
+    the working-memory budget they were planned within, and the measured StepCost the owners
+    were chosen by (None: byte-first, or no owners)."""
+
+    def __init__(self, params: list[DTensor], matrices: list[Matrix],
+                 pieces: list[tuple[int, int, int]], owners: list[int],
+                 exchanges: list[list[list[int]]], group: dist.ProcessGroup | None, budget: int,
+                 cost: StepCost | None = None) -> None:
+        self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
+        self.group, self.budget, self.cost = group, budget, cost
+        self.rank = dist.get_rank(group)
+        self.routes = [OwnerRoutes(matrices, owners, batches, self.rank) for batches in exchanges]
+
+    def param_of(self, i: int) -> DTensor:
+        return self.params[self.pieces[i][0]]
+
+    def bytes_received(self) -> int:
+        """What this rank receives in one owner step (gather and scatter)."""
+        return sum(sum(route.recv_counts) * self.param_of(0).element_size()
+                   for routes in self.routes for route in (routes.gather, routes.scatter)
+                   if route.moves)
+
+    def rows_of(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of matrix i within `local`, its param's local shard (or a tensor
+        shaped like it)."""
+        _, lo, hi = self.pieces[i]
+        return as_rows(local)[lo:hi]
+
+
+class GroupPlanner:
+    """Plans a ZeROTensorParallelMuon's exchange groups (`plan`), using what the optimizer
+    knows: its settings, its TP groups and QKV split, and its orthogonalize, which the rates and
+    the batching probe time and compare. Fills `held_rows` ({param: (start, stop, rows) of
+    its TP-local matrix this rank holds}) and `batched_newton_schulz` ({(shape, batch key):
+    whether same-shape matrices run in one batched call})."""
+
+    def __init__(self, muon: Any) -> None:
+        self.muon = muon
+        self.held_rows: dict[DTensor, tuple[int, int, int]] = {}
+        self.batched_newton_schulz: dict[tuple, bool] = {}
+
+    def plan(self, byte_slack: float | None, max_exchange_bytes: int | None) -> list[GroupPlan]:
+        plans = [self._plan_group(params, group, byte_slack, max_exchange_bytes)
+                 for (group, _), params in self._exchange_groups().items()]
+        if (dist.get_rank() == 0 and self.muon.dist_mode == "owner"
+                and max_exchange_bytes is not None):
+            self.say_which_go_alone(plans)
+        return plans
+
+    def say_which_go_alone(self, plans: list[GroupPlan]) -> None:
+        """One line on rank 0: the matrices that alone need more than half of the working-memory
+        budget the user set (each goes alone in its batch and exchange), the largest named with
+        its size. Under the default budget (what Muon's state saves a rank) small models send
+        most matrices alone by design, and the line would tell the user nothing to act on."""
+        needs = [(owner_bytes(matrix, plan.param_of(i).element_size()), plan, i)
+                 for plan in plans for i, matrix in enumerate(plan.matrices)]
+        alone = [need for need in needs if need[0] > per_exchange_bytes(need[1].budget)]
+        if not alone:
+            return
+        largest, plan, i = max(alone, key=lambda item: item[0])
+        rows, cols = plan.matrices[i].shape
+        print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
+              f"--muon-max-exchange-bytes ({plan.budget / 2**20:.1f} MiB) and are orthogonalized "
+              f"alone; the largest, {self.muon.name_of(plan.param_of(i))} ({rows}x{cols}, "
+              f"{rows * cols * plan.param_of(i).element_size() / 2**20:.1f} MiB), needs "
+              f"{largest / 2**20:.1f} MiB on its owner", flush=True)
+
+    def _exchange_group(self, p: DTensor):
+        dims = data_parallel_dims(p)
+        size = math.prod(p.device_mesh.size(dim) for dim in dims)
+        dp_group = self.muon.dp_group
+        if dp_group is not None:
+            if dp_group.size() != size:
+                raise ValueError(
+                    f"{self.muon.name_of(p)}: dp_group has {dp_group.size()} ranks but the param "
+                    f"is data-parallel over {size} ({p.device_mesh})")
+            return dp_group
+        if len(dims) == 1:
+            return p.device_mesh.get_group(dims[0])
+        names = p.device_mesh.mesh_dim_names
+        return upstream.flatten_mesh(p.device_mesh[tuple(names[dim] for dim in dims)]).get_group()
+
+    def _exchange_groups(self) -> dict:
+        """{(process group, data-parallel layout): its params}: dense params over dp_cp, experts
+        over expert data parallelism, each exchanged within its group."""
+        by_group: dict[Any, list[DTensor]] = {}
+        for group in self.muon.param_groups:
+            for p in group["params"]:
+                key = (self._exchange_group(p), data_parallel_layout(p))
+                by_group.setdefault(key, []).append(p)
+        return by_group
+
+    @staticmethod
+    def _learn_layouts(params: list, group) -> list[RowLayout]:
+        """Each param's row layout over `group`: which shard each rank holds and how many rows
+        (one collective for all of them, at construction, never per step)."""
+        table = all_gather_ints(
+            [shard_index(params[0])] + [as_rows(p.to_local()).shape[0] for p in params],
+            group, params[0].to_local().device)
+        return row_layouts([row[0] for row in table], [row[1:] for row in table],
+                           [tp_local_rows(p) for p in params])
+
+    def _plan_group(self, params: list, group, byte_slack: float | None,
+                    max_exchange_bytes: int) -> GroupPlan:
+        layouts = self._learn_layouts(params, group)
+        rank = dist.get_rank(group)
+        matrices, pieces = [], []
+        for index, (p, layout) in enumerate(zip(params, layouts)):
+            self.held_rows[p] = (*layout.row_range(rank), layout.num_rows)
+            cols = p.to_local().shape[-1]
+            for start, matrix in split_matrices(layout, num_experts(p), cols,
+                                                self._batch_key(p), self._row_blocks(p)):
+                matrices.append(self._with_second_moment(matrix))
+                pieces.append((index, *layout.local_range(rank, start, start + matrix.shape[0])))
+        representatives = {}  # a matrix and its param of each cost key, in plan order
+        for matrix, (index, _, _) in zip(matrices, pieces):
+            representatives.setdefault(cost_key(matrix), (matrix, params[index]))
+        batchable = self._batchable(matrices, representatives)
+        element_bytes = params[0].element_size()
+        budget = exchange_budget(matrices, element_bytes, max_exchange_bytes)
+        cost = None
+        if self.muon.dist_mode == "owner" and self.muon.owner_choice == "time":
+            cost = self._measure_cost(matrices, representatives, batchable, group,
+                                      element_bytes, per_exchange_bytes(budget))
+        else:
+            self.batched_newton_schulz.update((key[:2], True) for key in batchable)
+        # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
+        # measured cost, so they pick the same owners: TP Newton-Schulz then meets its TP peers
+        # on the same matrix.
+        plan = owner_plan(matrices, element_bytes, byte_slack, budget, cost)
+        return GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group, budget, cost)
+
+    @torch.no_grad()
+    def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,
+                      group, element_bytes: int, max_batch_bytes: int) -> StepCost:
+        """The group's StepCost from measured_cost.measure: each shape's Newton-Schulz call on one
+        matrix, and, where it may be batched, on as many as an owner gets of its largest batch
+        spread over the group (at least 2). At fp32 `highest`, where batching changes no bit,
+        `batched_newton_schulz` takes the batched call where it is clearly faster
+        (BATCHED_MUST_SAVE, and by more than the figures' spread); at bf16/tf32 same-shape
+        matrices stay batched, as with owners by bytes, so the rounding never follows a
+        measurement. A shape's seconds follow its FLOPs unless its own rate stands apart beyond
+        the noise (measured_cost.seconds_beyond_noise). One all-to-all gives the bandwidth. The
+        figures' median spread is the StepCost's: owners leave byte-first only for a gain that
+        outlasts it (plan.choose_owners_by_time)."""
+        largest_batch: dict = {}
+        for batch in batch_matrices(matrices, max_batch_bytes, element_bytes):
+            key = cost_key(matrices[batch[0]])
+            largest_batch[key] = max(largest_batch.get(key, 0), len(batch))
+        # Batched calls are timed only where a batch holds two matrices or more (a sample of at
+        # most max_batch_bytes of owner_bytes then; a shape whose batches hold one never runs
+        # batched).
+        timed_batched = {key for key in batchable if largest_batch[key] > 1}
+        runs = []
+        for key, (matrix, p) in representatives.items():
+            count = (max(2, math.ceil(largest_batch[key] / group.size()))
+                     if key in timed_batched else 1)
+            device = p.to_local().device
+            sample = torch.randn((count, *matrix.shape), device=device,
+                                 generator=torch.Generator(device).manual_seed(0))
+            orthogonalize = self.muon.orthogonalize_full
+            runs.append((1, lambda p=p, sample=sample: orthogonalize(p, sample[0])))
+            if key in timed_batched:
+                runs.append((count, lambda p=p, sample=sample: orthogonalize(p, sample)))
+        first_param = next(iter(representatives.values()))[1]
+        tp_group = self.muon.tp_group_of(ParamAttributes(first_param))
+        with eo_utils.fp32_matmul_precision(self.muon.fp32_matmul_prec):
+            per_matrix, bytes_per_second = measure(runs, group, [tp_group], self.muon.device())
+        figures, calls = iter(per_matrix), {}
+        for key in representatives:
+            calls[key] = next(figures)
+            if key in timed_batched:
+                single, batched = calls[key], next(figures)
+                # Batched only where it saves more than the figures' spread too.
+                must_save = min(BATCHED_MUST_SAVE, 1 - max(single.spread, batched.spread))
+                chosen = (batched.seconds < must_save * single.seconds
+                          or self.muon.fp32_matmul_prec != "highest")
+                self.batched_newton_schulz[key[:2]] = chosen
+                calls[key] = batched if chosen else single
+        seconds = seconds_beyond_noise(  # FLOPs of one iteration: the step count scales all alike
+            {key: matrix.ns_flops(steps=1) for key, (matrix, _) in representatives.items()}, calls)
+        return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second,
+                        spread=statistics.median(m.spread for m in per_matrix))
+
+    def _with_second_moment(self, matrix: Matrix) -> Matrix:
+        """`matrix` with the columns of state an adaptive variant's second moment sends beside its
+        rows and holds per row (core/second_moment.py's SecondMoment)."""
+        moment = self.muon.second_moment
+        if moment is None:
+            return matrix
+        return dataclasses.replace(matrix, state_cols=moment.columns(*matrix.shape).beside,
+                                   moment2_cols=moment.held_columns(*matrix.shape))
+
+    def _row_blocks(self, p) -> tuple[int, ...] | None:
+        """Rows of the q, k and v blocks Newton-Schulz sees for a QKV-split param (for its cost)."""
+        attrs = ParamAttributes(p)
+        if not self.muon.splits_qkv(attrs):
+            return None
+        shapes = getattr(attrs, "qkv_split_shapes", None) or self.muon.qkv_split_shapes
+        return qkv_row_blocks(tp_local_rows(p), shapes)
+
+    def _batch_key(self, p) -> tuple | None:
+        attrs = ParamAttributes(p)
+        tp_group = self.muon.tp_group_of(attrs)
+        return orthogonalization_key(attrs, self.muon.splits_qkv(attrs),
+                                     tp_group.size() if tp_group is not None else 1)
+
+    @torch.no_grad()
+    def _batchable(self, matrices: list[Matrix], representatives: dict) -> set:
+        """The cost keys whose same-shape matrices an owner may orthogonalize in one batched call
+        (`batched_newton_schulz` says whether it does): shapes two of the group's matrices
+        share, that orthogonalize alike. At fp32 `highest` only where batched Newton-Schulz
+        reproduces the per-matrix bits on the params' device (the backend may pick other kernels
+        for 3-D input: seen on CPU for 7x13, not for 256x1024), tried on two random matrices; at
+        `medium`/`low` (bf16/tf32 matmuls) always, the batched kernels rounding differently by
+        less than that precision's own error (docs/design.md, "Library")."""
+        if self.muon.use_syrk:  # the kernel takes 2-D matrices only
+            return set()
+        counts = Counter(cost_key(matrix) for matrix in matrices)
+        return {key for key, (matrix, p) in representatives.items()
+                if matrix.batch_key is not None and counts[key] > 1
+                and (self.muon.fp32_matmul_prec != "highest"
+                     or self._batched_is_exact(p, (matrix.shape, matrix.batch_key)))}
+
+    def _batched_is_exact(self, p, key: tuple) -> bool:
+        device = p.to_local().device
+        sample = torch.randn((2, *key[0]), device=device,
+                             generator=torch.Generator(device).manual_seed(0))
+        with eo_utils.fp32_matmul_precision(self.muon.fp32_matmul_prec):
+            batched = self.muon.orthogonalize_full(p, sample)
+            single = torch.stack([self.muon.orthogonalize_full(p, m) for m in sample])
+        return torch.equal(batched, single)

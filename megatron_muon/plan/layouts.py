@@ -1,0 +1,215 @@
+"""The matrices Muon orthogonalizes, as the plan sees them: which rows of each the ranks of its
+exchange group hold (RowLayout), its width and batch key (Matrix), and the QKV row blocks and
+expert splits that make one param several matrices."""
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Rows of one matrix and the ranks of its exchange group that hold them.
+
+    Megatron-FSDP lays a parameter out contiguously in its bucket and cuts the bucket into equal
+    per-shard slices, so shard s holds the rows after those of shards 0..s-1 (possibly none).
+    `shard_of[rank]` is the shard a rank holds; several ranks hold the same shard when the matrix
+    is also replicated (`no_shard`, or HSDP's replica dim). By default rank r holds shard r.
+    """
+
+    rows: tuple[int, ...]
+    shard_of: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if any(r < 0 for r in self.rows):
+            raise ValueError(f"negative row count in layout {self.rows}")
+        if self.shard_of is None:
+            object.__setattr__(self, "shard_of", tuple(range(len(self.rows))))
+        if sorted(set(self.shard_of)) != list(range(len(self.rows))):
+            raise ValueError(f"ranks hold shards {self.shard_of}, not each of {len(self.rows)} shards")
+
+    @property
+    def num_rows(self) -> int:
+        return self._starts[-1]
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.rows, default=0)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.shard_of)
+
+    def held(self, rank: int) -> int:
+        return self.rows[self.shard_of[rank]]
+
+    @cached_property
+    def held_by_all(self) -> int:
+        """Rows held summed over the ranks (replicas count each time)."""
+        return sum(self.rows[shard] for shard in self.shard_of)
+
+    @cached_property
+    def _starts(self) -> tuple[int, ...]:
+        return (0, *accumulate(self.rows))
+
+    @cached_property
+    def nonempty_shards(self) -> tuple[tuple[int, int], ...]:
+        """(shard, rows) of the shards holding rows."""
+        return tuple((shard, rows) for shard, rows in enumerate(self.rows) if rows)
+
+    @cached_property
+    def _holders(self) -> tuple[tuple[int, ...], ...]:
+        holders = [[] for _ in self.rows]
+        for rank, shard in enumerate(self.shard_of):
+            holders[shard].append(rank)
+        return tuple(map(tuple, holders))
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        return self._starts[shard], self._starts[shard + 1]
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        return self.shard_range(self.shard_of[rank])
+
+    def holders(self, shard: int) -> tuple[int, ...]:
+        return self._holders[shard]
+
+    def source(self, shard: int, for_rank: int) -> int:
+        """The rank `for_rank` takes `shard`'s rows from: the holder in its own replica (the
+        replica of a rank is its place among the holders of its shard)."""
+        holders = self.holders(shard)
+        replica = self.holders(self.shard_of[for_rank]).index(for_rank)
+        return holders[min(replica, len(holders) - 1)]
+
+    def piece(self, start: int, stop: int) -> "RowLayout":
+        """The layout of rows [start, stop) alone (one expert of a stacked expert weight)."""
+        rows = []
+        for shard in range(len(self.rows)):
+            lo, hi = self.shard_range(shard)
+            rows.append(max(0, min(hi, stop) - max(lo, start)))
+        return RowLayout(tuple(rows), self.shard_of)
+
+    def local_range(self, rank: int, start: int, stop: int) -> tuple[int, int]:
+        """Where rows [start, stop) sit in `rank`'s local rows (an empty range if it has none)."""
+        lo, hi = self.row_range(rank)
+        first = min(max(start, lo), hi)
+        return first - lo, max(first, min(stop, hi)) - lo
+
+
+def row_layouts(shard_of: Sequence[int], rows_per_rank: Sequence[Sequence[int]],
+                num_rows: Sequence[int]) -> list[RowLayout]:
+    """Per-matrix layouts from a rank-major table `rows_per_rank[rank][matrix]` and the shard
+    each rank holds.
+
+    Each matrix's shards must add up to its row count `num_rows[matrix]`, and the ranks holding
+    one shard must hold the same rows: a mismatch means the exchange group is not the one the
+    matrix is sharded over.
+    """
+    num_shards = max(shard_of) + 1
+    layouts = []
+    for index, (column, expected) in enumerate(zip(zip(*rows_per_rank), num_rows, strict=True)):
+        rows = [None] * num_shards
+        for shard, count in zip(shard_of, column):
+            if rows[shard] not in (None, count):
+                raise ValueError(f"matrix {index}: replicas of shard {shard} hold {rows[shard]} "
+                                 f"and {count} rows; is the exchange group the data-parallel group?")
+            rows[shard] = count
+        layout = RowLayout(tuple(rows), tuple(shard_of))
+        if layout.num_rows != expected:
+            raise ValueError(
+                f"matrix {index}: shards hold {layout.rows} rows (sum {layout.num_rows}) "
+                f"but the matrix has {expected} rows; is the gather group the shard group?"
+            )
+        layouts.append(layout)
+    return layouts
+
+
+@dataclass(frozen=True)
+class QKVRows:
+    """megatron-core's fused QKV weight (SelfAttention.linear_qkv), TP-local: for each query
+    group in turn, the q rows of its heads, then its k rows, then its v rows."""
+
+    groups: int
+    q_rows: int  # per group
+    kv_rows: int  # per group, for k and for v
+
+    @property
+    def num_rows(self) -> int:
+        return self.groups * (self.q_rows + 2 * self.kv_rows)
+
+
+def qkv_row_blocks(rows: int, split_shapes: Sequence[int]) -> tuple[int, ...]:
+    """Rows of the q, k and v blocks Newton-Schulz sees in a fused QKV matrix of `rows` rows,
+    `split_shapes` being the q, k and v rows of one query group."""
+    groups = rows // sum(split_shapes)
+    return tuple(groups * block for block in split_shapes)
+
+
+def ns_flops(rows: int, cols: int, steps: int) -> int:
+    """Newton-Schulz FLOPs of one m x n matrix: k(4m^2 n + 2m^3) with m the smaller side."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One matrix to orthogonalize: how its rows are spread, its width, which matrices it may
+    share a batched Newton-Schulz with (same shape and same orthogonalization), and, when it is
+    orthogonalized in row blocks (QKV split), the total rows of each kind of block. A Muon
+    variant's second moment (second_moment.py) may add `state_cols` columns of per-row state
+    that travel with each row both ways, and holds `moment2_cols` elements per row."""
+
+    layout: RowLayout
+    cols: int
+    batch_key: object = None
+    row_blocks: tuple[int, ...] | None = None
+    state_cols: int = 0
+    moment2_cols: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.layout.num_rows, self.cols
+
+    @property
+    def width(self) -> int:
+        """Elements per row an exchange moves: the update's and the state's that travels."""
+        return self.cols + self.state_cols
+
+    def ns_flops(self, steps: int) -> int:
+        return sum(ns_flops(rows, self.cols, steps) for rows in self.row_blocks or (self.shape[0],))
+
+    def bytes_to_owner(self, owner: int, element_bytes: int) -> int:
+        """Bytes this matrix moves per step with `owner`: the rows of its other shards in, and the
+        result out to every other rank holding rows (replicas included)."""
+        layout = self.layout
+        held_elsewhere = layout.held_by_all - layout.held(owner)
+        rows_in = layout.num_rows - layout.held(owner)
+        return (rows_in + held_elsewhere) * self.width * element_bytes
+
+    def least_bytes(self, element_bytes: int) -> int:
+        """The fewest bytes any owner moves: bytes_to_owner of a rank holding the most rows."""
+        layout = self.layout
+        return (layout.num_rows + layout.held_by_all - 2 * layout.max_rows) * self.width * element_bytes
+
+
+def cost_key(matrix: Matrix) -> tuple:
+    """Matrices with equal keys take the same Newton-Schulz time (and may share a batch)."""
+    return matrix.shape, matrix.batch_key, matrix.row_blocks
+
+
+def split_matrices(layout: RowLayout, experts: int, cols: int, batch_key=None,
+                   row_blocks: tuple[int, ...] | None = None) -> list[tuple[int, Matrix]]:
+    """The matrices Muon orthogonalizes in a param of `layout`: the param itself, or each expert
+    of a stack of `experts`, with the first of its rows in the param."""
+    rows = layout.num_rows // experts
+    return [(start, Matrix(layout.piece(start, start + rows), cols, batch_key, row_blocks))
+            for start in range(0, layout.num_rows, rows)]
+
+
+def orthogonalization_key(attrs, splits_qkv: bool, tp_size: int) -> tuple | None:
+    """Matrices with equal keys (and shapes) are orthogonalized identically and may share one
+    batched Newton-Schulz; None: orthogonalize alone (QKV split, or TP Newton-Schulz).
+    `attrs`: the param's Megatron tags."""
+    if splits_qkv or tp_size > 1:
+        return None
+    return (getattr(attrs, "partition_dim", None), getattr(attrs, "expert_tp", False))

@@ -1,0 +1,169 @@
+"""What megatron-muon borrows from upstream: a name gone from an installed version fails the import
+with one error that says what to install; the patches install() and the CPU layer apply come off
+again, leaving megatron.training, Megatron-FSDP and torch as they were; and no module but
+megatron_muon.compat.upstream reaches a private upstream name."""
+
+import ast
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from megatron_muon.compat import upstream, versions
+from megatron_muon.compat.supported_versions import SUPPORTED
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_muon"
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (the patches and deletions stay out of this one)."""
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_name_gone_from_upstream_is_named_at_import():
+    run = _python("""
+        import megatron.core.optimizer.emerging_optimizers as core_muon
+        import torch.distributed.device_mesh as device_mesh
+        del core_muon._eopt_init_state_fn
+        del device_mesh.DeviceMesh._flatten
+        import megatron_muon
+    """)
+    assert run.returncode != 0
+    error = run.stderr[run.stderr.index("ImportError: "):]
+    for distribution, name in (
+            ("megatron-core", "megatron.core.optimizer.emerging_optimizers._eopt_init_state_fn"),
+            ("torch", "torch.distributed.device_mesh.DeviceMesh._flatten")):
+        assert (f"{distribution} {version(distribution)} (supported: "
+                f"{distribution}{SUPPORTED[distribution]}) has no\n  {name}: ") in error, error
+    assert "emerging-optimizers" not in error.splitlines()[0], error  # only what lacks a name
+    assert "Install the versions this release supports" in error
+
+
+@pytest.mark.slow
+def test_a_patch_target_gone_from_upstream_is_named_at_import():
+    run = _python("""
+        import megatron.training.training
+        del megatron.training.training.clip_qk
+        import megatron_muon
+    """)
+    assert run.returncode != 0
+    assert "has no\n  megatron.training.training.clip_qk: patched: " in run.stderr, run.stderr
+
+
+@pytest.mark.slow
+def test_uninstall_leaves_megatron_training_megatron_fsdp_and_torch_as_they_were():
+    run = _python("""
+        import importlib
+        import importlib.util
+
+        import torch
+
+        import megatron_muon.training
+        from megatron_muon import upstream
+
+        def resolve(owner):  # a module, or a class in one (torch.Tensor)
+            try:
+                return importlib.import_module(owner)
+            except ModuleNotFoundError:
+                module, _, name = owner.rpartition(".")
+                return getattr(importlib.import_module(module), name)
+
+        owners = {target.rpartition(".")[0] for target in upstream.PATCHES} - {"torch.overrides"}
+        owners = {owner: resolve(owner) for owner in owners if importlib.util.find_spec(owner.split(".")[0])
+                  and not owner.startswith("megatron.bridge.")}  # install() leaves Bridge alone
+
+        def snapshot():
+            return {owner: dict(vars(found)) for owner, found in owners.items()}
+
+        def changed(before, after):
+            return sorted(f"{owner}.{name}" for owner in before
+                          for name in before[owner].keys() | after[owner].keys()
+                          if before[owner].get(name, None) is not after[owner].get(name, None))
+
+        before = snapshot()
+        megatron_muon.training.install()
+        patched = changed(before, snapshot())
+        assert set(patched) <= set(upstream.PATCHES), set(patched) - set(upstream.PATCHES)
+        assert "megatron.training.arguments.validate_args" in patched, patched
+        if not torch.cuda.is_available():
+            assert "torch.cuda.Stream" in patched and "torch.Tensor.cuda" in patched, patched
+            assert torch.overrides._get_current_function_mode() is not None
+            torch.zeros(1, device="cuda")  # the CPU layer makes it on CPU
+        megatron_muon.training.uninstall()
+        assert changed(before, snapshot()) == [], changed(before, snapshot())
+        assert torch.overrides._get_current_function_mode() is None
+        megatron_muon.training.install()  # and again, as a fresh process would
+        assert changed(before, snapshot()) == patched
+        print("patched", len(patched))
+    """)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "patched " in run.stdout
+
+
+def test_an_unlisted_target_is_refused():
+    with pytest.raises(KeyError, match="not listed in megatron_muon.compat.upstream.PATCHES"):
+        upstream.patch("torch.cuda.is_available", lambda: True)
+    with pytest.raises(KeyError):
+        with upstream.temporarily("megatron.training.training.pretrain", None):
+            pass
+    assert not upstream.is_patched("torch.cuda.is_available")
+
+
+# Documented public API despite the underscore.
+PUBLIC_NAMES = {"os._exit"}
+
+
+def _private_upstream_names(source: str) -> list[str]:
+    """Private names of other packages a module imports, reads or tests for."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            found += [f"{node.module}.{alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and not node.module.startswith("megatron_muon")]
+        elif (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+              and not node.attr.startswith("__")
+              and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+              and ast.unparse(node) not in PUBLIC_NAMES):
+            found.append(ast.unparse(node))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+              and str(node.args[1].value).startswith("_")
+              and not str(node.args[1].value).startswith("__")):  # a dunder: public, as above
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_only_the_upstream_module_reaches_private_upstream_names():
+    assert _private_upstream_names(
+        "from torch.distributed import _coalescing_manager\n"
+        "x = torch.autograd._engine_run_backward\n"
+        "getattr(mesh, '_shard_order', None)\n"
+        "self._plan; from ._own import _helper; os._exit(2)\n") == [
+        "torch.distributed._coalescing_manager", "torch.autograd._engine_run_backward",
+        "getattr(mesh, '_shard_order', None)"]
+    reached = {str(path.relative_to(PACKAGE)): names for path in PACKAGE.rglob("*.py")
+               if path != PACKAGE / "compat" / "upstream.py"
+               for names in [_private_upstream_names(path.read_text())] if names}
+    assert reached == {}
+
+
+def test_versions_are_named_from_a_source_checkout_too(monkeypatch):
+    """Where megatron-muon (or megatron-core) runs from a checkout on the path, without package
+    metadata, its version is still named: the self-test's first line stopped on
+    PackageNotFoundError on a GPU machine that had megatron-muon on PYTHONPATH."""
+    import importlib.metadata
+
+    import megatron.core
+
+    def no_metadata(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_metadata)
+    assert versions.own_version() == "(from source)"
+    assert versions.installed_version("megatron-core") == megatron.core.__version__

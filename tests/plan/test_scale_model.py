@@ -1,0 +1,68 @@
+"""The scale model (benchmarks/scale_model.py) plans from shapes alone what a real run plans: the
+rows it derives from Megatron-FSDP's bucketing are the rows each rank's main weights hold, and its
+plan has the matrices and owners ZeROTensorParallelMuon chose."""
+
+import pytest
+from megatron.core import parallel_state
+
+from benchmarks import scale_model
+from megatron_muon import get_megatron_optimizer
+from megatron_muon.step.model_chunks import named_main_weights
+from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, gpt, init_parallel_state,
+                                         optimizer_config)
+from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
+
+# Uneven shards at W=4: widths 48 and 96 (biases too) in one bucket per layer.
+SHAPE = GPTShape(layers=2, hidden=48, ffn=96, heads=4, vocab=72, seq=16)
+
+
+def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice):
+    init_parallel_state(expert_parallel=expert_parallel)
+    num_experts = 4 if expert_parallel > 1 else None
+    model = fsdp_gpt(SHAPE, num_experts=num_experts)
+    optimizer = get_megatron_optimizer(optimizer_config(), [model], muon_owner_choice=owner_choice)
+    reference = gpt(SHAPE, num_experts=num_experts)  # the same shapes, never sharded
+    derived = scale_model.fsdp_rows(reference, world_size, world_size // expert_parallel)
+    by_name = {name: derived[p] for name, p in reference.named_parameters()}
+    dense_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    expert_rank = parallel_state.get_expert_data_parallel_rank()
+    for name, main_weight in named_main_weights(model):
+        name = name.removeprefix("module.module.")
+        local = main_weight.to_local()
+        rows = local.numel() // max(1, local.shape[1:].numel()) if local.dim() > 1 else local.numel()
+        group_rank = expert_rank if ".experts." in name else dense_rank
+        assert by_name[name][group_rank] == rows, (name, by_name[name], rank, rows)
+
+    dense, expert = scale_model.muon_matrices(reference, derived)
+    muons = [part.optimizer for part in optimizer.chained_optimizers
+             if isinstance(part.optimizer, ZeROTensorParallelMuon)]
+    for muon, matrices in zip(muons, [dense, expert] if expert else [dense]):
+        (plan,) = muon.plans
+        # The run's measured rates stand in for the scale model's (StepCost), or none: by bytes.
+        assert (plan.cost is None) == (owner_choice == "bytes")
+        part = scale_model.Part(matrices, plan.matrices[0].layout.ranks, plan.cost)
+        mode = "owner" if owner_choice == "time" else "owner-by-bytes"
+        assert sorted(zip(plan.matrices, plan.owners), key=repr) == sorted(
+            zip(part.matrices, part.owners[mode]), key=repr)
+    assert len(muons) == (2 if expert else 1)
+
+
+@pytest.mark.parametrize("world_size, expert_parallel, owner_choice",
+                         [(4, 1, "time"), (4, 2, "time"), (4, 2, "bytes")])
+def test_scale_model_plans_what_a_run_plans(distributed, world_size, expert_parallel, owner_choice):
+    distributed(_plans_what_the_run_planned, world_size, expert_parallel, owner_choice)
+
+
+@pytest.mark.parametrize("rows, cols, blocks, kept", [
+    (256, 256, None, 4 / 6),  # square: (3 + 1) / (4 + 2)
+    (2048, 7168, None, (3 * 7168 + 2048) / (4 * 7168 + 2 * 2048)),  # a DeepSeek-V3 expert
+    (7168, 2048, None, (3 * 7168 + 2048) / (4 * 7168 + 2 * 2048)),  # m is the smaller side
+    (48, 32, (32, 16),  # a QKV split: a 32 x 32 block and a 16 x 32 one
+     (4 * 32 ** 3 + 16 * 16 * (3 * 32 + 16)) / (6 * 32 ** 3 + 16 * 16 * (4 * 32 + 2 * 16)))])
+def test_the_syrk_kernel_keeps_the_share_of_flops_its_symmetric_products_leave(rows, cols,
+                                                                             blocks, kept):
+    """X X^T and A A at half, B X whole, per row block of a QKV split."""
+    from megatron_muon.plan import Matrix, RowLayout
+
+    matrix = Matrix(RowLayout((rows,)), cols, row_blocks=blocks)
+    assert scale_model.syrk_share(matrix) == pytest.approx(kept)

@@ -1,0 +1,107 @@
+"""The package's layers (docs/design.md) and the one direction their imports point: each layer
+imports only itself and the layers below it, the package's top-level modules (its public paths)
+import anything and nothing imports them; and every module and class stays small enough to read
+in one sitting."""
+
+import ast
+from pathlib import Path
+
+import megatron_muon
+
+PACKAGE = Path(megatron_muon.__file__).parent
+# Lowest first: a layer may import the layers before it. plan/ and compat/ import nothing else.
+LAYERS = ("plan", "compat", "distribution", "core", "step", "integrations", "tools")
+BELOW = {"plan": {"plan"}, "compat": {"compat"}, "distribution": {"plan", "compat", "distribution"}}
+for _lower, _layer in zip(LAYERS[2:], LAYERS[3:]):
+    BELOW[_layer] = BELOW[_lower] | {_layer}
+TOP = "megatron_muon"  # the package's own modules: __init__ and the public entry points
+MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_LAYER_LINES = 400, 250, 1500
+
+
+def _layer(module: str) -> str:
+    """megatron_muon.<layer>.<...> -> layer; a top-level module (or the package) -> TOP."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else TOP
+
+
+def _imported(module: str, is_package: bool, source: str) -> list[str]:
+    """Every megatron_muon module (or name in one) that `source`, the code of `module`, imports,
+    also inside functions."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.split(".")[0] == TOP]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[:len(module.split(".")) - node.level + is_package]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == TOP:
+                found += [f"{target}.{alias.name}" for alias in node.names]
+    return found
+
+
+def against_the_direction(module: str, is_package: bool, source: str) -> list[str]:
+    """The imports of `module` that point up or sideways: into a layer above its own, or into
+    the package's top-level modules from inside a layer."""
+    layer = _layer(module)
+    if layer == TOP:
+        return []
+    return [target for target in _imported(module, is_package, source)
+            if _layer(target) not in BELOW[layer]]
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        yield ".".join(parts[:-1] if is_package else parts), is_package, path
+
+
+def test_every_layer_imports_only_itself_and_the_layers_below():
+    layers = {_layer(module) for module, _, _ in _modules()}
+    assert layers == {*LAYERS, TOP}
+    wrong = {module: targets for module, is_package, path in _modules()
+             if (targets := against_the_direction(module, is_package, path.read_text()))}
+    assert wrong == {}
+
+
+def test_the_check_finds_an_import_against_the_direction():
+    """Each way an import may point the wrong way, and ones that do not."""
+    assert against_the_direction("megatron_muon.core.zero_muon", False,
+                                 "from ..step.chained import FSDPMuonChainedOptimizer\n"
+                                 "from ..plan import Matrix\nfrom . import syrk\n") == [
+        "megatron_muon.step.chained.FSDPMuonChainedOptimizer"]
+    assert against_the_direction("megatron_muon.distribution.exchange", False,
+                                 "from ..core.muon_math import momentum_update_") == [
+        "megatron_muon.core.muon_math.momentum_update_"]
+    assert against_the_direction("megatron_muon.plan", True, "from ..compat import upstream") == [
+        "megatron_muon.compat.upstream"]
+    assert against_the_direction("megatron_muon.compat.cpu", False,
+                                 "def f():\n    import megatron_muon.core.exchange\n") == [
+        "megatron_muon.core.exchange"]
+    assert against_the_direction("megatron_muon.tools.selftest", False,
+                                 "from .. import get_megatron_optimizer") == [
+        "megatron_muon.get_megatron_optimizer"]
+    assert against_the_direction("megatron_muon.training", False,
+                                 "from .integrations.megatron_lm import install") == []
+
+
+def _lines(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def test_modules_classes_and_layers_stay_small():
+    modules = {module: (path.read_text(), _layer(module)) for module, _, path in _modules()}
+    long_modules = {module: n for module, (source, _) in modules.items()
+                    if (n := len(source.splitlines())) > MAX_MODULE_LINES}
+    long_classes = {f"{module}.{node.name}": _lines(node)
+                    for module, (source, _) in modules.items()
+                    for node in ast.walk(ast.parse(source))
+                    if isinstance(node, ast.ClassDef) and _lines(node) > MAX_CLASS_LINES}
+    per_layer: dict[str, int] = {}
+    for source, layer in modules.values():
+        per_layer[layer] = per_layer.get(layer, 0) + len(source.splitlines())
+    assert long_modules == {} and long_classes == {}
+    assert max(per_layer.values()) <= MAX_LAYER_LINES, per_layer

@@ -1,0 +1,73 @@
+"""`python -m megatron_muon.selftest` as a user runs it on a cluster (here torchrun on gloo): a
+table with every configuration the world size allows, each exact (0 with fp32 Newton-Schulz) and
+passed, with its peak memory, exit status 0; a corrupted owner result makes its configuration fail
+and the run exit 1 (run with --optimizer adaptive_muon);
+a configuration past the time limit stops the run with status 2, named."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e  # torchrun, as a user runs it
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGURATIONS = {
+    2: ["no_shard (no_shard)", "ZeRO-1 (optim)", "ZeRO-2 (optim_grads)",
+        "ZeRO-3 (optim_grads_params)", "ZeRO-2, EP=2 (4 experts)"],
+}
+CONFIGURATIONS[4] = CONFIGURATIONS[2] + ["ZeRO-3, TP=2", "HSDP: 2 replicas of ZeRO-3"]
+ROW = re.compile(r"^(?P<name>\S.*?)\s+(?P<diff>\S+)\s+(?P<result>pass|FAIL)\b(?P<figures>.*)$",
+                 re.MULTILINE)
+
+
+def selftest(world_size: int, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(world_size), "-m", "megatron_muon.selftest", *flags],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def rows(stdout: str) -> dict:
+    return {m["name"]: m for m in ROW.finditer(stdout) if m["name"] != "configuration"}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_configuration_is_exact_and_passes(world_size):
+    run = selftest(world_size)
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-4000:]}"
+    table = rows(run.stdout)
+    assert list(table) == CONFIGURATIONS[world_size], run.stdout
+    for name, row in table.items():
+        assert row["result"] == "pass" and float(row["diff"]) == 0.0, (name, row[0])
+        step_ms, tflops, received, peak_mib = row["figures"].split()
+        assert float(step_ms) > 0 and float(tflops) > 0, (name, row[0])
+        assert int(received.replace(",", "")) >= 0, (name, row[0])
+        assert float(peak_mib) > 0, (name, row[0])
+    assert run.stdout.rstrip().endswith("self-test passed"), run.stdout
+
+
+def test_a_corrupted_owner_result_fails_its_configuration_and_the_run():
+    """With --optimizer adaptive_muon (NorMuon, its second moment on the owners): the other
+    configurations pass, exact."""
+    run = selftest(2, "--corrupt", "--optimizer", "adaptive_muon",
+                   "--adaptive-muon-moment2-method", "normuon")
+    assert run.returncode == 1, f"{run.stdout}\n{run.stderr[-4000:]}"
+    assert "--optimizer adaptive_muon (normuon)" in run.stdout, run.stdout
+    table = rows(run.stdout)
+    first, *others = CONFIGURATIONS[2]
+    assert table[first]["result"] == "FAIL", run.stdout
+    assert all(table[name]["result"] == "pass" and float(table[name]["diff"]) == 0.0
+               for name in others), run.stdout
+    assert re.search(r"muon check at iteration 2: the owner exchange's update differs .*\n  "
+                     r"module\.module\.\S+\.weight: shape \(\d+, \d+\), owner rank \d", run.stdout)
+    assert run.stdout.rstrip().endswith(f"self-test FAILED: {first}"), run.stdout
+
+
+def test_a_configuration_past_the_time_limit_stops_the_run_named():
+    run = selftest(2, "--time-limit", "0.5")
+    assert run.returncode != 0
+    assert "'no_shard (no_shard)' ran past 0.5 s (--time-limit)" in run.stderr, run.stderr[-4000:]
+    assert re.search(r"exitcode\s*: 2", run.stderr), run.stderr[-4000:]
