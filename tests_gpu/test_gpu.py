@@ -28,6 +28,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "tools"))  # test_memory
 
 import demo_log  # noqa: E402
 import fake_paths  # noqa: E402
