@@ -47,6 +47,18 @@ def _borrow(dotted: str, why: str, get: Callable[[], Any] | None = None) -> Any:
         return None
 
 
+def _borrow_first(locations: tuple[str, ...], why: str) -> Any:
+    """The object at the first of `locations` the installed version has (a name upstream moved:
+    its new location first, the old as fallback), or None, recorded as missing, where neither."""
+    for dotted in locations:
+        found = _borrow(dotted, why)
+        if found is not None:
+            for missed in locations:
+                _missing.pop(missed, None)
+            return found
+    return None
+
+
 # torch
 flatten_mesh = _borrow(
     "torch.distributed.device_mesh.DeviceMesh._flatten",
@@ -80,8 +92,9 @@ EMERGING_OPTIMIZERS = _borrow(
 eopt_init_state_fn = _borrow(
     "megatron.core.optimizer.emerging_optimizers._eopt_init_state_fn",
     "initializes Muon's state as megatron-core does (checkpoints before the first step)")
-is_nonlinear_or_embedding = _borrow(
-    "megatron.core.optimizer.emerging_optimizers._is_nonlinear_or_embedding",
+is_muon_excluded = _borrow_first(
+    ("megatron.core.optimizer.emerging_optimizers._is_muon_excluded",  # main: use_muon=False too
+     "megatron.core.optimizer.emerging_optimizers._is_nonlinear_or_embedding"),  # 0.19
     "megatron-core's rule for which params Muon leaves to the scalar optimizer")
 
 # emerging_optimizers

@@ -62,11 +62,15 @@ def has_triton_syrk() -> bool:
 
 
 def tensor_parallel_muon_takes_syrk() -> bool:
-    """Whether megatron-core's TensorParallelMuon runs the SYRK kernel itself, in every TP mode
-    (megatron-core main's --muon-use-syrk; 0.19 has no such argument)."""
+    """Whether megatron-core's TensorParallelMuon runs the SYRK kernel itself, in every TP mode:
+    it takes `use_syrk` (megatron-core main's --muon-use-syrk; 0.19 has no such argument) and
+    emerging_optimizers' newton_schulz_tp passes it on (0.4 and later; main's TensorParallelMuon
+    refuses use_syrk with 0.3, where ours routes it as on 0.19)."""
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-    return "use_syrk" in inspect.signature(TensorParallelMuon.__init__).parameters
+    return all("use_syrk" in inspect.signature(f).parameters
+               for f in (TensorParallelMuon.__init__, newton_schulz_tp))
 
 
 def _kernel_takes(matrix: torch.Tensor) -> bool:

@@ -133,8 +133,9 @@ def tag_params(model_chunks):
 
 def is_scalar_param(param) -> bool:
     """megatron-core's rule for what Muon leaves to the scalar optimizer (not 2-D, or embedding
-    or output), except that a stack of expert matrices is Muon's."""
-    return (upstream.is_nonlinear_or_embedding(param)
+    or output; on megatron-core main also a param marked use_muon=False), except that a stack
+    of expert matrices is Muon's."""
+    return (upstream.is_muon_excluded(param)
             and not getattr(param, "num_stacked_experts", None))
 
 

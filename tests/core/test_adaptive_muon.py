@@ -49,6 +49,14 @@ def test_repaired_tensor_parallel_adaptive_muon_steps_adaptive_muon(repaired, me
     assert not upstream_fixes.has_adaptive_muon_defect()
 
 
-def test_megatron_cores_adaptive_muon_fails_without_the_repair():
-    with pytest.raises(AttributeError, match="scale_mode"):
-        _trained(TensorParallelAdaptiveMuon, "adamuon")
+def test_megatron_cores_adaptive_muon_is_wrong_without_the_repair():
+    """megatron-core 0.19's fails in its first step (its step reads scale_mode, which it never
+    sets); megatron-core main's sets it and steps, with Muon's scale applied twice (in its
+    orthogonalize and after the second moment): not AdaptiveMuon's update."""
+    try:
+        unrepaired = _trained(TensorParallelAdaptiveMuon, "adamuon")
+    except AttributeError as error:
+        assert "scale_mode" in str(error)
+        return
+    reference = _trained(AdaptiveMuon, "adamuon")
+    assert not any(torch.equal(got, expected) for got, expected in zip(unrepaired, reference))

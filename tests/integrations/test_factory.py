@@ -308,3 +308,25 @@ def test_kimi_k2_and_deepseek_like_mla_shared_experts_and_dense_first_layer_matc
     # gathers of the experts' gradients hung (seen at torch 2.8 and megatron-core 0.19.0).
     distributed(_flagship_cases, world_size, fresh=True)
 
+
+
+def test_muon_leaves_to_the_scalar_optimizer_what_megatron_cores_own_muon_does():
+    """Which params go to the scalar optimizer is megatron-core's own rule, as the installed
+    version states it (0.19: not 2-D, or embedding or output; main also a param marked
+    use_muon=False, as Mamba's and GDN's in_proj are), with stacked experts Muon's."""
+    from megatron_muon.integrations.factory import is_scalar_param
+
+    (theirs,) = [key.predicate.fn for key in
+                 upstream.EMERGING_OPTIMIZERS["muon"].default_param_overrides]
+
+    def param(*shape, **tags):
+        p = torch.nn.Parameter(torch.zeros(*shape, device="cpu"))
+        for tag, value in tags.items():
+            setattr(p, tag, value)
+        return p
+
+    params = [param(4, 4), param(4), param(4, 4, is_embedding_or_output_parameter=True),
+              param(4, 4, use_muon=False), param(4, 4, use_muon=True)]
+    assert [is_scalar_param(p) for p in params] == [theirs(p) for p in params]
+    assert is_scalar_param(param(2, 4, 4)) and not is_scalar_param(
+        param(2, 4, 4, num_stacked_experts=2))

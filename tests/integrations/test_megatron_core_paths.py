@@ -25,7 +25,8 @@ REQUESTS = {
                                                      dict(layer_wise=True)),
     "adaptive_muon": (dict(optimizer="adaptive_muon", **NOT_DISTRIBUTED), {}),
 }
-# What megatron-core 0.19.2 (with emerging-optimizers 0.3.0) itself fails with, and why:
+# What megatron-core 0.19.2 (with emerging-optimizers 0.3.0) itself fails with, and why (main's
+# TensorParallelAdaptiveMuon steps, with Muon's scale twice: ours differs, repaired):
 MEGATRON_CORES_FAILURES = {
     # In fp32 LayerWiseDistributedOptimizer chains raw torch optimizers, so its config is None,
     # and the ChainedOptimizer around it and its Adam part asserts equal configs (in its
@@ -74,8 +75,9 @@ def _as_megatron_core_does(rank, world_size):
         expected = outcomes[name]
         got = _outcome(get_megatron_optimizer, settings, wrapping, rank)
         if name in REPAIRED:
-            assert expected == MEGATRON_CORES_FAILURES[name], (name, expected)
             assert not isinstance(got, str), (name, got)
+            assert expected == MEGATRON_CORES_FAILURES[name] or not all(
+                torch.equal(g, e) for g, e in zip(got[1], expected[1])), (name, expected)
             assert not all(torch.equal(g, p) for g, p in zip(got[1], initial)), f"{name}: not trained"
             continue
         if name in MEGATRON_CORES_FAILURES:
