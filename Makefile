@@ -23,12 +23,16 @@
 # `make test-bridge` trains through Megatron-Bridge's own loop (tests_bridge/), in .venv-bridge
 # (constraints/bridge.txt). `make test-automodel` builds and steps ours as NeMo Automodel's recipe
 # does (tests/integrations/test_automodel.py, skipped elsewhere), in .venv-automodel
-# (constraints/automodel.txt).
+# (constraints/automodel.txt). `make test-megatron-main MEGATRON_LM=<a Megatron-LM checkout>`
+# runs the suite on megatron-core built from that checkout (docs/compatibility.md; not in CI).
 SHELL := /bin/bash
 VENV := .venv
 LOWEST_VENV := .venv-lowest
 BRIDGE_VENV := .venv-bridge
 AUTOMODEL_VENV := .venv-automodel
+MAIN_VENV := .venv-megatron-main
+MEGATRON_LM ?=
+EMERGING_OPTIMIZERS ?=
 PY := $(VENV)/bin/python
 RANGES := megatron_muon/compat/supported_versions.py
 LOWEST_TESTS := tests/plan/test_plan.py tests/distribution/test_exchange.py \
@@ -46,7 +50,8 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv demo test test-fast test-lowest test-bridge test-automodel test-gpu bench bench-demo scale sweep clean
+.PHONY: venv demo test test-fast test-lowest test-bridge test-automodel test-megatron-main test-gpu \
+	bench bench-demo scale sweep clean
 
 # $(1): the venv's folder; $(2): the constraints file that pins its dependencies; $(3): the
 # extras beside `test`. The pins go in as PIP_CONSTRAINT, which takes the place of any constraint
@@ -113,6 +118,27 @@ test-bridge: $(BRIDGE_VENV)/.installed
 test-automodel: $(AUTOMODEL_VENV)/.installed
 	$(AUTOMODEL_VENV)/bin/python -m pytest -q tests/integrations/test_automodel.py
 
+# megatron-core and the standalone megatron-fsdp built from $(MEGATRON_LM)'s source (a Megatron-LM
+# checkout, e.g. main), emerging-optimizers from $(EMERGING_OPTIMIZERS) if given, else the
+# version constraints/newest.txt pins; torch as newest.txt. Rebuilt on every run (the checkouts
+# change); megatron-muon goes in without its own ranges (a source megatron-core may be outside).
+test-megatron-main:
+	@if [ -z "$(MEGATRON_LM)" ] || [ ! -f "$(MEGATRON_LM)/megatron/core/package_info.py" ]; then \
+		echo "error: MEGATRON_LM=<a Megatron-LM checkout> is required, e.g." \
+			"git clone https://github.com/NVIDIA/Megatron-LM && make test-megatron-main" \
+			"MEGATRON_LM=Megatron-LM (docs/compatibility.md)"; exit 1; fi
+	rm -rf $(MAIN_VENV) && $(PYTHON) -m venv $(MAIN_VENV)
+	$(MAIN_VENV)/bin/python -m pip install -q --upgrade pip setuptools pybind11 wheel
+	PIP_CONSTRAINT=constraints/megatron-main.txt $(MAIN_VENV)/bin/python -m pip install -q \
+		torch einops numpy packaging absl-py pytest matplotlib transformers
+	$(MAIN_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation \
+		"$(abspath $(MEGATRON_LM))" "$(abspath $(MEGATRON_LM))/megatron/core/distributed/fsdp/src" \
+		$(if $(EMERGING_OPTIMIZERS),"$(abspath $(EMERGING_OPTIMIZERS))",$$(grep \
+		'^emerging-optimizers' constraints/newest.txt))
+	$(MAIN_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(MAIN_VENV)/bin/python -m pip list 2>/dev/null | grep -E '^(torch|megatron|emerging)'
+	$(MAIN_VENV)/bin/python -m pytest -q tests
+
 test-gpu: venv
 	$(PY) -m pytest -q -rs tests_gpu
 
@@ -130,4 +156,4 @@ sweep: venv
 	SWEEP=all $(PY) -m pytest -q tests/e2e/test_flag_sweep.py
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) $(AUTOMODEL_VENV) *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) $(AUTOMODEL_VENV) $(MAIN_VENV) *.egg-info
