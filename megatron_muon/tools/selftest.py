@@ -239,4 +239,3 @@ def main(argv=None) -> int:
     say(f"self-test {'FAILED: ' + ', '.join(failed) if failed else 'passed'}", flush=True)
     dist.destroy_process_group()
     return 1 if failed else 0
-

@@ -31,6 +31,9 @@ def test_a_name_gone_from_upstream_is_named_at_import():
         import torch.distributed.device_mesh as device_mesh
         del core_muon._eopt_init_state_fn
         del device_mesh.DeviceMesh._flatten
+        # A moved name (main's location, then 0.19's): named where neither is left.
+        del core_muon._is_nonlinear_or_embedding
+        vars(core_muon).pop("_is_muon_excluded", None)
         import megatron_muon
     """)
     assert run.returncode != 0
@@ -40,6 +43,9 @@ def test_a_name_gone_from_upstream_is_named_at_import():
             ("torch", "torch.distributed.device_mesh.DeviceMesh._flatten")):
         assert (f"{distribution} {version(distribution)} (supported: "
                 f"{distribution}{SUPPORTED[distribution]}) has no\n  {name}: ") in error, error
+    for location in ("_is_muon_excluded", "_is_nonlinear_or_embedding"):
+        assert f"megatron.core.optimizer.emerging_optimizers.{location}: megatron-core's rule" \
+            in error, error
     assert "emerging-optimizers" not in error.splitlines()[0], error  # only what lacks a name
     assert "Install the versions this release supports" in error
 
