@@ -146,7 +146,7 @@ class GroupPlanner:
             cols = p.to_local().shape[-1]
             for start, matrix in split_matrices(layout, num_experts(p), cols,
                                                 self._batch_key(p), self._row_blocks(p)):
-                matrices.append(self._with_second_moment(matrix))
+                matrices.append(self._with_tp_gather(self._with_second_moment(matrix), p))
                 pieces.append((index, *layout.local_range(rank, start, start + matrix.shape[0])))
         representatives = {}  # a matrix and its param of each cost key, in plan order
         for matrix, (index, _, _) in zip(matrices, pieces):
@@ -226,6 +226,18 @@ class GroupPlanner:
             return matrix
         return dataclasses.replace(matrix, state_cols=moment.columns(*matrix.shape).beside,
                                    moment2_cols=moment.held_columns(*matrix.shape))
+
+    def _with_tp_gather(self, matrix: Matrix, p: DTensor) -> Matrix:
+        """`matrix` with what emerging_optimizers' newton_schulz_tp all-gathers before
+        Newton-Schulz: in duplicated mode, a matrix TensorParallelMuon.orthogonalize gives a
+        partition dim (any mode but blockwise; -1 is none), over its TP group."""
+        attrs = ParamAttributes(p)
+        partition_dim = getattr(attrs, "partition_dim", None)
+        tp_group = self.muon.tp_group_of(attrs)
+        if (self.muon.tp_mode != "duplicated" or partition_dim in (None, -1)
+                or tp_group is None):
+            return matrix
+        return dataclasses.replace(matrix, tp_gather=(partition_dim, tp_group.size()))
 
     def _row_blocks(self, p) -> tuple[int, ...] | None:
         """Rows of the q, k and v blocks Newton-Schulz sees for a QKV-split param (for its cost)."""

@@ -26,9 +26,18 @@ def newton_schulz_bytes(matrix: Matrix, element_bytes: int) -> int:
     """What TensorParallelMuon.orthogonalize holds at once for one m x n matrix (m the smaller
     side), its result included: at most 3mn + 2m^2 elements (emerging_optimizers' newton_schulz
     keeps the iterate, X X^T, its polynomial and the next iterate; memory.AllocationTracker
-    measured 3mn + m^2 at fp32 on CPU, test_memory checks the bound)."""
-    m, n = sorted(matrix.shape)
-    return (3 * m * n + 2 * m * m) * element_bytes
+    measured 3mn + m^2 at fp32 on CPU, test_memory checks the bound). Where the matrix is
+    all-gathered first (`tp_gather`: newton_schulz_tp's duplicated mode, over one rank too),
+    Newton-Schulz runs on the whole matrix, beside the gathered shards and their concatenation,
+    each as large as it."""
+    shape = list(matrix.shape)
+    gathered = 0
+    if matrix.tp_gather:
+        dim, shards = matrix.tp_gather
+        shape[dim] *= shards
+        gathered = 2 * math.prod(shape)
+    m, n = sorted(shape)
+    return (3 * m * n + 2 * m * m + gathered) * element_bytes
 
 
 def owner_bytes(matrix: Matrix, element_bytes: int) -> int:

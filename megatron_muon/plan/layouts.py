@@ -157,7 +157,9 @@ class Matrix:
     share a batched Newton-Schulz with (same shape and same orthogonalization), and, when it is
     orthogonalized in row blocks (QKV split), the total rows of each kind of block. A Muon
     variant's second moment (second_moment.py) may add `state_cols` columns of per-row state
-    that travel with each row both ways, and holds `moment2_cols` elements per row."""
+    that travel with each row both ways, and holds `moment2_cols` elements per row. Under
+    --muon-tp-mode duplicated a tensor-parallel matrix is all-gathered before Newton-Schulz:
+    `tp_gather` is (the dim its TP shards tile, their number), None where nothing is gathered."""
 
     layout: RowLayout
     cols: int
@@ -165,6 +167,7 @@ class Matrix:
     row_blocks: tuple[int, ...] | None = None
     state_cols: int = 0
     moment2_cols: int = 0
+    tp_gather: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -302,3 +302,13 @@ def test_owner_traffic_is_what_each_rank_routes(layouts, owners):
     assert not OwnerRoutes(alone, [1], [[0]], 0).scatter.moves
 
 
+
+
+def test_newton_schulz_on_a_gathered_matrix_counts_the_whole_matrix_and_its_copies():
+    """--muon-tp-mode duplicated: newton_schulz_tp all-gathers the TP shards (here 2 of 3x8 rows
+    along dim 0) and runs Newton-Schulz on the whole 6x8 matrix, beside the shards and their
+    concatenation."""
+    local = Matrix(RowLayout((3,)), 8)
+    gathered = Matrix(RowLayout((3,)), 8, tp_gather=(0, 2))
+    assert newton_schulz_bytes(local, 4) == (3 * 3 * 8 + 2 * 3 * 3) * 4
+    assert newton_schulz_bytes(gathered, 4) == (3 * 6 * 8 + 2 * 6 * 6 + 2 * 6 * 8) * 4

@@ -127,7 +127,7 @@ def _alone(muon) -> int:
     return max(largest_alone(plan.matrices, plan.owners, 4) for plan in muon.plans)
 
 
-def _within_budget(rank, world_size):
+def _within_budget(rank, world_size, tp_mode):
     # With Nesterov momentum each update is a tensor of its own (without, the momentum itself):
     # an exchange computes its matrices' updates when it starts and frees them when it ends.
     init_parallel_state()
@@ -137,7 +137,8 @@ def _within_budget(rank, world_size):
         log = io.StringIO()
         with redirect_stdout(log):
             optimizer = get_megatron_optimizer(
-                optimizer_config(muon_nesterov=True), [model], muon_owner_choice="bytes",
+                optimizer_config(muon_nesterov=True, muon_tp_mode=tp_mode), [model],
+                muon_owner_choice="bytes",
                 muon_max_exchange_bytes=LARGE if budget == "large" else MAX_EXCHANGE_BYTES)
         muon = _muon(optimizer)
         if budget == "large":
@@ -178,9 +179,13 @@ def _within_budget(rank, world_size):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_the_owner_step_holds_what_the_plan_counts_within_the_budget(distributed, world_size):
-    distributed(_within_budget, world_size)
+# megatron-core 0.19's default TP mode, and main's (whose Newton-Schulz all-gathers each
+# TP-partitioned matrix first, over one rank too: plan.newton_schulz_bytes counts it).
+@pytest.mark.parametrize("world_size, tp_mode", [(2, "blockwise"), (4, "blockwise"),
+                                                 (2, "duplicated")])
+def test_the_owner_step_holds_what_the_plan_counts_within_the_budget(distributed, world_size,
+                                                                     tp_mode):
+    distributed(_within_budget, world_size, tp_mode)
 
 
 def _train_step_memory(rank, world_size):
