@@ -42,9 +42,13 @@ def _borrow(dotted: str, why: str, get: Callable[[], Any] | None = None) -> Any:
     missing, when the installed version lacks it."""
     try:
         return get() if get else resolve(dotted)
-    except (AttributeError, RuntimeError):  # torch.ops raises RuntimeError for an unknown op
-        _missing[dotted] = why
-        return None
+    except AttributeError:
+        pass
+    except RuntimeError:  # torch.ops raises it for an unknown op; elsewhere it is not ours to hide
+        if not dotted.startswith("torch.ops."):
+            raise
+    _missing[dotted] = why
+    return None
 
 
 def _borrow_first(locations: tuple[str, ...], why: str) -> Any:

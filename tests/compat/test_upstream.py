@@ -173,3 +173,23 @@ def test_versions_are_named_from_a_source_checkout_too(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", no_metadata)
     assert versions.own_version() == "(from source)"
     assert versions.installed_version("megatron-core") == megatron.core.__version__
+
+
+@pytest.mark.slow
+def test_an_upstream_import_that_fails_is_not_called_a_missing_name():
+    """megatron-core main reads the GPU's properties when its optimizer package is imported: with
+    a broken driver that raises RuntimeError, which must reach the user as it is, not as "names
+    it uses are gone"."""
+    run = _python("""
+        import megatron.core.optimizer.emerging_optimizers as core_muon
+
+        def broken(name):
+            raise RuntimeError("Found no NVIDIA driver on your system")
+
+        core_muon.__getattr__ = broken  # any name the module lacks: as an import would fail
+        del core_muon._eopt_init_state_fn
+        import megatron_muon
+    """)
+    assert run.returncode != 0
+    assert "RuntimeError: Found no NVIDIA driver on your system" in run.stderr, run.stderr
+    assert "names it uses are gone" not in run.stderr, run.stderr
