@@ -236,6 +236,17 @@ def tensor_parallel_group(pg_collection, attrs):
     return pg_collection.expt_tp if getattr(attrs, "expert_tp", False) else pg_collection.tp
 
 
+def orthogonalize_partition(tp_mode: str, pg_collection: Any, attrs: Any) -> tuple[int, Any] | None:
+    """(partition dim, TP group) that megatron-core's TensorParallelMuon.orthogonalize hands
+    Newton-Schulz for a param with these tags, or None where it hands none: blockwise mode, no
+    partition dim (or -1), no process groups."""
+    partition_dim = None if tp_mode == "blockwise" else getattr(attrs, "partition_dim", None)
+    tp_group = tensor_parallel_group(pg_collection, attrs)
+    if partition_dim in (None, -1) or tp_group is None:
+        return None
+    return partition_dim, tp_group
+
+
 # Megatron-FSDP's one-rank gradient reduce (compat.upstream_fixes), in each copy that has
 # the defect: the per-micro-batch reduce that holds such buffers back, and the grad sync that
 # reduces them once.

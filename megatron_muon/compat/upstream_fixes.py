@@ -186,9 +186,9 @@ def whole_shape(optimizer, p, shape) -> tuple[int, int]:
     """The shape of the whole matrix a TP shard of `shape` belongs to, as TensorParallelMuon's
     scale reads it (its orthogonalize's TP group and partition dim); `p`: the param's tags."""
     size = list(shape[-2:])
-    partition_dim = None if optimizer.tp_mode == "blockwise" else getattr(p, "partition_dim", None)
-    tp_group = upstream.tensor_parallel_group(optimizer.pg_collection, p)
-    if partition_dim not in (None, -1) and tp_group is not None:
+    partition = upstream.orthogonalize_partition(optimizer.tp_mode, optimizer.pg_collection, p)
+    if partition is not None:
+        partition_dim, tp_group = partition
         size[partition_dim] *= tp_group.size()
     return tuple(size)
 

@@ -229,14 +229,13 @@ class GroupPlanner:
 
     def _with_tp_gather(self, matrix: Matrix, p: DTensor) -> Matrix:
         """`matrix` with what emerging_optimizers' newton_schulz_tp all-gathers before
-        Newton-Schulz: in duplicated mode, a matrix TensorParallelMuon.orthogonalize gives a
-        partition dim (any mode but blockwise; -1 is none), over its TP group."""
-        attrs = ParamAttributes(p)
-        partition_dim = getattr(attrs, "partition_dim", None)
-        tp_group = self.muon.tp_group_of(attrs)
-        if (self.muon.tp_mode != "duplicated" or partition_dim in (None, -1)
-                or tp_group is None):
+        Newton-Schulz: in duplicated mode, a matrix TensorParallelMuon.orthogonalize hands a TP
+        partition (upstream.orthogonalize_partition)."""
+        partition = upstream.orthogonalize_partition(self.muon.tp_mode, self.muon.pg_collection,
+                                                     ParamAttributes(p))
+        if self.muon.tp_mode != "duplicated" or partition is None:
             return matrix
+        partition_dim, tp_group = partition
         return dataclasses.replace(matrix, tp_gather=(partition_dim, tp_group.size()))
 
     def _row_blocks(self, p) -> tuple[int, ...] | None:
