@@ -23,6 +23,7 @@ with the numbers.
 
 import argparse
 import bisect
+import dataclasses
 import functools
 import json
 import math
@@ -145,10 +146,12 @@ def fsdp_rows(model, world: int, expert_world: int) -> dict:
     return rows
 
 
-def muon_matrices(model, rows: dict):
+def muon_matrices(model, rows: dict, tp_mode: str):
     """(dense, expert) Muon matrices, each [Matrix], as megatron_muon's factory and
-    ZeROTensorParallelMuon make them at TP=1 (QKV split into q, k, v blocks; a stack of experts
-    split into its matrices)."""
+    ZeROTensorParallelMuon make them at TP=1 under `--muon-tp-mode tp_mode` (QKV split into q, k,
+    v blocks; a stack of experts split into its matrices; in duplicated mode, a matrix with a
+    partition dim gathered over its one TP rank, as newton_schulz_tp does)."""
+    from megatron_muon.compat.upstream import orthogonalized_partition_dim
     from megatron_muon.integrations.factory import is_expert_param, is_scalar_param, tag_params
     from megatron_muon.plan import RowLayout, orthogonalization_key, qkv_row_blocks, split_matrices
 
@@ -160,10 +163,13 @@ def muon_matrices(model, rows: dict):
         split_shapes = p.qkv_split_shapes if getattr(p, "is_qkv", False) else None
         blocks = qkv_row_blocks(p.shape[0], split_shapes) if split_shapes else None
         key = orthogonalization_key(p, splits_qkv=bool(split_shapes), tp_size=1)
+        partition_dim = orthogonalized_partition_dim(tp_mode, p)
+        tp_gather = None if partition_dim is None else (partition_dim, 1)
         (expert if is_expert_param(name, p) else dense).extend(
-            matrix for _, matrix in split_matrices(RowLayout(tuple(rows[p])),
-                                                   getattr(p, "num_stacked_experts", 1),
-                                                   p.shape[-1], key, blocks))
+            dataclasses.replace(matrix, tp_gather=tp_gather)
+            for _, matrix in split_matrices(RowLayout(tuple(rows[p])),
+                                            getattr(p, "num_stacked_experts", 1),
+                                            p.shape[-1], key, blocks))
     return dense, expert
 
 
@@ -331,7 +337,7 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     start = time.perf_counter()
     rows = fsdp_rows(model, world, world // ep)
     layout_seconds = time.perf_counter() - start
-    dense, expert = muon_matrices(model, rows)
+    dense, expert = muon_matrices(model, rows, args.muon_tp_mode)
     # Rank r of dp_cp is rank r // EP of its expert data-parallel group (megatron-core's order:
     # expert parallelism varies fastest).
     cost = step_cost(rates, args)
@@ -455,7 +461,8 @@ def assumptions(rates: Rates, args) -> list[str]:
         f"experts over EP = gcd(W, {MAX_EXPERT_PARALLEL}), expert data parallelism W / EP",
         "fp32 main weights and updates (4 bytes/element); Newton-Schulz: "
         f"{args.ns_steps} steps, QKV split (Megatron's defaults), at --muon-fp32-matmul-prec "
-        f"{rates.newton_schulz_precision} ({_matmul_dtype(rates)} matmuls)",
+        f"{rates.newton_schulz_precision} ({_matmul_dtype(rates)} matmuls), --muon-tp-mode "
+        f"{args.muon_tp_mode}",
         "Muon step = the slowest rank's elementwise step, plus for each exchange group (dense "
         "matrices over dp_cp, experts over expert data parallelism) its slowest rank's "
         "Newton-Schulz + network (the group's all-to-alls synchronize it), nothing overlapped (an "
@@ -579,6 +586,10 @@ def plot(results, path, caption):
 
 
 def main():
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_muon.core.zero_muon import TP_MODES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[8, 64, 256, 1024, 2048])
@@ -593,6 +604,8 @@ def main():
     parser.add_argument("--fwd-bwd-efficiency", type=float, default=0.5,
                         help="forward-backward's share of the measured matmul rate")
     parser.add_argument("--ns-steps", type=int, default=5)
+    parser.add_argument("--muon-tp-mode", choices=TP_MODES, default=OptimizerConfig.muon_tp_mode,
+                        help="as Megatron's flag (default: the installed megatron-core's)")
     args = parser.parse_args()
 
     if args.rates:

@@ -16,11 +16,12 @@ from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
 SHAPE = GPTShape(layers=2, hidden=48, ffn=96, heads=4, vocab=72, seq=16)
 
 
-def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice):
+def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice, tp_mode):
     init_parallel_state(expert_parallel=expert_parallel)
     num_experts = 4 if expert_parallel > 1 else None
     model = fsdp_gpt(SHAPE, num_experts=num_experts)
-    optimizer = get_megatron_optimizer(optimizer_config(), [model], muon_owner_choice=owner_choice)
+    config = optimizer_config(**({"muon_tp_mode": tp_mode} if tp_mode else {}))
+    optimizer = get_megatron_optimizer(config, [model], muon_owner_choice=owner_choice)
     reference = gpt(SHAPE, num_experts=num_experts)  # the same shapes, never sharded
     derived = scale_model.fsdp_rows(reference, world_size, world_size // expert_parallel)
     by_name = {name: derived[p] for name, p in reference.named_parameters()}
@@ -33,7 +34,7 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice)
         group_rank = expert_rank if ".experts." in name else dense_rank
         assert by_name[name][group_rank] == rows, (name, by_name[name], rank, rows)
 
-    dense, expert = scale_model.muon_matrices(reference, derived)
+    dense, expert = scale_model.muon_matrices(reference, derived, config.muon_tp_mode)
     muons = [part.optimizer for part in optimizer.chained_optimizers
              if isinstance(part.optimizer, ZeROTensorParallelMuon)]
     for muon, matrices in zip(muons, [dense, expert] if expert else [dense]):
@@ -47,10 +48,14 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice)
     assert len(muons) == (2 if expert else 1)
 
 
-@pytest.mark.parametrize("world_size, expert_parallel, owner_choice",
-                         [(4, 1, "time"), (4, 2, "time"), (4, 2, "bytes")])
-def test_scale_model_plans_what_a_run_plans(distributed, world_size, expert_parallel, owner_choice):
-    distributed(_plans_what_the_run_planned, world_size, expert_parallel, owner_choice)
+# Each --muon-tp-mode that plans differently: duplicated gathers over the one TP rank; None is
+# the installed megatron-core's default (blockwise on 0.19, duplicated on 0.20).
+@pytest.mark.parametrize("world_size, expert_parallel, owner_choice, tp_mode",
+                         [(4, 1, "time", None), (4, 2, "time", "blockwise"),
+                          (4, 2, "bytes", "duplicated")])
+def test_scale_model_plans_what_a_run_plans(distributed, world_size, expert_parallel, owner_choice,
+                                           tp_mode):
+    distributed(_plans_what_the_run_planned, world_size, expert_parallel, owner_choice, tp_mode)
 
 
 @pytest.mark.parametrize("rows, cols, blocks, kept", [
