@@ -238,7 +238,8 @@ def tensor_parallel_group(pg_collection, attrs):
 
 def orthogonalized_partition_dim(tp_mode: str, attrs: Any) -> int | None:
     """The partition dim megatron-core's TensorParallelMuon.orthogonalize hands Newton-Schulz for
-    a param with these tags, or None where it hands none: blockwise mode, no partition dim (or -1)."""
+    a param with these tags, or None where it hands none: blockwise mode, no partition dim (or
+    -1)."""
     partition_dim = None if tp_mode == "blockwise" else getattr(attrs, "partition_dim", None)
     return None if partition_dim == -1 else partition_dim
 
@@ -316,8 +317,8 @@ PATCHES = {
                                          "then (not reported upstream)"
        for fsdp in MEGATRON_FSDP_COPIES},
     # megatron-core's TensorParallelAdaptiveMuon made to step AdaptiveMuon (upstream_fixes).
-    **{target: "megatron-core 0.19's TensorParallelAdaptiveMuon fails in its first step (no "
-               "scale_mode) and scales in orthogonalize: Newton-Schulz unscaled, Muon's scale "
+    **{target: "megatron-core's TensorParallelAdaptiveMuon scales in orthogonalize, and 0.19's "
+               "fails in its first step (no scale_mode): Newton-Schulz unscaled, Muon's scale "
                "once after the second moment, by the whole (TP-unsharded) matrix's shape"
        for target in ADAPTIVE_MUON_TARGETS},
     # CPU layer, megatron.training (compat.cpu_training.apply_megatron_training_compat).

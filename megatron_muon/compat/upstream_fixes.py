@@ -32,10 +32,11 @@ what it patched in one line each.
    (found missing on the model itself, so a no-op once upstream sets it). Not reported upstream.
 4. megatron-core 0.19's TensorParallelAdaptiveMuon (`--optimizer adaptive_muon` on Megatron DDP)
    runs TensorParallelMuon's constructor only, so emerging-optimizers' AdaptiveMuon.step finds no
-   `scale_mode` and its first step raises; and TensorParallelMuon's orthogonalize applies Muon's
-   scale, which AdaptiveMuon applies after the second moment. Here Newton-Schulz runs unscaled
-   (TP-aware, as TensorParallelMuon runs it) and the scale comes once, after the second moment,
-   by the whole (TP-unsharded) matrix's shape as TensorParallelMuon's scale reads it.
+   `scale_mode` and its first step raises (0.20 sets it); and TensorParallelMuon's orthogonalize
+   applies Muon's scale, which AdaptiveMuon applies after the second moment (0.19 and 0.20).
+   Here Newton-Schulz runs unscaled (TP-aware, as TensorParallelMuon runs it) and the scale comes
+   once, after the second moment, by the whole (TP-unsharded) matrix's shape as
+   TensorParallelMuon's scale reads it.
 """
 
 import dataclasses
@@ -226,11 +227,12 @@ def drops_expert_scale_under_average(copy: str) -> bool:
     return reduce_op == torch.distributed.ReduceOp.AVG and grad.item() == 1.0
 
 
-def has_adaptive_muon_defect() -> bool:
-    """Whether megatron-core's TensorParallelAdaptiveMuon cannot step AdaptiveMuon's algorithm
-    (4.), by a probe on one 2x2 matrix: its step reads `scale_mode`, which only AdaptiveMuon's constructor sets (0.19 runs TensorParallelMuon's alone), or its
-    orthogonalize applies Muon's scale (here an extra factor of 2), which AdaptiveMuon applies
-    after the second moment."""
+def adaptive_muon_defects() -> list[str]:
+    """How megatron-core's TensorParallelAdaptiveMuon fails to step AdaptiveMuon's algorithm
+    (4.), by a probe on one 2x2 matrix: its step reads `scale_mode`, which only AdaptiveMuon's
+    constructor sets (0.19 runs TensorParallelMuon's alone); its orthogonalize applies Muon's
+    scale (here an extra factor of 2), which AdaptiveMuon applies after the second moment (0.19
+    and 0.20). Empty where it steps AdaptiveMuon's algorithm."""
     from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
 
     class Probe(TensorParallelAdaptiveMuon):
@@ -240,11 +242,17 @@ def has_adaptive_muon_defect() -> bool:
     identity = torch.eye(2, device="cpu")  # a probe of the code, wherever the run is
     p = torch.nn.Parameter(identity.clone())
     probe = Probe([p], extra_scale_factor=2.0, num_ns_steps=5)
-    if not hasattr(probe, "scale_mode"):
-        return True
+    defects = [] if hasattr(probe, "scale_mode") else [
+        "it failed in its first step, scale_mode unset"]
     with torch.no_grad():
-        return not torch.equal(probe.orthogonalize(p, identity),
-                               upstream.newton_schulz(identity, steps=5))
+        unscaled = upstream.newton_schulz(identity, steps=5)
+        if not torch.equal(probe.orthogonalize(p, identity), unscaled):
+            defects.append("it scaled in orthogonalize too")
+    return defects
+
+
+def has_adaptive_muon_defect() -> bool:
+    return bool(adaptive_muon_defects())
 
 
 def _fix_one_rank_reduce() -> list[str]:
@@ -282,16 +290,16 @@ def _fix_average_in_collective() -> list[str]:
     return fixed
 
 
-def _fix_adaptive_muon() -> bool:
-    """Whether TensorParallelAdaptiveMuon was patched now."""
+def _fix_adaptive_muon() -> list[str]:
+    """The defects of TensorParallelAdaptiveMuon patched now (adaptive_muon_defects)."""
     init, orthogonalize, scale = upstream.ADAPTIVE_MUON_TARGETS
-    if upstream.is_patched(init) or not has_adaptive_muon_defect():
-        return False
-    for target, fixed in ((init, _adaptive_muon_scaled_once),
-                          (orthogonalize, _noting_the_whole_shape),
-                          (scale, _scaled_by_the_whole_shape)):
-        upstream.patch(target, fixed(upstream.current(target)))
-    return True
+    defects = [] if upstream.is_patched(init) else adaptive_muon_defects()
+    if defects:
+        for target, fixed in ((init, _adaptive_muon_scaled_once),
+                              (orthogonalize, _noting_the_whole_shape),
+                              (scale, _scaled_by_the_whole_shape)):
+            upstream.patch(target, fixed(upstream.current(target)))
+    return defects
 
 
 def apply() -> None:
@@ -310,10 +318,11 @@ def apply() -> None:
                     f"--ddp-average-in-collective: the experts' gradient scale (expert-DP / DP) "
                     f"applied before the average, as Megatron DDP does, and a model without "
                     f"experts built (not reported upstream)")
-    if _fix_adaptive_muon():
-        said.append("patched megatron-core's TensorParallelAdaptiveMuon (--optimizer adaptive_muon "
-                    "on Megatron DDP): it steps emerging-optimizers' AdaptiveMuon, Muon's scale "
-                    "once after the second moment (it failed in its first step, scale_mode unset)")
+    defects = _fix_adaptive_muon()
+    if defects:
+        said.append(f"patched megatron-core's TensorParallelAdaptiveMuon (--optimizer "
+                    f"adaptive_muon on Megatron DDP): it steps emerging-optimizers' AdaptiveMuon, "
+                    f"Muon's scale once after the second moment ({'; '.join(defects)})")
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     for line in said if rank == 0 else ():
         print(f"megatron-muon: {line}", flush=True)

@@ -1,8 +1,8 @@
 """--optimizer adaptive_muon on Megatron DDP: megatron-core 0.19's TensorParallelAdaptiveMuon
 fails in its first step (emerging-optimizers 0.3's AdaptiveMuon.step reads a `scale_mode` only
-AdaptiveMuon's constructor sets) and would scale twice (TensorParallelMuon's orthogonalize
-scales, then AdaptiveMuon's step). compat.upstream_fixes repairs it: every update equals
-emerging-optimizers' AdaptiveMuon's, bit for bit, for each second-moment method."""
+AdaptiveMuon's constructor sets) and would scale twice, as 0.20's does (TensorParallelMuon's
+orthogonalize scales, then AdaptiveMuon's step). compat.upstream_fixes repairs it: every update
+equals emerging-optimizers' AdaptiveMuon's, bit for bit, for each second-moment method."""
 
 import typing
 
@@ -21,9 +21,12 @@ STEPS = 3
 
 
 @pytest.fixture
-def repaired():
-    assert upstream_fixes.has_adaptive_muon_defect()
+def repaired(capsys):
+    defects = upstream_fixes.adaptive_muon_defects()
+    assert defects
     upstream_fixes.apply()
+    # The log names what the installed megatron-core did wrong.
+    assert f"once after the second moment ({'; '.join(defects)})" in capsys.readouterr().out
     yield
     upstream.undo_patches()
 
@@ -52,11 +55,16 @@ def test_repaired_tensor_parallel_adaptive_muon_steps_adaptive_muon(repaired, me
 def test_megatron_cores_adaptive_muon_is_wrong_without_the_repair():
     """megatron-core 0.19's fails in its first step (its step reads scale_mode, which it never
     sets); megatron-core main's sets it and steps, with Muon's scale applied twice (in its
-    orthogonalize and after the second moment): not AdaptiveMuon's update."""
+    orthogonalize and after the second moment): not AdaptiveMuon's update. The probe finds what
+    the installed one does."""
+    scaled_twice = "it scaled in orthogonalize too"
+    defects = upstream_fixes.adaptive_muon_defects()
     try:
         unrepaired = _trained(TensorParallelAdaptiveMuon, "adamuon")
     except AttributeError as error:
         assert "scale_mode" in str(error)
+        assert defects == ["it failed in its first step, scale_mode unset", scaled_twice]
         return
     reference = _trained(AdaptiveMuon, "adamuon")
     assert not any(torch.equal(got, expected) for got, expected in zip(unrepaired, reference))
+    assert defects == [scaled_twice]
