@@ -140,6 +140,10 @@ def _inert_with_cuda():
 
     stream, device_count = torch.cuda.Stream, torch.cuda.device_count
     torch.cuda.is_available = lambda: True
+    # A Hopper's answers: megatron-core 0.20 asks them when megatron.core.optimizer is imported
+    # (megatron.core.ssm.ops.gdp.common, where triton is installed).
+    torch.cuda.get_device_name = lambda device=None: "NVIDIA H100 80GB HBM3"
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
     from megatron_muon.compat import cpu, cpu_training
 
     assert cpu.apply_cpu_compat() is False
