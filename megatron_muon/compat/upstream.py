@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .patching import Patcher, resolve
-from .versions import unsupported
+from .versions import cannot_import, unsupported
 
 # Patched only where installed: the standalone Megatron-FSDP (megatron-core uses its own copy).
 _OPTIONAL_MODULES = ("megatron_fsdp",)
@@ -80,6 +80,13 @@ is_mkldnn_bf16_supported = _borrow(
     "whether this CPU has native bf16 matmuls (else Newton-Schulz runs in fp32 on CPU)")
 
 # megatron-core
+# Its Muon family is defined only where its module imported emerging_optimizers: on any
+# ImportError (emerging-optimizers 0.5 moved SOAP, which it imports, to legacy_soap) it sets
+# this flag and derives them from object instead.
+if not resolve("megatron.core.optimizer.emerging_optimizers.HAVE_EMERGING_OPTIMIZERS"):
+    raise cannot_import("megatron-core", "emerging-optimizers",
+                        "megatron.core.optimizer.emerging_optimizers.HAVE_EMERGING_OPTIMIZERS "
+                        "is False: its Muon optimizers, which megatron-muon steps, are undefined")
 get_param_groups = _borrow(
     "megatron.core.optimizer._get_param_groups",
     "the param groups (overrides, lr and weight-decay multipliers) megatron-core's factory builds")

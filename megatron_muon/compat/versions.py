@@ -1,6 +1,6 @@
 """Which versions megatron-muon supports (supported_versions.py), which are installed, and the
-error that names both when an installed version lacks a name the package borrows
-(compat/upstream.py)."""
+errors that name both when an installed version lacks a name the package borrows, or one
+dependency cannot import another (compat/upstream.py)."""
 
 import importlib
 import importlib.metadata
@@ -62,4 +62,14 @@ def unsupported(missing: dict[str, str]) -> ImportError:
                   + (f"supported: {d}{_RANGES[d]}" if d in _RANGES else "not required")
                   + ") has no\n" + "\n".join(names) + "\n" for d, names in lacking.items())
         + "Install the versions this release supports ("
+        + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")
+
+
+def cannot_import(importer: str, imported: str, symptom: str) -> ImportError:
+    """The error for one installed distribution that cannot import another (`symptom`: how that
+    shows), before it is blamed for the names it then lacks."""
+    return ImportError(
+        f"megatron-muon {own_version()}: the installed {importer} {installed_version(importer)} "
+        f"cannot import the installed {imported} {installed_version(imported)} ({symptom}).\n"
+        "Install the versions this release supports ("
         + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")

@@ -51,6 +51,22 @@ def test_a_name_gone_from_upstream_is_named_at_import():
 
 
 @pytest.mark.slow
+def test_megatron_core_that_cannot_import_emerging_optimizers_is_named_at_import():
+    """emerging-optimizers 0.5 moved SOAP, which megatron-core imports beside Muon: megatron-core
+    then defines its Muon family on object. The error says so, not that Muon's names are gone."""
+    run = _python("""
+        import sys
+        sys.modules["emerging_optimizers.soap"] = None  # as 0.5's move leaves it: ImportError
+        import megatron_muon
+    """)
+    assert run.returncode != 0
+    error = run.stderr[run.stderr.index("ImportError: "):]
+    assert (f"the installed megatron-core {version('megatron-core')} cannot import the installed "
+            f"emerging-optimizers {version('emerging-optimizers')} ") in error, error
+    assert "names it uses are gone" not in error and "emerging-optimizers>=" in error, error
+
+
+@pytest.mark.slow
 def test_a_patch_target_gone_from_upstream_is_named_at_import():
     run = _python("""
         import megatron.training.training
