@@ -151,7 +151,7 @@ def muon_matrices(model, rows: dict, tp_mode: str):
     ZeROTensorParallelMuon make them at TP=1 under `--muon-tp-mode tp_mode` (QKV split into q, k,
     v blocks; a stack of experts split into its matrices; in duplicated mode, a matrix with a
     partition dim gathered over its one TP rank, as newton_schulz_tp does)."""
-    from megatron_muon.compat.upstream import orthogonalized_partition_dim
+    from megatron_muon.compat.tensor_parallel import orthogonalized_partition_dim
     from megatron_muon.integrations.factory import is_expert_param, is_scalar_param, tag_params
     from megatron_muon.plan import RowLayout, orthogonalization_key, qkv_row_blocks, split_matrices
 

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
 
-from . import upstream
+from . import tensor_parallel, upstream
 
 # Params each pipeline held back since its last grad sync.
 _held = weakref.WeakKeyDictionary()
@@ -187,7 +187,7 @@ def whole_shape(optimizer, p, shape) -> tuple[int, int]:
     """The shape of the whole matrix a TP shard of `shape` belongs to, as TensorParallelMuon's
     scale reads it (its orthogonalize's TP group and partition dim); `p`: the param's tags."""
     size = list(shape[-2:])
-    partition = upstream.orthogonalize_partition(optimizer.tp_mode, optimizer.pg_collection, p)
+    partition = tensor_parallel.orthogonalize_partition(optimizer.tp_mode, optimizer.pg_collection, p)
     if partition is not None:
         partition_dim, tp_group = partition
         size[partition_dim] *= tp_group.size()

@@ -14,7 +14,7 @@ from emerging_optimizers.orthogonalized_optimizers.muon import MuonScaleT
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..compat import upstream
+from ..compat import tensor_parallel, upstream
 from ..distribution.dtensor_rows import (ParamAttributes, data_parallel_layout, num_experts,
                                          tp_local_rows)
 from ..distribution.exchange import all_gather_rows, owner_exchange, run_overlapped
@@ -255,7 +255,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         return self._param_names.get(p) or f"the parameter of shape {tuple(p.shape)}"
 
     def tp_group_of(self, attrs: Any) -> dist.ProcessGroup | None:
-        return upstream.tensor_parallel_group(self.pg_collection, attrs)
+        return tensor_parallel.tensor_parallel_group(self.pg_collection, attrs)
 
     def splits_qkv(self, attrs: Any) -> bool:
         return self.split_qkv and self.is_qkv_fn(attrs)

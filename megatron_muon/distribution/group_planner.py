@@ -15,7 +15,7 @@ import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from torch.distributed.tensor import DTensor
 
-from ..compat import upstream
+from ..compat import tensor_parallel, upstream
 from ..plan import (Matrix, RowLayout, StepCost, batch_matrices, cost_key, exchange_budget,
                     orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
                     qkv_row_blocks, row_layouts, split_matrices)
@@ -230,8 +230,8 @@ class GroupPlanner:
     def _with_tp_gather(self, matrix: Matrix, p: DTensor) -> Matrix:
         """`matrix` with what emerging_optimizers' newton_schulz_tp all-gathers before
         Newton-Schulz: in duplicated mode, a matrix TensorParallelMuon.orthogonalize hands a TP
-        partition (upstream.orthogonalize_partition)."""
-        partition = upstream.orthogonalize_partition(self.muon.tp_mode, self.muon.pg_collection,
+        partition (compat.tensor_parallel.orthogonalize_partition)."""
+        partition = tensor_parallel.orthogonalize_partition(self.muon.tp_mode, self.muon.pg_collection,
                                                      ParamAttributes(p))
         if self.muon.tp_mode != "duplicated" or partition is None:
             return matrix
