@@ -75,6 +75,12 @@ NVIDIA = dict(model="kimi-k2", world=256, tokens_per_step=2048 * 4096, muon_tflo
 # under this share of an 80 GB GPU.
 WEIGHT_BYTES, GRADIENT_BYTES, ADAM_STATE_BYTES, MUON_STATE_BYTES = 2 + 4, 4, 8, 4
 GPU_BYTES, TRANSIENT_SHARE = 80e9, 0.05
+# --optimizer-cpu-offload: the host link's rate each way, GB/s (both ways at once): PCIe Gen5 x16
+# (64 GB/s raw, about 55 reached by pinned copies) and NVLink-C2C (GH200/GB200: 450 each way).
+# Adam's part goes through megatron-core's HybridDeviceOptimizer: Adam runs on the host, its
+# fp32 gradients go there and its fp32 weights come back (4 bytes an element each way).
+HOST_LINKS_GBPS = {"PCIe": 55.0, "C2C": 450.0}
+ADAM_OFFLOAD_BYTES_EACH_WAY = 4
 
 
 def expert_parallel(model: str, world: int) -> int:
@@ -413,7 +419,7 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
     with the one that keeps it under TRANSIENT_SHARE of an 80 GB GPU (the parts run one after
     the other); the most one matrix exchanged alone holds, which no budget goes below."""
     from megatron_muon.plan import (batch_matrices, exchange_batches, largest_alone,
-                                    per_exchange_bytes, working_memory)
+                                    offload_figures, per_exchange_bytes, working_memory)
 
     budget = int(TRANSIENT_SHARE * GPU_BYTES)
     share = per_exchange_bytes(budget)
@@ -430,6 +436,12 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
         alone = max(alone, largest_alone(part.matrices, owners, ELEMENT_BYTES))
     muon_state = [m * MUON_STATE_BYTES + a * ADAM_STATE_BYTES
                   for m, a in zip(muon_elements, adam_elements)]
+    # --optimizer-cpu-offload: Muon's state streamed exchange by exchange, Adam's on the host.
+    offload = offload_figures([(part.matrices, part.exchanges,
+                                [rank_in_part(r) for r in range(world)])
+                               for part, rank_in_part in parts], ELEMENT_BYTES)
+    each_way = max(f.host + a * ADAM_OFFLOAD_BYTES_EACH_WAY
+                   for f, a in zip(offload, adam_elements))
     saved = [e * ADAM_STATE_BYTES - s for e, s in zip(all_elements, muon_state)]
     # A train step peaks at rest + the larger of what forward-backward adds (activations,
     # ZeRO-3's gathered weights) and what the optimizer step adds (Adam's: taken as 0). Muon's
@@ -441,7 +453,11 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
                 muon_state=max(muon_state) / 1e9,
                 muon_working=max(working) / 1e9, muon_working_at_budget=max(at_budget) / 1e9,
                 budget=budget / 1e9, largest_alone=alone / 1e9,
-                break_even=max(0, max(w - s for w, s in zip(working, saved))) / 1e9)
+                break_even=max(0, max(w - s for w, s in zip(working, saved))) / 1e9,
+                offloaded_state=max(f.device_peak for f in offload) / 1e9,
+                offload_each_way=each_way / 1e9,
+                **{f"offload_ms_{link}": each_way / (gbps * 1e9) * 1e3
+                   for link, gbps in HOST_LINKS_GBPS.items()})
 
 
 def _matmul_dtype(rates: Rates) -> str:
@@ -469,6 +485,10 @@ def assumptions(rates: Rates, args) -> list[str]:
         "upper bound: the exchange overlaps the next batch's gather with compute)",
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "
         "no communication)",
+        "--optimizer-cpu-offload (plan.offload_figures): Muon's state streamed to the device "
+        "exchange by exchange, two in flight, at the default budget; Adam's part on the host "
+        "(HybridDeviceOptimizer: fp32 gradients out, fp32 weights back); each way at "
+        + ", ".join(f"{link} {gbps:g} GB/s" for link, gbps in HOST_LINKS_GBPS.items()),
         "forward-backward = 6 x active params (without the embedding lookup) x tokens per step / "
         f"W / (matmul rate x {args.fwd_bwd_efficiency:g}); attention's own FLOPs left out (a "
         "shorter step: the overhead is overstated); tokens per step "
@@ -547,17 +567,21 @@ def print_memory_table(results):
     columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("weights", 8, ">"),
                ("grads", 7, ">"), ("Adam state", 11, ">"), ("Muon state", 11, ">"),
                ("Muon work", 10, ">"), ("at 5% budget", 13, ">"), ("one alone", 10, ">"),
-               ("Muon <= Adam if fwd-bwd adds", 29, ">")]
+               ("Muon <= Adam if fwd-bwd adds", 29, ">"), ("offloaded: state", 17, ">"),
+               ("each way", 9, ">")] + [(f"{link} ms", 9, ">") for link in HOST_LINKS_GBPS]
 
     line = functools.partial(_line, columns=columns)
     header = line([name for name, _, _ in columns])
-    print("\nMemory per rank, GB (the largest rank's of each figure; activations not counted):")
+    print("\nMemory per rank, GB (the largest rank's of each figure; activations not counted; "
+          "offloaded: the most state on the device at once with --optimizer-cpu-offload, the "
+          "GB copied each way per step, and its ms at each host link's rate):")
     print(header + "\n" + "-" * len(header))
     for r in results:
         m = r["memory_gb"]
         print(line([r["model"], r["world"], r["expert_parallel"]] + [f"{m[key]:.2f}" for key in (
             "weights", "gradients", "adam_state", "muon_state", "muon_working",
-            "muon_working_at_budget", "largest_alone", "break_even")]))
+            "muon_working_at_budget", "largest_alone", "break_even", "offloaded_state",
+            "offload_each_way")] + [f"{m[f'offload_ms_{link}']:.1f}" for link in HOST_LINKS_GBPS]))
 
 
 def plot(results, path, caption):

@@ -1,8 +1,9 @@
 """The plan: pure functions on shapes and ranks, shared by the optimizer and the scale model
 (benchmarks/scale_model.py). Which rows of each matrix each rank holds (layouts), what travels
 (traffic), who owns each matrix (owners), how much working memory an exchange holds and what
-budget it fits (budget), and one exchange group's plan from them (owner_plan). No communication,
-no tensors: unit-tested without processes. Imports nothing else of megatron_muon."""
+budget it fits (budget), one exchange group's plan from them (owner_plan), and what offloading
+the state to host memory keeps there and streams (offload). No communication, no tensors:
+unit-tested without processes. Imports nothing else of megatron_muon."""
 
 from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, affordable_bytes,
                      batch_matrices, exchange_batches, exchange_budget, largest_alone,
@@ -10,6 +11,7 @@ from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, affordable_b
                      working_memory)
 from .layouts import (Matrix, QKVRows, RowLayout, cost_key, ns_flops, orthogonalization_key,
                       qkv_row_blocks, row_layouts, split_matrices)
+from .offload import OffloadFigures, offload_figures
 from .owner_plan import OwnerPlan, owner_plan
 from .owners import (BYTE_SLACK, StepCost, choose_owners, choose_owners_by_time, estimated_seconds,
                      newton_schulz_seconds, whole_matrix_owners)
@@ -18,11 +20,12 @@ from .traffic import (gather_moves, gather_segments, gather_traffic, layout_min_
                       scatter_traffic)
 
 __all__ = ["BYTE_SLACK", "ExchangeMemory", "IN_FLIGHT", "MAX_EXCHANGE_BYTES", "Matrix",
-           "OwnerPlan", "QKVRows", "RowLayout", "StepCost", "affordable_bytes", "batch_matrices",
-           "choose_owners", "choose_owners_by_time", "cost_key", "estimated_seconds",
-           "exchange_batches", "exchange_budget", "gather_moves", "gather_segments",
-           "gather_traffic", "largest_alone", "layout_min_bytes", "matrix_traffic",
-           "newton_schulz_bytes", "newton_schulz_seconds", "ns_flops", "orthogonalization_key",
-           "owner_bytes", "owner_plan", "owner_traffic", "per_exchange_bytes", "qkv_row_blocks",
-           "row_layouts", "scatter_moves", "scatter_segments", "scatter_traffic", "split_matrices",
-           "state_saved", "whole_matrix_owners", "working_memory"]
+           "OffloadFigures", "OwnerPlan", "QKVRows", "RowLayout", "StepCost", "affordable_bytes",
+           "batch_matrices", "choose_owners", "choose_owners_by_time", "cost_key",
+           "estimated_seconds", "exchange_batches", "exchange_budget", "gather_moves",
+           "gather_segments", "gather_traffic", "largest_alone", "layout_min_bytes",
+           "matrix_traffic", "newton_schulz_bytes", "newton_schulz_seconds", "ns_flops",
+           "offload_figures", "orthogonalization_key", "owner_bytes", "owner_plan",
+           "owner_traffic", "per_exchange_bytes", "qkv_row_blocks", "row_layouts", "scatter_moves",
+           "scatter_segments", "scatter_traffic", "split_matrices", "state_saved",
+           "whole_matrix_owners", "working_memory"]
