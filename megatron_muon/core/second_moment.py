@@ -77,10 +77,13 @@ class SecondMoment(abc.ABC):
 
     `optimizer` is the AdaptiveMuon whose methods (upstream.apply_moment2_normalization,
     upstream.apply_muon_scale) compute the variant; `group` its param group; `whole_shape` what
-    Muon's scale reads.
+    Muon's scale reads. `moment2_travels`: whether `travelling` reads the second moment's rows and
+    `holder_update` only writes them (else only `holder_update` reads and writes them): where the
+    state is offloaded (core/state_offload.py), it moves once each way per step.
     """
 
     name: ClassVar[str]  # OptimizerConfig.adaptive_muon_moment2_method's value
+    moment2_travels: ClassVar[bool]
 
     @abc.abstractmethod
     def held_columns(self, rows: int, cols: int) -> int:
@@ -112,6 +115,8 @@ class HolderSecondMoment(SecondMoment):
     travels beside the update, the owner sends back Newton-Schulz's rows unscaled, and
     `holder_update` normalizes and scales them."""
 
+    moment2_travels = False
+
     def columns(self, rows: int, cols: int) -> Columns:
         return Columns(cols)
 
@@ -131,6 +136,7 @@ class OwnerSecondMoment(SecondMoment):
     update's rows both ways; each holder keeps the moment that comes back."""
 
     needs_raw_gradient: ClassVar[bool] = False
+    moment2_travels = True
 
     def columns(self, rows: int, cols: int) -> Columns:
         return Columns(cols, cols if self.needs_raw_gradient else 0, self.held_columns(rows, cols))

@@ -16,6 +16,7 @@ from ..compat.upstream_fixes import unscaled_orthogonalize_fn, whole_shape
 from ..distribution.dtensor_rows import ParamAttributes, num_experts, tp_local_rows
 from ..distribution.group_planner import GroupPlan
 from .second_moment import SECOND_MOMENTS, Columns
+from .state_offload import state_rows
 from .zero_muon import ZeROTensorParallelMuon, tensor_parallel_muon_settings
 
 MOMENT2_METHODS = typing.get_args(Moment2MethodT)
@@ -102,8 +103,11 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
     def update_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
         """Muon's update rows, with the second moment's travelling columns beside them."""
         rows = super().update_rows(plan, i)
-        beside = self.second_moment.travelling(self.grad_rows(plan, i), self._moment2_rows(plan, i))
-        return rows if beside is None else torch.cat([rows, beside], dim=1)
+        if not self.second_moment.moment2_travels:
+            return rows
+        with state_rows(self.host_state, self._moment2_rows(plan, i), write=False) as moment2:
+            beside = self.second_moment.travelling(plan.grad_rows(i), moment2)
+        return torch.cat([rows, beside], dim=1)
 
     def _columns(self, p: DTensor, rows: int) -> Columns:
         return self.second_moment.columns(rows, p.to_local().shape[-1])
@@ -131,7 +135,9 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
 
     def apply_update(self, plan: GroupPlan, i: int, rows: torch.Tensor) -> None:
         p, shape = plan.param_of(i), plan.matrices[i].shape
-        update = self.second_moment.holder_update(
-            self, rows, self._columns(p, shape[0]), self._moment2_rows(plan, i), self.group_of(p),
-            whole_shape(self, ParamAttributes(p), shape))
+        with state_rows(self.host_state, self._moment2_rows(plan, i),
+                        read=not self.second_moment.moment2_travels) as moment2:
+            update = self.second_moment.holder_update(
+                self, rows, self._columns(p, shape[0]), moment2, self.group_of(p),
+                whole_shape(self, ParamAttributes(p), shape))
         super().apply_update(plan, i, update)

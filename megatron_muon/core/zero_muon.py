@@ -25,6 +25,7 @@ from .checks import CheckResult
 from .muon_math import momentum_update_
 from .owner_check import ApplyUpdate, OwnerCheck
 from .second_moment import SecondMoment
+from .state_offload import HostState, state_rows
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -181,6 +182,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         second_moment: an adaptive variant's second moment after Newton-Schulz (SecondMoment,
             core/second_moment.py; ZeROTensorParallelAdaptiveMuon passes its own), None for
             Muon: the planner sizes the exchanges by the columns it carries.
+        offload_state: keep the state in host memory between steps (core/state_offload.py).
         check_interval: every this many iterations (0: never), owner mode also computes every
             matrix's update as "allgather" does and compares what the owners sent back with it
             before anything is applied; above the bound (0 with fp32 `highest` Newton-Schulz,
@@ -200,7 +202,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                  max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
                  param_names: dict | None = None, check_interval: int = 0,
                  use_syrk: bool = False, second_moment: SecondMoment | None = None,
-                 **kwargs: Any) -> None:
+                 offload_state: bool = False, **kwargs: Any) -> None:
         _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
                         kwargs)
         _check_hooks(type(self))
@@ -229,6 +231,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.plans: list[GroupPlan] = planner.plan(byte_slack, max_exchange_bytes)
         self._held_rows = planner.held_rows
         self._check = OwnerCheck(self)
+        self.host_state = HostState(self.device()) if offload_state else None
 
     def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
         """Newton-Schulz as TensorParallelMuon's orthogonalize runs it (scaled), through the SYRK
@@ -299,6 +302,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                     and self.iteration % self.check_interval == 0)
         for group in self.param_groups:
             self._init_group(group)
+        if self.host_state:
+            self.host_state.start_step(self.state.values())
         apply = self.apply_update
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
             if checking:
@@ -326,17 +331,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         """Weight decay and momentum on this rank's rows of matrix i (in place), and the rows of
         its update to orthogonalize (muon_math.momentum_update_)."""
         p = plan.param_of(i)
-        return momentum_update_(self, plan.rows_of(i, p.to_local()), self.grad_rows(plan, i),
-                                plan.rows_of(i, self.state[p]["momentum_buffer"].to_local()),
-                                self.group_of(p))
-
-    def grad_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
-        """This rank's rows of matrix i's gradient (zeros where Megatron-FSDP leaves grad=None:
-        an empty shard)."""
-        p = plan.param_of(i)
-        if p.grad is None:
-            return torch.zeros_like(plan.rows_of(i, p.to_local()))
-        return plan.rows_of(i, p.grad.to_local())
+        momentum = plan.rows_of(i, self.state[p]["momentum_buffer"].to_local())
+        with state_rows(self.host_state, momentum) as momentum:
+            return momentum_update_(self, plan.rows_of(i, p.to_local()), plan.grad_rows(i),
+                                    momentum, self.group_of(p))
 
     def allgather_orthogonalize(self, plan: GroupPlan, local: dict[int, torch.Tensor],
                                 apply: ApplyUpdate) -> None:

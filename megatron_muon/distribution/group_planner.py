@@ -62,6 +62,14 @@ class GroupPlan:
         _, lo, hi = self.pieces[i]
         return as_rows(local)[lo:hi]
 
+    def grad_rows(self, i: int) -> torch.Tensor:
+        """This rank's rows of matrix i's gradient (zeros where Megatron-FSDP leaves grad=None:
+        an empty shard)."""
+        p = self.param_of(i)
+        if p.grad is None:
+            return torch.zeros_like(self.rows_of(i, p.to_local()))
+        return self.rows_of(i, p.grad.to_local())
+
 
 class GroupPlanner:
     """Plans a ZeROTensorParallelMuon's exchange groups (`plan`), using what the optimizer
