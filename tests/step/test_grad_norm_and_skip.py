@@ -195,3 +195,17 @@ def _diverged_run_stops(rank, world_size):
 
 def test_a_diverged_run_stops_after_the_consecutive_skipped_steps_limit(distributed):
     distributed(_diverged_run_stops, 2)
+
+
+def test_the_default_limit_is_megatrons_ten_wherever_the_chain_is_built():
+    """The e2e run stops after 3 (its flag); the default, on the command line and in the
+    factory, is 10."""
+    import argparse
+    import inspect
+
+    from megatron_muon.integrations.arguments import add_muon_args
+
+    parsed = add_muon_args(argparse.ArgumentParser()).parse_args([])
+    factory_default = inspect.signature(get_megatron_optimizer).parameters[
+        "muon_max_consecutive_skipped_steps"].default
+    assert parsed.muon_max_consecutive_skipped_steps == factory_default == 10
