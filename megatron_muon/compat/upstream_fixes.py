@@ -187,7 +187,8 @@ def whole_shape(optimizer, p, shape) -> tuple[int, int]:
     """The shape of the whole matrix a TP shard of `shape` belongs to, as TensorParallelMuon's
     scale reads it (its orthogonalize's TP group and partition dim); `p`: the param's tags."""
     size = list(shape[-2:])
-    partition = tensor_parallel.orthogonalize_partition(optimizer.tp_mode, optimizer.pg_collection, p)
+    partition = tensor_parallel.orthogonalize_partition(optimizer.tp_mode,
+                                                        optimizer.pg_collection, p)
     if partition is not None:
         partition_dim, tp_group = partition
         size[partition_dim] *= tp_group.size()
@@ -249,10 +250,6 @@ def adaptive_muon_defects() -> list[str]:
         if not torch.equal(probe.orthogonalize(p, identity), unscaled):
             defects.append("it scaled in orthogonalize too")
     return defects
-
-
-def has_adaptive_muon_defect() -> bool:
-    return bool(adaptive_muon_defects())
 
 
 def _fix_one_rank_reduce() -> list[str]:

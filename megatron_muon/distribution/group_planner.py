@@ -239,8 +239,8 @@ class GroupPlanner:
         """`matrix` with what emerging_optimizers' newton_schulz_tp all-gathers before
         Newton-Schulz: in duplicated mode, a matrix TensorParallelMuon.orthogonalize hands a TP
         partition (compat.tensor_parallel.orthogonalize_partition)."""
-        partition = tensor_parallel.orthogonalize_partition(self.muon.tp_mode, self.muon.pg_collection,
-                                                     ParamAttributes(p))
+        partition = tensor_parallel.orthogonalize_partition(
+            self.muon.tp_mode, self.muon.pg_collection, ParamAttributes(p))
         if self.muon.tp_mode != "duplicated" or partition is None:
             return matrix
         partition_dim, tp_group = partition

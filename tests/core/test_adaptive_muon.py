@@ -49,7 +49,7 @@ def test_repaired_tensor_parallel_adaptive_muon_steps_adaptive_muon(repaired, me
     reference = _trained(AdaptiveMuon, method)
     for got, expected in zip(ours, reference, strict=True):
         assert torch.equal(got, expected), (method, (got - expected).abs().max())
-    assert not upstream_fixes.has_adaptive_muon_defect()
+    assert not upstream_fixes.adaptive_muon_defects()
 
 
 def test_megatron_cores_adaptive_muon_is_wrong_without_the_repair():
