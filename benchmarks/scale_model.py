@@ -417,7 +417,9 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
     """GB per rank (the largest rank's of each figure): at rest, and Muon's working memory as
     the plan counts it (plan.working_memory: two exchanges in flight) with the default budget and
     with the one that keeps it under TRANSIENT_SHARE of an 80 GB GPU (the parts run one after
-    the other); the most one matrix exchanged alone holds, which no budget goes below."""
+    the other); the most one matrix exchanged alone holds, which no budget goes below; with
+    --optimizer-cpu-offload, the most state on the device at once, the bytes copied each way per
+    step and their time over each host link."""
     from megatron_muon.plan import (batch_matrices, exchange_batches, largest_alone,
                                     offload_figures, per_exchange_bytes, working_memory)
 
