@@ -8,6 +8,9 @@ import platform
 
 from .supported_versions import OPTIONAL, SUPPORTED
 
+# Each error's last line: what to install.
+_INSTALL_SUPPORTED = ("Install the versions this release supports ("
+                      + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")
 _RANGES = {**SUPPORTED, **{name: versions for extra in OPTIONAL.values()
                            for name, versions in extra.items()}}
 
@@ -61,8 +64,7 @@ def unsupported(missing: dict[str, str]) -> ImportError:
         + "".join(f"{d} {installed_version(d)} ("
                   + (f"supported: {d}{_RANGES[d]}" if d in _RANGES else "not required")
                   + ") has no\n" + "\n".join(names) + "\n" for d, names in lacking.items())
-        + "Install the versions this release supports ("
-        + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")
+        + _INSTALL_SUPPORTED)
 
 
 def cannot_import(importer: str, imported: str, symptom: str) -> ImportError:
@@ -71,5 +73,4 @@ def cannot_import(importer: str, imported: str, symptom: str) -> ImportError:
     return ImportError(
         f"megatron-muon {own_version()}: the installed {importer} {installed_version(importer)} "
         f"cannot import the installed {imported} {installed_version(imported)} ({symptom}).\n"
-        "Install the versions this release supports ("
-        + ", ".join(f"{d}{v}" for d, v in SUPPORTED.items()) + ").")
+        + _INSTALL_SUPPORTED)
