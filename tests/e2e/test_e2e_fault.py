@@ -23,8 +23,8 @@ pytestmark = pytest.mark.e2e
 
 def test_a_diverged_run_stops_with_a_clear_error():
     """--lr 1e6: every step after the first has NaN gradients and is skipped; after
-    --muon-max-consecutive-skipped-steps of them in a row (3 here, 10 by default: the chain's own
-    test counts them) the run stops (non-zero exit) instead of training nothing."""
+    --muon-max-consecutive-skipped-steps of them in a row (3 here; the default, 10, is checked in
+    test_grad_norm_and_skip) the run stops (non-zero exit) instead of training nothing."""
     failure = failure_of(*SMALL, '--lr', '1e6', '--muon-max-consecutive-skipped-steps', '3',
                          iterations=STRATEGY_ITERATIONS)
     assert ('RuntimeError: 3 optimizer steps in a row were skipped: the gradients hold NaN or Inf'
