@@ -1,58 +1,127 @@
-"""Muon's state in host memory between steps (ZeROTensorParallelMuon(offload_state=True); issue
-60, not yet reachable from Megatron's flags). Each state tensor's shard lives on the host (pinned
-where the params are on a GPU); the step brings one matrix's rows of it to the params' device
-where it reads them, and copies them back when it is done with them, so the device holds the
-state of the matrices being updated, not all of it. The copies are synchronous in this version:
-exact and simple; the overlap plan.offload counts (the next exchange's state in flight while one
-computes) is still to come.
+"""Optimizer state in host memory between steps (--optimizer-cpu-offload with
+--optimizer-offload-fraction). The offloaded params' state shards live on the host (pinned where
+the params are on a GPU). Muon's step (ZeROTensorParallelMuon(offload_fraction=...)) brings one
+matrix's rows of it to the params' device where it reads them, and copies them back when it is
+done with them, so the device holds the state of the matrices being updated, not all of it. The
+scalar optimizer's state (Adam's moments of norms, biases, embeddings: a small share of a
+model's) comes to the device whole for its step and goes back after it
+(offload_between_steps), so its step runs where and as it runs without offload. The copies are
+synchronous in this version: exact and simple; the overlap plan.offload counts (the next
+exchange's state in flight while one computes) is still to come.
 
 The optimizer's own accounting, per step: the bytes copied each way and the most state on the
 device at once (HostState.moved_to_device, moved_to_host, most_on_device)."""
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..distribution.group_planner import GroupPlan
+from ..plan import offloaded
+
+
+def offloaded_params(plans: Sequence[GroupPlan], fraction: float) -> list[DTensor]:
+    """The params whose state goes to host memory: plan.offloaded's pick over the params in the
+    order the step visits their matrices, each sized by its whole state (a stacked expert
+    weight's matrices together: a param's state is one tensor), so that every rank picks the
+    same params. Where each param is one matrix, as in the scale model's plans, these are the
+    matrices plan.offload_figures picks."""
+    sizes: dict[DTensor, int] = {}
+    for plan in plans:
+        for routes in plan.routes:
+            for i in (i for batch in routes.batches for i in batch):
+                matrix = plan.matrices[i]
+                elements = matrix.layout.num_rows * (matrix.cols + matrix.moment2_cols)
+                sizes[plan.param_of(i)] = sizes.get(plan.param_of(i), 0) + elements
+    return [p for p, picked in zip(sizes, offloaded(list(sizes.values()), fraction)) if picked]
+
 
 class HostState:
-    """Host copies of an optimizer's state, and the rows of it the step works on, on the device."""
+    """The offloaded params' state in host memory, and the rows of it the step works on, on the
+    device."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, params: Sequence[DTensor]):
         self.device = device
+        self.params = set(params)
         self.pin = device.type == "cuda"
         self.moved_to_device = self.moved_to_host = self.most_on_device = 0
         self._on_device = 0
 
-    def home(self, state: dict) -> None:
-        """Put each DTensor of one param's state in host memory, where it is not already (a new
+    def _at_home(self, local: torch.Tensor) -> bool:
+        return local.device.type == "cpu" and local.is_pinned() == self.pin
+
+    def _new_home(self, local: torch.Tensor) -> torch.Tensor:
+        return torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin)
+
+    def home(self, p: DTensor, state: dict) -> None:
+        """Put `p`'s state in host memory if `p` is offloaded, where it is not already (a new
         state, or one a checkpoint load placed on the param's device, as torch.optim's
         load_state_dict does)."""
-        for name, value in state.items():
-            local = value.to_local() if isinstance(value, DTensor) else None
-            if local is None or (local.device.type == "cpu" and local.is_pinned() == self.pin):
-                continue
-            host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin)
-            host.copy_(local)
-            state[name] = DTensor.from_local(host, value.device_mesh, value.placements,
-                                             run_check=False, shape=value.shape,
-                                             stride=value.stride())
+        if p not in self.params:
+            return
+        for name, value, local in _tensors(state):
+            if not self._at_home(local):
+                host = self._new_home(local)
+                host.copy_(local)
+                state[name] = _placed_like(value, host)
 
-    def start_step(self, states: Iterable[dict]) -> None:
-        """Each param's state homed (home), the step's accounting reset."""
-        for state in states:
-            self.home(state)
+    def new_step(self) -> None:
         self.moved_to_device = self.moved_to_host = self.most_on_device = 0
 
+    def start_step(self, state: Mapping[DTensor, dict]) -> None:
+        """Each offloaded param's state homed (home), the step's accounting reset."""
+        for p in self.params:
+            self.home(p, state[p])
+        self.new_step()
+
+    def to_device(self, state: dict) -> dict:
+        """One param's homed state on the device for a step (a state not yet homed stays where
+        it is); returns {name: its host tensor} for to_host."""
+        homes = {}
+        for name, value, host in _tensors(state):
+            if self._at_home(host):
+                local = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                local.copy_(host)
+                homes[name] = host
+                self._on_device += host.nbytes
+                self.moved_to_device += host.nbytes
+                state[name] = _placed_like(value, local)
+        self.most_on_device = max(self.most_on_device, self._on_device)
+        return homes
+
+    def to_host(self, state: dict, homes: dict) -> None:
+        """One param's state back in host memory after a step: copied into its homes (to_device),
+        a state the step created into new ones."""
+        for name, value, local in _tensors(state):
+            host = homes.get(name)
+            if host is not None:
+                self._on_device -= local.nbytes
+            elif self._at_home(local):
+                continue
+            else:
+                host = self._new_home(local)
+            host.copy_(local)
+            self.moved_to_host += local.nbytes
+            state[name] = _placed_like(value, host)
+
+    def rows(self, p: DTensor, state_rows: torch.Tensor, read: bool = True,
+             write: bool = True) -> AbstractContextManager[torch.Tensor]:
+        """Rows of `p`'s state where the step reads or changes them: on the device if `p` is
+        offloaded (rows_on_device), else as they are."""
+        if p in self.params:
+            return self.rows_on_device(state_rows, read, write)
+        return contextlib.nullcontext(state_rows)
+
     @contextlib.contextmanager
-    def rows(self, host_rows: torch.Tensor, read: bool = True,
-             write: bool = True) -> Iterator[torch.Tensor]:
+    def rows_on_device(self, host_rows: torch.Tensor, read: bool = True,
+                       write: bool = True) -> Iterator[torch.Tensor]:
         """`host_rows` (a view of a homed state) on the device while the block runs (copied
         there where the block reads them), then copied back where it changes them. A copy on
         the CPU too, so that the CPU runs what a GPU runs."""
-        nbytes = host_rows.numel() * host_rows.element_size()
+        nbytes = host_rows.nbytes
         on_device = torch.empty(host_rows.shape, dtype=host_rows.dtype, device=self.device)
         if read:
             on_device.copy_(host_rows)
@@ -68,8 +137,48 @@ class HostState:
             self._on_device -= nbytes
 
 
-def state_rows(host_state: HostState | None, rows: torch.Tensor, read: bool = True,
-               write: bool = True) -> AbstractContextManager[torch.Tensor]:
-    """Rows of a state where the step reads or changes them (HostState.rows): on the device if
-    offloaded, else as they are."""
-    return host_state.rows(rows, read, write) if host_state else contextlib.nullcontext(rows)
+def _tensors(state: dict) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, value, its local tensor) of each tensor in one param's state but the step count
+    (a host scalar torch's Adam keeps)."""
+    for name, value in list(state.items()):
+        if name != "step" and isinstance(value, torch.Tensor):
+            yield name, value, value.to_local() if isinstance(value, DTensor) else value
+
+
+def _placed_like(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` in `value`'s place: a DTensor of the same mesh, placements and shape for a
+    DTensor, else itself."""
+    if not isinstance(value, DTensor):
+        return local
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
+def offload_between_steps(optimizer: torch.optim.Optimizer, fraction: float) -> HostState:
+    """Keep `fraction` of a torch optimizer's state in host memory between its steps: picked
+    param by param in param-group order, as megatron-core's HybridDeviceOptimizer picks them
+    (plan.offloaded, by param size); before each step it comes to the params' device, after it
+    goes back (torch's step pre- and post-hooks), so the step itself runs as without offload.
+    Returns the HostState that keeps the accounting."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    picked = [p for p, chosen in zip(params, offloaded([p.numel() for p in params], fraction))
+              if chosen]
+    device = params[0].device if params else torch.device("cpu")
+    host_state = HostState(device, picked)
+    homes: dict = {}
+
+    def to_device(optimizer, args, kwargs):
+        host_state.new_step()
+        homes.clear()
+        homes.update({p: host_state.to_device(optimizer.state[p]) for p in picked
+                      if p in optimizer.state})
+
+    def to_host(optimizer, args, kwargs):
+        for p in picked:
+            if p in optimizer.state:
+                host_state.to_host(optimizer.state[p], homes.get(p, {}))
+        homes.clear()
+
+    optimizer.register_step_pre_hook(to_device)
+    optimizer.register_step_post_hook(to_host)
+    return host_state

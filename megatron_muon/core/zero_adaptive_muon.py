@@ -16,7 +16,6 @@ from ..compat.upstream_fixes import unscaled_orthogonalize_fn, whole_shape
 from ..distribution.dtensor_rows import ParamAttributes, num_experts, tp_local_rows
 from ..distribution.group_planner import GroupPlan
 from .second_moment import SECOND_MOMENTS, Columns
-from .state_offload import state_rows
 from .zero_muon import ZeROTensorParallelMuon, tensor_parallel_muon_settings
 
 MOMENT2_METHODS = typing.get_args(Moment2MethodT)
@@ -105,7 +104,8 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
         rows = super().update_rows(plan, i)
         if not self.second_moment.moment2_travels:
             return rows
-        with state_rows(self.host_state, self._moment2_rows(plan, i), write=False) as moment2:
+        moment2 = self._moment2_rows(plan, i)
+        with self.host_state.rows(plan.param_of(i), moment2, write=False) as moment2:
             beside = self.second_moment.travelling(plan.grad_rows(i), moment2)
         return torch.cat([rows, beside], dim=1)
 
@@ -135,8 +135,8 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
 
     def apply_update(self, plan: GroupPlan, i: int, rows: torch.Tensor) -> None:
         p, shape = plan.param_of(i), plan.matrices[i].shape
-        with state_rows(self.host_state, self._moment2_rows(plan, i),
-                        read=not self.second_moment.moment2_travels) as moment2:
+        with self.host_state.rows(p, self._moment2_rows(plan, i),
+                                  read=not self.second_moment.moment2_travels) as moment2:
             update = self.second_moment.holder_update(
                 self, rows, self._columns(p, shape[0]), moment2, self.group_of(p),
                 whole_shape(self, ParamAttributes(p), shape))

@@ -25,7 +25,7 @@ from .checks import CheckResult
 from .muon_math import momentum_update_
 from .owner_check import ApplyUpdate, OwnerCheck
 from .second_moment import SecondMoment
-from .state_offload import HostState, state_rows
+from .state_offload import HostState, offloaded_params
 
 DistMode = Literal["owner", "allgather"]
 DIST_MODES = typing.get_args(DistMode)
@@ -42,13 +42,13 @@ def tensor_parallel_muon_settings(muon_kwargs: dict) -> dict:
 
 
 def _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
-                    muon_kwargs) -> None:
+                    offload_fraction, muon_kwargs) -> None:
     """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
     after momentum has changed), naming Megatron's flag."""
     given = {**tensor_parallel_muon_settings(muon_kwargs), "dist_mode": dist_mode,
              "owner_choice": owner_choice,
              "byte_slack": byte_slack, "max_exchange_bytes": max_exchange_bytes,
-             "check_interval": check_interval}
+             "check_interval": check_interval, "offload_fraction": offload_fraction}
     scale_modes = typing.get_args(MuonScaleT)
     rules = [  # (setting, Megatron flag, valid?, what it must be)
         ("dist_mode", "--muon-dist-mode", lambda v: v in DIST_MODES, f"one of {DIST_MODES}"),
@@ -65,6 +65,7 @@ def _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, che
         ("max_exchange_bytes", "--muon-max-exchange-bytes", lambda v: v is None or v > 0,
          "None (what Muon's state saves a rank) or positive"),
         ("check_interval", "--muon-check-interval", lambda v: v >= 0, "at least 0"),
+        ("offload_fraction", "--optimizer-offload-fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ]
     for name, flag, valid, expected in rules:
         if not valid(given[name]):
@@ -182,7 +183,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         second_moment: an adaptive variant's second moment after Newton-Schulz (SecondMoment,
             core/second_moment.py; ZeROTensorParallelAdaptiveMuon passes its own), None for
             Muon: the planner sizes the exchanges by the columns it carries.
-        offload_state: keep the state in host memory between steps (core/state_offload.py).
+        offload_fraction: the share of the state kept in host memory between steps
+            (--optimizer-offload-fraction; core/state_offload.py), picked param by param as
+            megatron-core's HybridDeviceOptimizer picks them; 0 (the default): none.
         check_interval: every this many iterations (0: never), owner mode also computes every
             matrix's update as "allgather" does and compares what the owners sent back with it
             before anything is applied; above the bound (0 with fp32 `highest` Newton-Schulz,
@@ -202,9 +205,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                  max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
                  param_names: dict | None = None, check_interval: int = 0,
                  use_syrk: bool = False, second_moment: SecondMoment | None = None,
-                 offload_state: bool = False, **kwargs: Any) -> None:
+                 offload_fraction: float = 0.0, **kwargs: Any) -> None:
         _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
-                        kwargs)
+                        offload_fraction, kwargs)
         _check_hooks(type(self))
         upstream_runs_syrk = use_syrk and syrk.tensor_parallel_muon_takes_syrk()
         super().__init__(params, **kwargs, **({"use_syrk": True} if upstream_runs_syrk else {}))
@@ -231,7 +234,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.plans: list[GroupPlan] = planner.plan(byte_slack, max_exchange_bytes)
         self._held_rows = planner.held_rows
         self._check = OwnerCheck(self)
-        self.host_state = HostState(self.device()) if offload_state else None
+        self.host_state = HostState(self.device(), offloaded_params(self.plans, offload_fraction))
 
     def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
         """Newton-Schulz as TensorParallelMuon's orthogonalize runs it (scaled), through the SYRK
@@ -274,10 +277,12 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     @torch.no_grad()
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
         # Every rank holds momentum for every param, empty where its shard is empty, so state
-        # keys agree across ranks (megatron-core's checkpoint init calls this too).
+        # keys agree across ranks (megatron-core's checkpoint init calls this too: an offloaded
+        # state is in host memory before a load fills it).
         for p in group["params"]:
             if len(self.state[p]) == 0:
                 self.state[p].update(self.initial_state(p))
+                self.host_state.home(p, self.state[p])
 
     def initial_state(self, p: DTensor) -> dict:
         """A param's state before its first step, placed as the param is."""
@@ -302,8 +307,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                     and self.iteration % self.check_interval == 0)
         for group in self.param_groups:
             self._init_group(group)
-        if self.host_state:
-            self.host_state.start_step(self.state.values())
+        self.host_state.start_step(self.state)
         apply = self.apply_update
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
             if checking:
@@ -332,7 +336,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         its update to orthogonalize (muon_math.momentum_update_)."""
         p = plan.param_of(i)
         momentum = plan.rows_of(i, self.state[p]["momentum_buffer"].to_local())
-        with state_rows(self.host_state, momentum) as momentum:
+        with self.host_state.rows(p, momentum) as momentum:
             return momentum_update_(self, plan.rows_of(i, p.to_local()), plan.grad_rows(i),
                                     momentum, self.group_of(p))
 

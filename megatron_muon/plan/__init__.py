@@ -11,7 +11,7 @@ from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, affordable_b
                      working_memory)
 from .layouts import (Matrix, QKVRows, RowLayout, cost_key, ns_flops, orthogonalization_key,
                       qkv_row_blocks, row_layouts, split_matrices)
-from .offload import OffloadFigures, offload_figures
+from .offload import OffloadFigures, offload_figures, offloaded
 from .owner_plan import OwnerPlan, owner_plan
 from .owners import (BYTE_SLACK, StepCost, choose_owners, choose_owners_by_time, estimated_seconds,
                      newton_schulz_seconds, whole_matrix_owners)
@@ -25,7 +25,7 @@ __all__ = ["BYTE_SLACK", "ExchangeMemory", "IN_FLIGHT", "MAX_EXCHANGE_BYTES", "M
            "estimated_seconds", "exchange_batches", "exchange_budget", "gather_moves",
            "gather_segments", "gather_traffic", "largest_alone", "layout_min_bytes",
            "matrix_traffic", "newton_schulz_bytes", "newton_schulz_seconds", "ns_flops",
-           "offload_figures", "orthogonalization_key", "owner_bytes", "owner_plan",
+           "offload_figures", "offloaded", "orthogonalization_key", "owner_bytes", "owner_plan",
            "owner_traffic", "per_exchange_bytes", "qkv_row_blocks", "row_layouts", "scatter_moves",
            "scatter_segments", "scatter_traffic", "split_matrices", "state_saved",
            "whole_matrix_owners", "working_memory"]

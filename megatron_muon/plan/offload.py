@@ -33,11 +33,6 @@ class OffloadFigures:
     resident: int
     streamed: int
 
-    @property
-    def device_peak(self) -> int:
-        """The most state the device holds at once: resident and streamed."""
-        return self.resident + self.streamed
-
 
 # One exchange group as the step visits it: its matrices, its exchanges (each a list of batches
 # of matrix indices), and for each rank asked about, its place in the group.

@@ -42,11 +42,11 @@ CASES = [_case(strategy, dist_mode, unit_modules, world_size) for world_size in 
 
 def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
              main_params_dtype=torch.float32, moment2_method=None, muon_class=None,
-             offload_state=False):
+             offload_fraction=0.0):
     """Megatron-FSDP buckets per Linear (unit_modules: every matrix crosses shard boundaries) or
     the whole model as one unit (most matrices sit whole on one rank); HSDP with `outer`;
-    --optimizer adaptive_muon with `moment2_method`; the state in host memory between steps
-    with `offload_state`."""
+    --optimizer adaptive_muon with `moment2_method`; that share of the state in host memory
+    between steps with `offload_fraction`."""
     ref, fsdp = make_models(strategy, world_size, unit_modules, outer, main_params_dtype)
     if main_params_dtype is None:  # the layout the case names
         assert all(group.main_weight_buffer is None
@@ -58,11 +58,11 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
             f"main_params_dtype={main_params_dtype} moment2_method={moment2_method}")
     if moment2_method is None:
         muon = ZeROTensorParallelMuon(muon_param_groups(matrices), dist_mode=dist_mode,
-                                      offload_state=offload_state, **MUON_KWARGS)
+                                      offload_fraction=offload_fraction, **MUON_KWARGS)
     else:
         muon = (muon_class or ZeROTensorParallelAdaptiveMuon)(
             muon_param_groups(matrices), dist_mode=dist_mode, moment2_method=moment2_method,
-            offload_state=offload_state, **MUON_KWARGS, **ADAPTIVE_KWARGS)
+            offload_fraction=offload_fraction, **MUON_KWARGS, **ADAPTIVE_KWARGS)
     opts = [muon, torch.optim.Adam(vectors, lr=0.01, foreach=False)]
     names = {id(p): n for n, p in fsdp.named_parameters()}
 
@@ -86,8 +86,7 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
         worst = max((full_tensor(p, p) - ref_params[names[id(p)].removeprefix("module.")]).abs().max().item()
                     for p in matrices + vectors)
         assert worst == 0, f"{case} step {step}: max |diff| {worst}"
-        if offload_state:
-            _assert_offload_as_planned(muon, case)
+        _assert_offload_as_planned(muon, offload_fraction, case)
 
     for p in matrices:
         momentum = opts[0].state[p]["momentum_buffer"]
@@ -103,11 +102,11 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
         print(f"{case}: max |diff| 0 after {STEPS} steps")
 
 
-def _assert_offload_as_planned(muon, case):
-    """The step copied all of this rank's state to the device and back, as plan.offload counts
+def _assert_offload_as_planned(muon, fraction, case):
+    """The step copied this rank's offloaded state to the device and back, as plan.offload counts
     it, and never held more of it there at once than the plan's two exchanges."""
     (planned,) = offload_figures([(plan.matrices, [routes.batches for routes in plan.routes],
-                                   [plan.rank]) for plan in muon.plans], element_bytes=4)
+                                   [plan.rank]) for plan in muon.plans], 4, fraction)
     host = muon.host_state
     assert host.moved_to_device == host.moved_to_host == planned.host, (case, planned)
     assert (host.most_on_device > 0) == (planned.host > 0), (case, planned)
@@ -117,22 +116,24 @@ def _assert_offload_as_planned(muon, case):
 # The state in host memory between steps (core/state_offload.py: the step works on a copy of
 # each matrix's rows of it, copied back), every update still single-device Muon's: Muon and the
 # adaptive variants (NorMuon's state travels with the rows, AdaMuon's stays), uneven and empty
-# shards at W=2 and 4, no_shard and ZeRO-1 beside ZeRO-3, allgather mode.
+# shards at W=2 and 4, no_shard and ZeRO-1 beside ZeRO-3, allgather mode; all of the state, or
+# half (--optimizer-offload-fraction 0.5: some params' state stays on the device).
 OFFLOAD_CASES = [
-    pytest.param(strategy, dist_mode, world_size, method,
-                 id=f"{method or 'muon'}-{strategy}-{dist_mode}-W{world_size}")
-    for strategy, dist_mode, world_size, method in (
-        ("optim_grads_params", "owner", 1, None), ("optim_grads_params", "owner", 2, None),
-        ("optim", "owner", 2, "normuon"), ("no_shard", "allgather", 2, None),
-        ("optim_grads_params", "owner", 4, None), ("optim_grads_params", "owner", 4, "adamuon"),
-        ("optim_grads", "owner", 4, "normuon"))]
+    pytest.param(strategy, dist_mode, world_size, method, fraction,
+                 id=f"{method or 'muon'}-{strategy}-{dist_mode}-W{world_size}-{fraction}")
+    for strategy, dist_mode, world_size, method, fraction in (
+        ("optim_grads_params", "owner", 1, None, 1.0),
+        ("optim_grads_params", "owner", 2, None, 0.5), ("optim", "owner", 2, "normuon", 1.0),
+        ("no_shard", "allgather", 2, None, 1.0), ("optim_grads_params", "owner", 4, None, 1.0),
+        ("optim_grads_params", "owner", 4, "adamuon", 0.5),
+        ("optim_grads", "owner", 4, "normuon", 1.0))]
 
 
-@pytest.mark.parametrize("strategy, dist_mode, world_size, method", OFFLOAD_CASES)
+@pytest.mark.parametrize("strategy, dist_mode, world_size, method, fraction", OFFLOAD_CASES)
 def test_offloaded_state_matches_single_device_muon(distributed, strategy, dist_mode, world_size,
-                                                    method):
+                                                    method, fraction):
     distributed(_compare, world_size, strategy, dist_mode, True, None, torch.float32, method,
-                None, True)
+                None, fraction)
 
 
 def _as_reference_moment2(ours: torch.Tensor, reference: torch.Tensor) -> bool:

@@ -15,12 +15,13 @@ from megatron_muon import ZeROTensorParallelMuon
 from megatron_muon.step.model_chunks import find_megatron_fsdp, named_main_weights
 from megatron_muon.distribution.exchange import Traffic, observed
 
-def _muon(world_size, strategy="optim_grads_params", check_interval=0, precision="highest"):
+def _muon(world_size, strategy="optim_grads_params", check_interval=0, precision="highest",
+          offload_fraction=0.0):
     _, fsdp = make_models(strategy, world_size)
     matrices, _ = split_params(fsdp)
     names = {p: n for n, p in fsdp.named_parameters()}
     muon = ZeROTensorParallelMuon(muon_param_groups(matrices), check_interval=check_interval,
-                                  param_names=names,
+                                  param_names=names, offload_fraction=offload_fraction,
                                   **{**MUON_KWARGS, "fp32_matmul_prec": precision})
     return fsdp, matrices, muon
 
@@ -83,8 +84,9 @@ def test_the_check_passes_exact_updates_and_adds_no_collective_between_checks(di
     distributed(_check_logs_and_costs_nothing_between, world_size)
 
 
-def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3):
-    fsdp, matrices, muon = _muon(world_size, check_interval=1, precision=precision)
+def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3, offload=0.0):
+    fsdp, matrices, muon = _muon(world_size, check_interval=1, precision=precision,
+                                 offload_fraction=offload)
     _backward(fsdp, 0, rank)
     before = [p.to_local().clone() for p in matrices]
     owned_results = muon.orthogonalize_owned
@@ -121,9 +123,11 @@ def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3):
     assert all(not muon.state[p]["momentum_buffer"].to_local().any() for p in matrices)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_a_corrupted_owner_result_is_caught_named_and_nothing_applied(distributed, world_size):
-    distributed(_corrupted_owner, world_size)
+@pytest.mark.parametrize("world_size, offload", [(2, 0.0), (4, 1.0)])
+def test_a_corrupted_owner_result_is_caught_named_and_nothing_applied(distributed, world_size,
+                                                                      offload):
+    """(`offload`: the momentum in host memory, restored there.)"""
+    distributed(_corrupted_owner, world_size, "highest", 1e-3, offload)
 
 
 def _bf16_checks(rank, world_size):
