@@ -7,23 +7,27 @@ from megatron_muon import get_megatron_optimizer
 from megatron_muon.step.model_chunks import named_main_weights
 from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 
-# (name, sharding strategy, Muon dist mode, experts, HSDP replicas, minimum world size)
+# (name, sharding strategy, Muon dist mode, experts, HSDP replicas, minimum world size, the
+# optimizer state in host memory: its pinned host tensors must reach no collective, and a
+# checkpoint saves and loads them)
 CASES = [
-    ("zero3-owner", "optim_grads_params", "owner", None, 1, 2),
-    ("zero3-allgather", "optim_grads_params", "allgather", None, 1, 2),
-    ("zero1-owner", "optim", "owner", None, 1, 2),
-    ("no_shard-owner", "no_shard", "owner", None, 1, 2),
-    ("experts", "optim_grads_params", "owner", 4, 1, 2),
-    ("hsdp", "optim_grads_params", "owner", None, 2, 4),
+    ("zero3-owner", "optim_grads_params", "owner", None, 1, 2, False),
+    ("zero3-allgather", "optim_grads_params", "allgather", None, 1, 2, False),
+    ("zero1-owner", "optim", "owner", None, 1, 2, False),
+    ("no_shard-owner", "no_shard", "owner", None, 1, 2, False),
+    ("experts", "optim_grads_params", "owner", 4, 1, 2, False),
+    ("hsdp", "optim_grads_params", "owner", None, 2, 4, False),
+    ("experts-offloaded", "optim_grads_params", "owner", 4, 1, 2, True),
 ]
 
 
-def _build(strategy, dist_mode, experts, replicas):
+def _build(strategy, dist_mode, experts, replicas, offload):
     init_parallel_state(expert_parallel=2 if experts else 1, replicas=replicas)
     # MuonClip on, with a threshold the logits pass: its all-reduce runs in every step, and its
     # clip wherever the fake group's stand-in weights give a logit above 0.
     model = fsdp_gpt(strategy=strategy, num_experts=experts, qk_clip=True, qk_clip_threshold=1e-6)
-    return model, get_megatron_optimizer(optimizer_config(), [model], muon_dist_mode=dist_mode)
+    config = optimizer_config(optimizer_cpu_offload=offload, optimizer_offload_fraction=1.0)
+    return model, get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode)
 
 
 def _step(model, optimizer, rank, step):
@@ -41,10 +45,10 @@ def _step(model, optimizer, rank, step):
 
 def every_path(rank, world_size, guard, checkpoint_dir):
     """Construction, a step, and a checkpoint saved and loaded, for every case that fits."""
-    for name, strategy, dist_mode, experts, replicas, min_world in CASES:
+    for name, strategy, dist_mode, experts, replicas, min_world, offload in CASES:
         if world_size < min_world:
             continue
-        model, optimizer = _build(strategy, dist_mode, experts, replicas)
+        model, optimizer = _build(strategy, dist_mode, experts, replicas, offload)
         device = next(model.parameters()).device
         assert device.type == guard.device_type, (name, device)
         before = dict(guard.calls)
@@ -55,6 +59,6 @@ def every_path(rank, world_size, guard, checkpoint_dir):
             assert exchanges > 0, name
         path = f"{checkpoint_dir}/{name}"
         save_checkpoint(model, optimizer, path)
-        model, optimizer = _build(strategy, dist_mode, experts, replicas)
+        model, optimizer = _build(strategy, dist_mode, experts, replicas, offload)
         load_checkpoint(model, optimizer, path)
         assert _step(model, optimizer, rank, 1), f"{name}: the step after loading was skipped"

@@ -12,6 +12,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ..compat import upstream, upstream_fixes
 from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
+from ..core.state_offload import offload_between_steps
 from ..core.zero_muon import ZeROTensorParallelMuon
 from ..plan import MAX_EXCHANGE_BYTES
 from ..step.chained import FSDPMuonChainedOptimizer
@@ -58,7 +59,10 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     parts = _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
                          dict(dist_mode=muon_dist_mode, owner_choice=muon_owner_choice,
                               check_interval=muon_check_interval,
-                              max_exchange_bytes=muon_max_exchange_bytes, use_syrk=muon_use_syrk))
+                              max_exchange_bytes=muon_max_exchange_bytes, use_syrk=muon_use_syrk,
+                              offload_fraction=_offload_fraction(config)))
+    if config.optimizer_cpu_offload:
+        _say_what_is_offloaded(parts, config.optimizer_offload_fraction)
     max_attention_logits = build_max_attention_logits(
         model_chunks, pg_collection.dp_cp, _held_rows_in(parts))
     return FSDPMuonChainedOptimizer(ChainedOptimizer(parts), model_chunks,
@@ -86,6 +90,30 @@ def _config_field(config, model_chunks):
 
 def _config_field_name(section, field):
     return f"{_CONFIG_CLASSES.get(section, section)}.{field}"
+
+
+def _offload_fraction(config) -> float:
+    """The share of the state in host memory: OptimizerConfig.optimizer_offload_fraction under
+    optimizer_cpu_offload, as megatron-core's HybridDeviceOptimizer reads them; else none."""
+    return config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0
+
+
+def _say_what_is_offloaded(parts, fraction: float) -> None:
+    """One line on rank 0: how many params' state each part keeps in host memory (a fraction of
+    0, megatron-core's OptimizerConfig default, keeps none: the line says so)."""
+    if torch.distributed.get_rank() != 0:
+        return
+    counts = [f"{len(part.optimizer.host_state.params)} of "
+              f"{sum(len(group['params']) for group in part.optimizer.param_groups)} "
+              f"{_part_name(part)} params" for part in parts]
+    print(f"megatron-muon: optimizer_cpu_offload with optimizer_offload_fraction {fraction}: the "
+          f"state of {', '.join(counts)} in host memory between steps", flush=True)
+
+
+def _part_name(part) -> str:
+    if isinstance(part.optimizer, ZeROTensorParallelMuon):
+        return "Muon"
+    return type(part.optimizer).__name__
 
 
 def _held_rows_in(parts):
@@ -184,6 +212,10 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
     part_config = copy.copy(config)
     part_config.bf16 = False
     part_config.use_distributed_optimizer = False
+    # The scalar part's state goes to host memory as Muon's does (offload_between_steps), so that
+    # it steps where and as it steps without offload; megatron-core's HybridDeviceOptimizer would
+    # step it on the host.
+    part_config.optimizer_cpu_offload = False
 
     names = {p: name for chunk in model_chunks for name, p in chunk.named_parameters()}
     parts = []
@@ -214,6 +246,8 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
                     config=scalar_config, model_chunks=model_chunks, param_groups=selected,
                     pg_collection=pg_collection)
                 _foreach_over_dtensors(part.optimizer)
+                part.optimizer.host_state = offload_between_steps(
+                    part.optimizer, muon_settings["offload_fraction"])
             part.config = config  # ChainedOptimizer expects one config across its parts
             part.grad_stats_parallel_group = grad_stats_group
             part.tp_group = pg_collection.tp

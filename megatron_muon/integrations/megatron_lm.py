@@ -9,7 +9,9 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   muon optimizer yet" and "Emerging optimizer does not support Megatron-FSDP for now").
   Megatron validates that combination as it would Adam on Megatron-FSDP, after
   `validate_muon_args` has refused what Muon on Megatron-FSDP lacks; every other combination is
-  validated, and refused, as before;
+  validated, and refused, as before. `--optimizer-cpu-offload` needs no
+  `--use-precision-aware-optimizer` there (Megatron asks it for its HybridDeviceOptimizer's sake;
+  Muon's offload is core/state_offload.py);
 * routes megatron.training's optimizer factory to `integrations.factory.get_megatron_optimizer`
   with `--muon-dist-mode` (training.py imports the name, so megatron.core.optimizer's attribute is
   not the one it calls);
@@ -120,26 +122,28 @@ def _validate_args(args, defaults={}):
         return _megatron_validate_args(args, defaults)
     print_args = upstream.current('megatron.training.arguments._print_args')
 
-    optimizer = args.optimizer
-
-    def print_args_as_given(title, args_to_print):
-        # validate_args prints the arguments once every check has run: show the real optimizer.
-        args_to_print.optimizer = optimizer
-        print_args(title, args_to_print)
-
     # Megatron measures max attention logits only in TransformerEngine's attention (it asserts
     # TE >= 2.9 for both flags); megatron_muon measures them in the local one too
     # (megatron_muon.step.qk_clip), and validate_muon_args has checked --qk-clip's settings.
-    qk_flags = {'qk_clip': args.qk_clip, 'log_max_attention_logit': args.log_max_attention_logit}
-    args.optimizer = 'adam'
+    # Megatron asks --optimizer-cpu-offload for --use-precision-aware-optimizer, whose code path
+    # its HybridDeviceOptimizer reuses; Muon's offload is its own (core/state_offload.py).
+    as_given = {'optimizer': args.optimizer, 'qk_clip': args.qk_clip,
+                'log_max_attention_logit': args.log_max_attention_logit,
+                'optimizer_cpu_offload': args.optimizer_cpu_offload}
+
+    def print_args_as_given(title, args_to_print):
+        # validate_args prints the arguments once every check has run: show them as given.
+        vars(args_to_print).update(as_given)
+        print_args(title, args_to_print)
+
+    args.optimizer, args.optimizer_cpu_offload = 'adam', False
     if args.transformer_impl == 'local':
         args.qk_clip = args.log_max_attention_logit = False
     try:
         with upstream.temporarily('megatron.training.arguments._print_args', print_args_as_given):
             return _megatron_validate_args(args, defaults)
     finally:
-        args.optimizer = optimizer
-        vars(args).update(qk_flags)
+        vars(args).update(as_given)
 
 
 def _get_megatron_optimizer(*args, **kwargs):

@@ -21,6 +21,7 @@ from typing import Any
 SECTIONS = {
     "fp16": "optimizer",
     "optimizer_cpu_offload": "optimizer",
+    "optimizer_offload_fraction": "optimizer",
     "use_precision_aware_optimizer": "optimizer",
     "num_distributed_optimizer_instances": "ddp",
     "outer_dp_sharding_strategy": "ddp",
@@ -72,7 +73,9 @@ RULES = (
          "0.19's Megatron-FSDP builds its device mesh over the data-, expert- and "
          "tensor-parallel ranks only: pipeline parallelism fails at model wrap, with any "
          "optimizer)", optimizers=ANY),
-    Rule(lambda s: s.optimizer_cpu_offload, "{optimizer_cpu_offload}"),
+    Rule(lambda s: s.optimizer_cpu_offload and not 0 <= s.optimizer_offload_fraction <= 1,
+         "{optimizer_offload_fraction} {value.optimizer_offload_fraction} (the share of the "
+         "optimizer state in host memory: must lie in [0, 1])"),
     Rule(lambda s: s.use_precision_aware_optimizer, "{use_precision_aware_optimizer}"),
     # Megatron's training loops (megatron.training's and Bridge's setup) mark the last
     # micro-batch (config.no_sync_func) only with overlap_grad_reduce, and Megatron-FSDP reduces

@@ -142,3 +142,45 @@ def test_a_checkpoint_without_optimizer_state_says_to_load_the_model_only(tmp_pa
     assert re.search(r'RuntimeError: the checkpoint has no optimizer state for this run \(first '
                      r'missing: optimizer\.\S+\): .*--no-load-optim', failure), failure
     train(*flags, '--no-load-optim', iterations=4, logged=(3, 4))
+
+
+OFFLOAD = ('--optimizer-cpu-offload',)  # all of it: megatron.training's fraction defaults to 1.0
+
+
+def test_a_run_with_its_state_offloaded_trains_saves_and_resumes_as_without_it(strategy_runs,
+                                                                              tmp_path):
+    """--optimizer-cpu-offload (Muon's momentum and Adam's moments in host memory between
+    steps): every loss and grad norm is the run without offload's; its checkpoint, saved while
+    offloaded, resumes offloaded and without offload, and the checkpoint without offload resumes
+    offloaded, each logging the uninterrupted run's iterations; the run resumed offloaded holds
+    the uninterrupted run's model and optimizer at iteration 6, bit for bit."""
+    uninterrupted = strategy_runs.log('muon', 'optim_grads_params')
+    checkpoints = tmp_path / 'offloaded'
+    flags = (*SMALL, *NO_DROPOUT, '--save', str(checkpoints), '--save-interval', '3')
+    offloaded = training_log(*flags, *OFFLOAD, '--exit-interval', '3',
+                             iterations=STRATEGY_ITERATIONS)
+    assert_logged_as_uninterrupted(offloaded, uninterrupted, resumed_at=1, last=3)
+    resumed = training_log(*flags, *OFFLOAD, '--load', str(checkpoints), '--exit-interval', '6',
+                           iterations=STRATEGY_ITERATIONS)
+    assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6)
+    expected = _model_and_optimizer(strategy_runs.checkpoints / 'iter_0000006', tmp_path)
+    got = _model_and_optimizer(checkpoints / 'iter_0000006', tmp_path)
+    assert got.keys() == expected.keys()
+    different = [key for key in expected if not torch.equal(got[key], expected[key])]
+    assert not different, different
+    for load, offload in ((checkpoints, ()), (strategy_runs.checkpoints, OFFLOAD)):
+        resumed = training_log(*SMALL, *NO_DROPOUT, *offload, '--load', str(load), '--ckpt-step',
+                               '3', '--exit-interval', '6', iterations=STRATEGY_ITERATIONS)
+        assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6)
+
+
+def test_normuon_with_its_state_offloaded_trains_as_without_it():
+    """NorMuon (--optimizer adaptive_muon; its second moment travels with the update's rows) on
+    ZeRO-2 with half of the state offloaded: every loss and grad norm of the run without."""
+    flags = (*SMALL, *NO_DROPOUT, '--optimizer', 'adaptive_muon',
+             '--adaptive-muon-moment2-method', 'normuon', '--data-parallel-sharding-strategy',
+             'optim_grads', '--exit-interval', '4')
+    without = training_log(*flags, iterations=STRATEGY_ITERATIONS)
+    offloaded = training_log(*flags, *OFFLOAD, '--optimizer-offload-fraction', '0.5',
+                             iterations=STRATEGY_ITERATIONS)
+    assert_logged_as_uninterrupted(offloaded, without, resumed_at=1, last=4)

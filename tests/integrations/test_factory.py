@@ -55,15 +55,19 @@ def _assert_loss_falls(model, optimizer, rank):
     assert losses[-1] < losses[0], losses
 
 
-def _scalar_part_steps_foreach_exactly(rank, world_size):
+def _scalar_part_steps_foreach_exactly(rank, world_size, offload):
     """The scalar optimizer (AdamW) steps its DTensor shards in one foreach call per op
     (factory._foreach_over_dtensors) and makes what torch's per-param loop makes on the full
-    tensors, bit for bit."""
+    tensors, bit for bit; with `offload` (optimizer_cpu_offload) its moments live in host memory
+    between steps (core/state_offload.offload_between_steps), each copied to the device and back
+    once per step."""
     from fsdp_models import full_tensor
 
     init_parallel_state()
     model = fsdp_gpt()
-    optimizer = get_megatron_optimizer(optimizer_config(clip_grad=0.0), [model])
+    optimizer = get_megatron_optimizer(
+        optimizer_config(clip_grad=0.0, optimizer_cpu_offload=offload,
+                         optimizer_offload_fraction=1.0), [model])
     adam = _part(optimizer, torch.optim.Adam)
     assert all(group["foreach"] for group in adam.param_groups)
     references = []
@@ -71,23 +75,31 @@ def _scalar_part_steps_foreach_exactly(rank, world_size):
         params = [torch.nn.Parameter(full_tensor(p, p)) for p in group["params"]]
         per_param_loop = {**group, "params": params, "foreach": False}
         references.append((group["params"], params, type(adam)([per_param_loop])))
-    optimizer.zero_grad()
-    lm_loss(model, 0, rank).backward()
-    model.finish_grad_sync()
-    for shards, params, _ in references:
-        for shard, param in zip(shards, params):
-            param.grad = full_tensor(shard.grad if shard.grad is not None else torch.zeros_like(shard),
-                                     shard)
-    optimizer.step()
-    for shards, params, reference in references:
-        reference.step()
-        for shard, param in zip(shards, params):
-            assert torch.equal(full_tensor(shard, shard), param.detach())
+    for step in range(3):  # the third reads the moments the second left in host memory
+        optimizer.zero_grad()
+        lm_loss(model, step, rank).backward()
+        model.finish_grad_sync()
+        for shards, params, _ in references:
+            for shard, param in zip(shards, params):
+                param.grad = full_tensor(
+                    shard.grad if shard.grad is not None else torch.zeros_like(shard), shard)
+        optimizer.step()
+        for shards, params, reference in references:
+            reference.step()
+            for shard, param in zip(shards, params):
+                assert torch.equal(full_tensor(shard, shard), param.detach())
+    moments = sum(adam.state[p][key].to_local().nbytes for p in adam.state
+                  for key in ("exp_avg", "exp_avg_sq"))
+    host = adam.host_state
+    params = sum(len(group["params"]) for group in adam.param_groups)
+    assert moments > 0 and len(host.params) == (params if offload else 0)
+    assert host.moved_to_device == host.moved_to_host == host.most_on_device == (
+        moments if offload else 0)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_scalar_part_steps_foreach_exactly(distributed, world_size):
-    distributed(_scalar_part_steps_foreach_exactly, world_size)
+@pytest.mark.parametrize("world_size, offload", [(1, False), (2, False), (2, True)])
+def test_scalar_part_steps_foreach_exactly(distributed, world_size, offload):
+    distributed(_scalar_part_steps_foreach_exactly, world_size, offload)
 
 
 def _falls_through(rank, world_size):
@@ -143,15 +155,16 @@ def _tag_as_megatron_core(ref, name, model_param, config):
 
 def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, tp_mode, outer,
                             dist_mode, strategy="optim_grads_params", flagship=None,
-                            moment2_method=None):
+                            moment2_method=None, offload_fraction=None):
     """Every Muon matrix equals megatron-core's TensorParallelMuon run on the full (TP-local)
     matrices with the same gradients: dense matrices sharded over dp_cp, experts over expt_dp
     (expert TP 1, as MoE runs usually have it, also beside TP 2), TP Newton-Schulz over the tp
     group, experts' over expt_tp; with `outer`, HSDP over 2 replicas; `flagship`, the name of a
     megatron_muon.tools.testing model's settings (MLA, shared experts, a dense first layer), with 4
     experts; `moment2_method`: --optimizer adaptive_muon against megatron-core's
-    TensorParallelAdaptiveMuon (repaired). Returns whether some rank's shard of a Muon matrix is
-    empty, and whether some matrix's shards are uneven."""
+    TensorParallelAdaptiveMuon (repaired); `offload_fraction`: with optimizer_cpu_offload.
+    Returns whether some rank's shard of a Muon matrix is empty, and whether some matrix's
+    shards are uneven."""
     from megatron.core.optimizer.emerging_optimizers import (TensorParallelAdaptiveMuon,
                                                              TensorParallelMuon)
 
@@ -171,8 +184,10 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
         model.eval()
     # No clipping: the reference gets the gradients unscaled.
     adaptive = dict(optimizer="adaptive_muon", adaptive_muon_moment2_method=moment2_method)
+    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=offload_fraction)
     config = optimizer_config(muon_tp_mode=tp_mode, clip_grad=0.0,
-                              **(adaptive if moment2_method else {}))
+                              **(adaptive if moment2_method else {}),
+                              **(offload if offload_fraction is not None else {}))
     optimizer = get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode)
     if flagship:
         _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts)
@@ -205,6 +220,9 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
         reference.step()
         worst = max((full_tensor(p, p) - ref).abs().max().item() for p, ref in pairs)
         assert worst == 0, f"step {step}: max |diff| {worst}"
+    if offload_fraction:  # some state of this rank's went to host memory and back
+        assert any(part.host_state.moved_to_host for part in parts) or not any(
+            p.to_local().numel() for p, _ in pairs)
     return _empty_and_uneven_shards([p for p, _ in pairs])
 
 
@@ -242,24 +260,26 @@ def _steps(part, p) -> bool:
     return any(p is q for group in part.param_groups for q in group["params"])
 
 
-@pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode, outer, dist_mode", [
-    # experts over expt_dp (2 ranks), dense over dp_cp (4 ranks)
-    (1, 2, "duplicated", None, "owner"), (1, 2, "duplicated", None, "allgather"),
+@pytest.mark.parametrize("tensor_parallel, expert_parallel, tp_mode, outer, dist_mode, offload", [
+    # experts over expt_dp (2 ranks), dense over dp_cp (4 ranks); the state in host memory
+    (1, 2, "duplicated", None, "owner", None), (1, 2, "duplicated", None, "allgather", 1.0),
     # TP=2 x DP=2
-    (2, 1, "duplicated", None, "owner"), (2, 1, "duplicated", None, "allgather"),
-    (2, 1, "distributed", None, "owner"), (2, 1, "blockwise", None, "owner"),
+    (2, 1, "duplicated", None, "owner", None), (2, 1, "duplicated", None, "allgather", None),
+    (2, 1, "distributed", None, "owner", 0.5), (2, 1, "blockwise", None, "owner", None),
     # TP=2 for dense matrices, experts over EP=2 with expert TP 1
-    pytest.param(2, 2, "duplicated", None, "owner", marks=pytest.mark.slow),
+    pytest.param(2, 2, "duplicated", None, "owner", None, marks=pytest.mark.slow),
     # HSDP: 2 replicas x 2 shards (allgather under HSDP: test_numerics)
-    (1, 2, "duplicated", "no_shard", "owner"), pytest.param(1, 1, "duplicated", "optim", "owner", marks=pytest.mark.slow),
+    (1, 2, "duplicated", "no_shard", "owner", 1.0),
+    pytest.param(1, 1, "duplicated", "optim", "owner", None, marks=pytest.mark.slow),
 ])
 def test_matches_reference_muon_on_full_matrices(distributed, tensor_parallel, expert_parallel,
-                                                 tp_mode, outer, dist_mode):
+                                                 tp_mode, outer, dist_mode, offload):
+    """(`offload`: optimizer_offload_fraction with optimizer_cpu_offload.)"""
     # TP with experts in processes of their own: after another case's layout in the same
     # processes, the reference's gathers (fsdp_models.full_tensor) hang.
     fresh = tensor_parallel > 1 and expert_parallel > 1
     distributed(_matches_reference_muon, 4, tensor_parallel, expert_parallel, tp_mode, outer,
-                dist_mode, fresh=fresh)
+                dist_mode, "optim_grads_params", None, None, offload, fresh=fresh)
 
 
 @pytest.mark.parametrize("moment2_method, tensor_parallel, expert_parallel, tp_mode, outer", [

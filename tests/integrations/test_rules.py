@@ -11,7 +11,8 @@ from megatron_muon.integrations import rules
 from megatron_muon.integrations.arguments import validate_muon_args
 from megatron_muon.integrations.factory import get_megatron_optimizer
 
-SUPPORTED = dict(fp16=False, optimizer_cpu_offload=False, use_precision_aware_optimizer=False,
+SUPPORTED = dict(fp16=False, optimizer_cpu_offload=False, optimizer_offload_fraction=1.0,
+                 use_precision_aware_optimizer=False,
                  num_distributed_optimizer_instances=1, overlap_grad_reduce=False, qk_clip=False,
                  qk_clip_alpha=0.5, qk_clip_threshold=100.0, cache_mla_latents=False,
                  attention_output_gate=False, use_torch_fsdp2=False,
@@ -34,8 +35,9 @@ REFUSED = [
     (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2 (megatron-core "
      "0.19's Megatron-FSDP builds its device mesh over the data-, expert- and tensor-parallel "
      "ranks only", "TransformerConfig.pipeline_model_parallel_size 2"),
-    (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload",
-     "OptimizerConfig.optimizer_cpu_offload"),
+    (dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.5),
+     "--optimizer-offload-fraction 1.5 (the share of the optimizer state in host memory: must "
+     "lie in [0, 1])", "OptimizerConfig.optimizer_offload_fraction 1.5"),
     (dict(use_precision_aware_optimizer=True), "--use-precision-aware-optimizer",
      "OptimizerConfig.use_precision_aware_optimizer"),
     (dict(num_distributed_optimizer_instances=2),
@@ -43,6 +45,9 @@ REFUSED = [
 ]
 # Next to each: the same setting, supported.
 ACCEPTED = [dict(qk_clip=False, qk_clip_alpha=1.0), dict(qk_clip=False, cache_mla_latents=True),
+            # Muon's state and the scalar optimizer's go to host memory (core/state_offload.py).
+            dict(optimizer_cpu_offload=True), dict(optimizer_offload_fraction=1.5),
+            dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.0),
             dict(qk_clip=True, qk_clip_alpha=0.99, qk_clip_threshold=1e-3),
             dict(num_distributed_optimizer_instances=2, overlap_grad_reduce=True),
             # Muon's chain takes HFSDP's grad norm whole (megatron-core's optimizers' is refused).
@@ -101,18 +106,19 @@ def test_each_rule_refuses_in_the_factory_with_the_config_fields_names(
 
 def test_every_problem_is_named_in_one_error():
     args = argparse.Namespace(optimizer="muon", use_megatron_fsdp=True, muon_dist_mode="owner",
-                              **{**SUPPORTED, "fp16": True, "optimizer_cpu_offload": True})
-    with pytest.raises(ValueError, match="--fp16 .*; --optimizer-cpu-offload"):
+                              **{**SUPPORTED, "fp16": True, "use_precision_aware_optimizer": True})
+    with pytest.raises(ValueError, match="--fp16 .*; --use-precision-aware-optimizer"):
         validate_muon_args(args)
 
 
 def test_megatron_fsdp_with_another_optimizer_is_refused_what_fails_or_trains_wrong_for_it():
     """What benchmarks/sweep.py found wrong with megatron-core's own optimizers on Megatron-FSDP
     (Adam in fp16 stops, HSDP without --overlap-grad-reduce never reduces across replicas, HFSDP's
-    grad norm is partial), refused naming the flags; not Muon's rules (--optimizer-cpu-offload)."""
+    grad norm is partial), refused naming the flags; not Muon's rules
+    (--use-precision-aware-optimizer)."""
     refused = argparse.Namespace(optimizer="adam", use_megatron_fsdp=True, **{
         **SUPPORTED, "fp16": True, "pipeline_model_parallel_size": 4,
-        "optimizer_cpu_offload": True, "num_distributed_optimizer_instances": 2,
+        "use_precision_aware_optimizer": True, "num_distributed_optimizer_instances": 2,
         "outer_dp_sharding_strategy": "optim"})
     with pytest.raises(ValueError) as raised:
         validate_muon_args(refused)
@@ -124,7 +130,7 @@ def test_megatron_fsdp_with_another_optimizer_is_refused_what_fails_or_trains_wr
                   "--num-distributed-optimizer-instances > 1 without --overlap-grad-reduce",
                   "--outer-dp-sharding-strategy optim with megatron-core's optimizers"):
         assert named in said, said
-    assert said.count("; ") == 3 and "--optimizer-cpu-offload" not in said
+    assert said.count("; ") == 3 and "--use-precision-aware-optimizer" not in said
     validate_muon_args(argparse.Namespace(optimizer="adam", use_megatron_fsdp=False, **{
         **SUPPORTED, "pipeline_model_parallel_size": 4}))  # Megatron DDP: Megatron's to check
 

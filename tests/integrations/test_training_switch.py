@@ -84,8 +84,14 @@ def _switch(rank, world_size, checkout):
     _refused("without --overlap-grad-reduce", "--optimizer", "muon",
              "--num-distributed-optimizer-instances", "2")
     # Megatron would accept these for Adam on Megatron-FSDP; Muon's chain would ignore them.
-    for flag in ("--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--use-torch-fsdp2"):
+    for flag in ("--use-precision-aware-optimizer", "--use-torch-fsdp2"):
         _refused(f"does not support: {flag}", "--optimizer", "muon", flag)
+    # Muon's state offload, alone: Megatron asks it for --use-precision-aware-optimizer.
+    offload = _validate("--optimizer", "muon", "--optimizer-cpu-offload")
+    assert offload.optimizer_cpu_offload and offload.optimizer_offload_fraction == 1.0
+    _refused("does not support: --optimizer-offload-fraction 1.5", "--optimizer", "muon",
+             "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5")
+    _refused("--use-precision-aware-optimizer", "--optimizer", "adam", "--optimizer-cpu-offload")
     # Megatron alone asks TransformerEngine for these; megatron_muon measures local attention too.
     assert _validate("--optimizer", "muon", "--log-max-attention-logit").log_max_attention_logit
     clip = _validate("--optimizer", "muon", "--qk-clip", "--qk-clip-threshold", "5")

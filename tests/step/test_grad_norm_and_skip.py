@@ -130,10 +130,12 @@ CHAINS = {"megatron-core's": lambda chain: chain, "without a grad norm": _Withou
           "stepping without a norm": _StepsWithoutANorm}
 
 
-def _nonfinite_on_one_rank(rank, world_size, dist_mode, value, chain):
+def _nonfinite_on_one_rank(rank, world_size, dist_mode, value, chain, offload=False):
     init_parallel_state()
     model = fsdp_gpt()
-    built = get_megatron_optimizer(optimizer_config(clip_grad=1.0), [model], muon_dist_mode=dist_mode)
+    built = get_megatron_optimizer(
+        optimizer_config(clip_grad=1.0, optimizer_cpu_offload=offload,
+                         optimizer_offload_fraction=1.0), [model], muon_dist_mode=dist_mode)
     optimizer = FSDPMuonChainedOptimizer(CHAINS[chain](built.optimizer), [model])
     optimizer.zero_grad()
     _backward(model, 0, rank)
@@ -163,12 +165,14 @@ def _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, step, rank, wo
         grad.view(-1)[0] = value
 
 
-@pytest.mark.parametrize("dist_mode, value, chain", [
-    ("owner", float("nan"), "megatron-core's"), ("allgather", -float("inf"), "megatron-core's"),
-    ("owner", float("inf"), "without a grad norm"), ("owner", float("nan"), "stepping without a norm")])
+@pytest.mark.parametrize("dist_mode, value, chain, offload", [
+    ("owner", float("nan"), "megatron-core's", False),
+    ("allgather", -float("inf"), "megatron-core's", True),  # the state in host memory
+    ("owner", float("inf"), "without a grad norm", False),
+    ("owner", float("nan"), "stepping without a norm", False)])
 def test_a_nan_or_inf_on_one_ranks_shard_skips_the_step_everywhere(distributed, dist_mode, value,
-                                                                   chain):
-    distributed(_nonfinite_on_one_rank, 2, dist_mode, value, chain)
+                                                                   chain, offload):
+    distributed(_nonfinite_on_one_rank, 2, dist_mode, value, chain, offload)
 
 
 def _diverged_run_stops(rank, world_size):
