@@ -27,7 +27,8 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
     """muon_optimizer's arguments (megatron_muon.standalone), as YAML gives them: `muon` and
     `adamw` are name patterns that override the placement, `qkv_splits` maps a pattern to the
     q, k, v rows per query group of a fused projection, `moment2_method` ("adamuon",
-    "normuon", "namo") makes it adaptive Muon, `muon_kwargs` passes the rest of
+    "normuon", "namo") makes it adaptive Muon, `offload` keeps the state in host memory between
+    steps (true, or the share of it: a fraction), `muon_kwargs` passes the rest of
     ZeROTensorParallelMuon's (scale_mode, num_ns_steps, ...). Automodel's LR scheduler keeps
     AdamW's learning rate at adamw_lr / lr of Muon's (its lr_mult)."""
 
@@ -45,6 +46,7 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
     fp32_matmul_prec: str = "medium"
     max_consecutive_skipped_steps: int = 10
     moment2_method: str | None = None
+    offload: bool | float = False
     muon_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -72,7 +74,8 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
             qkv_splits={pattern: tuple(rows) for pattern, rows in self.qkv_splits.items()},
             fp32_matmul_prec=self.fp32_matmul_prec,
             max_consecutive_skipped_steps=self.max_consecutive_skipped_steps,
-            moment2_method=self.moment2_method, **self.muon_kwargs) for part in parts]
+            moment2_method=self.moment2_method, offload=self.offload, **self.muon_kwargs)
+            for part in parts]
 
     def _build_optimizer(self, params, *, foreach=None):
         raise TypeError("MegatronFSDPMuonConfig builds from the model (its Megatron-FSDP "

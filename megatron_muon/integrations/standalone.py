@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat import upstream, upstream_fixes
+from ..core.state_offload import offload_between_steps
 from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from ..core.zero_muon import ZeROTensorParallelMuon
 from ..step.chained import FSDPMuonChainedOptimizer
@@ -123,7 +124,8 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
                    adamw_weight_decay: float = 0.1, muon: tuple[str, ...] = (),
                    adamw: tuple[str, ...] = (), qkv_splits: dict | None = None,
                    fp32_matmul_prec: str = "medium", max_consecutive_skipped_steps: int = 10,
-                   moment2_method: str | None = None, **muon_kwargs) -> StandaloneMuonOptimizer:
+                   moment2_method: str | None = None, offload: bool | float = False,
+                   **muon_kwargs) -> StandaloneMuonOptimizer:
     """Muon + AdamW for `model`, a module wrapped by Megatron-FSDP's `fully_shard_model`.
 
     Which parameters get Muon: integrations.placement.place (2-D hidden Linear weights; `muon` and
@@ -132,9 +134,15 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
     `fp32_matmul_prec` and `muon_kwargs` (ZeROTensorParallelMuon's and TensorParallelMuon's
     other arguments: scale_mode, num_ns_steps, dist_mode, ...) are Muon's; `adamw_*` AdamW's.
     `moment2_method` ("adamuon", "normuon" or "namo") makes it adaptive Muon
-    (ZeROTensorParallelAdaptiveMuon; `beta2` and `eps` among `muon_kwargs`).
+    (ZeROTensorParallelAdaptiveMuon; `beta2` and `eps` among `muon_kwargs`). `offload`: keep
+    the optimizers' state (Muon's momentum, AdamW's moments) in host memory between steps, all
+    of it (True) or that share (a fraction, picked param by param as Megatron's
+    --optimizer-offload-fraction picks; core/state_offload.py); every update stays the same.
     `optimizer.step()` syncs the gradients (unless the model or the caller already did), steps
     both, installs the weights the next forward reads and starts their gather, once."""
+    if not 0 <= float(offload) <= 1:
+        raise ValueError(f"muon_optimizer: offload must be True, False or a fraction in [0, 1] "
+                         f"(the share of the state in host memory), got {offload!r}")
     fsdp = find_megatron_fsdp(model)
     if fsdp is None:
         raise TypeError(f"{type(model).__name__} is not wrapped by Megatron-FSDP: call "
@@ -155,12 +163,14 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
             fp32_matmul_prec=fp32_matmul_prec, split_qkv=bool(placement.qkv_splits),
             is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
             param_names={main_weights[name]: name for name in placement.muon}, **variant,
-            **muon_kwargs),
+            offload_fraction=float(offload), **muon_kwargs),
             upstream.eopt_init_state_fn))
     if placement.adamw:
-        parts.append(_Part(torch.optim.AdamW(
+        adamw = torch.optim.AdamW(
             [main_weights[name] for name in placement.adamw], lr=adamw_lr, betas=adamw_betas,
-            eps=adamw_eps, weight_decay=adamw_weight_decay, foreach=True), _adamw_zero_state))
+            eps=adamw_eps, weight_decay=adamw_weight_decay, foreach=True)
+        adamw.host_state = offload_between_steps(adamw, float(offload))
+        parts.append(_Part(adamw, _adamw_zero_state))
     if not dist.is_initialized() or dist.get_rank() == 0:
         for line in placement.describe():
             print(line, flush=True)

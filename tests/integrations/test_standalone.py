@@ -179,9 +179,10 @@ MODELS = {
 
 
 def _built(world_size, strategy, model_name, package="megatron-core", wrapped=False,
-           moment2_method=None):
+           moment2_method=None, offload=False):
     """(an unsharded copy of the model as built, the model on `package`'s fully_shard_model, our
-    optimizer), `wrapped`: then given to that package's fully_shard_optimizer."""
+    optimizer), `wrapped`: then given to that package's fully_shard_optimizer; `offload`: the
+    optimizer's `offload`."""
     build, qkv_splits = MODELS[model_name]
     torch.manual_seed(0)
     module, units = build()
@@ -190,7 +191,7 @@ def _built(world_size, strategy, model_name, package="megatron-core", wrapped=Fa
     optimizer = muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
                                adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"],
                                qkv_splits=qkv_splits, fp32_matmul_prec="highest",
-                               moment2_method=moment2_method)
+                               moment2_method=moment2_method, offload=offload)
     if wrapped:
         assert MEGATRON_FSDP[package].fully_shard_optimizer(optimizer) is optimizer
     return unsharded, model, optimizer
@@ -248,26 +249,27 @@ def steps_match_single_device(rank, reference, model, optimizer, qkv_splits, cas
 
 
 def _matches_single_device(rank, world_size, strategy, model_name, package="megatron-core",
-                           wrapped=False, moment2_method=None):
+                           wrapped=False, moment2_method=None, offload=False):
     """`wrapped`: with `package`'s fully_shard_optimizer around ours; `moment2_method`: adaptive
-    Muon's."""
+    Muon's; `offload`: the state in host memory between steps."""
     reference, model, optimizer = _built(world_size, strategy, model_name, package,
-                                         moment2_method=moment2_method)
+                                         moment2_method=moment2_method, offload=offload)
     steps_match_single_device(
         rank, reference, model, optimizer, MODELS[model_name][1],
         f"{moment2_method or 'muon'} {model_name} {strategy} W={world_size} {package}"
-        f"{' wrapped' * wrapped}",
+        f"{' wrapped' * wrapped} offload={offload}",
         MEGATRON_FSDP[package].fully_shard_optimizer if wrapped else None, moment2_method)
 
 
-@pytest.mark.parametrize("world_size, strategy, model_name, moment2_method", [
-    (2, "optim_grads_params", "hf-llama", "normuon"), (2, "optim", "fused-qkv", "adamuon"),
-    (4, "optim_grads_params", "fused-qkv", "normuon")])
+@pytest.mark.parametrize("world_size, strategy, model_name, moment2_method, offload", [
+    (2, "optim_grads_params", "hf-llama", "normuon", False),
+    (2, "optim", "fused-qkv", "adamuon", True), (4, "optim_grads_params", "fused-qkv", "normuon", 0.5)])
 def test_adaptive_muon_steps_are_single_device_adaptive_muon(distributed, world_size, strategy,
-                                                             model_name, moment2_method):
-    """muon_optimizer(..., moment2_method=...): --optimizer adaptive_muon outside Megatron."""
+                                                             model_name, moment2_method, offload):
+    """muon_optimizer(..., moment2_method=...): --optimizer adaptive_muon outside Megatron;
+    muon_optimizer(..., offload=...): the state (all, or half) in host memory between steps."""
     distributed(_matches_single_device, world_size, strategy, model_name, "megatron-core", False,
-                moment2_method)
+                moment2_method, offload)
 
 
 needs_standalone = pytest.mark.skipif(
@@ -390,17 +392,21 @@ def resumes_exactly(rank, build, checkpoint, path, case):
 
 
 def _resumes_exactly(rank, world_size, strategy, model_name, path, package="megatron-core",
-                     wrapped=False):
-    """`wrapped`: the optimizer's state dict goes through fully_shard_optimizer's DCP hook."""
-    resumes_exactly(rank, lambda: _built(world_size, strategy, model_name, package, wrapped)[1:],
+                     wrapped=False, offload=False):
+    """`wrapped`: the optimizer's state dict goes through fully_shard_optimizer's DCP hook;
+    `offload`: saved and loaded with the state in host memory."""
+    resumes_exactly(rank, lambda: _built(world_size, strategy, model_name, package, wrapped,
+                                         offload=offload)[1:],
                     _dcp_checkpoint, path, f"{model_name} {strategy} W={world_size} {package}")
 
 
-@pytest.mark.parametrize("world_size, strategy, model_name", [
-    (2, "optim_grads_params", "fused-qkv"), (2, "optim", "fused-qkv"),
-    (4, "optim_grads_params", "fused-qkv"), (2, "optim_grads_params", "hf-llama")])
-def test_a_dcp_checkpoint_resumes_exactly(distributed, tmp_path, world_size, strategy, model_name):
-    distributed(_resumes_exactly, world_size, strategy, model_name, str(tmp_path / "checkpoint"))
+@pytest.mark.parametrize("world_size, strategy, model_name, offload", [
+    (2, "optim_grads_params", "fused-qkv", False), (2, "optim", "fused-qkv", True),
+    (4, "optim_grads_params", "fused-qkv", False), (2, "optim_grads_params", "hf-llama", False)])
+def test_a_dcp_checkpoint_resumes_exactly(distributed, tmp_path, world_size, strategy, model_name,
+                                          offload):
+    distributed(_resumes_exactly, world_size, strategy, model_name, str(tmp_path / "checkpoint"),
+                "megatron-core", False, offload)
 
 
 @needs_standalone
@@ -426,3 +432,10 @@ def test_the_example_trains_a_hugging_face_model_and_its_loss_falls():
     assert "AdamW (7): model.embed_tokens.weight" in run.stdout
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", run.stdout).groups())
     assert last < first - 1.5, (first, last)
+
+
+@pytest.mark.parametrize("offload", [1.5, -0.5])
+def test_an_offload_share_outside_0_to_1_is_refused(offload):
+    with pytest.raises(ValueError, match=r"muon_optimizer: offload must be True, False or a "
+                                         r"fraction in \[0, 1\]"):
+        muon_optimizer(torch.nn.Linear(2, 2), offload=offload)
