@@ -14,7 +14,10 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
 - --muon-use-syrk (emerging_optimizers' Triton SYRK kernel): its Newton-Schulz differs from the
   plain bf16 kernel's by less than bf16's own error, and the demo trains with it;
 - memory.AllocationTracker reads CUDA's allocator: each phase's peak, and Newton-Schulz within
-  what the plan counts for it (plan.newton_schulz_bytes), as on CPU (tests/tools/test_memory.py).
+  what the plan counts for it (plan.newton_schulz_bytes), as on CPU (tests/tools/test_memory.py);
+- --optimizer-cpu-offload: the memory allocated between steps falls by the optimizer state's
+  size (Muon's momentum, Adam's moments), the step's peak does not rise, and every weight after
+  three steps is the run's without offload, bit for bit (W=1 on NCCL).
 
 The demo's command lines are data (DEMO_RUNS): tests/integrations/test_command_lines.py parses each of them
 with megatron.training's parser on CPU, so that a flag or value it refuses fails there first."""
@@ -134,6 +137,62 @@ def test_newton_schulz_holds_at_most_what_the_plan_counts_on_cuda(shape):
     held, planned = newton_schulz_held(shape, torch.device("cuda"))
     print(f"{shape}: Newton-Schulz held {held} bytes, the plan counts {planned}")
     assert held <= planned, (held, planned)
+
+
+OFFLOAD_SHAPE = "GPTShape(layers=4, hidden=512, ffn=2048, heads=8, vocab=1024, seq=64)"
+# One process, W=1 on NCCL: a GPT on Megatron-FSDP ZeRO-3 and its Muon chain, with and without
+# the state offloaded, three steps each on the same batches; prints what each measured.
+OFFLOAD_RUN = f"""
+import json, os, torch
+from megatron_muon import get_megatron_optimizer
+from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, init_parallel_state, lm_loss,
+                                         optimizer_config)
+from megatron_muon.step.model_chunks import named_main_weights
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
+torch.cuda.set_device(0)
+torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+init_parallel_state()
+shape = {OFFLOAD_SHAPE}
+found = {{}}
+for offload in (False, True):
+    torch.cuda.synchronize(); base = torch.cuda.memory_allocated()
+    model = fsdp_gpt(shape)
+    optimizer = get_megatron_optimizer(optimizer_config(
+        clip_grad=0.0, optimizer_cpu_offload=offload, optimizer_offload_fraction=1.0), [model])
+    for step in range(3):
+        optimizer.zero_grad()
+        lm_loss(model, step, 0, shape).backward()
+        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+        optimizer.step()
+        torch.cuda.synchronize()
+    state = sum(v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
+                for part in optimizer.chained_optimizers for s in part.optimizer.state.values()
+                for k, v in s.items() if k != "step")
+    found[offload] = dict(
+        between=torch.cuda.memory_allocated() - base, peak=torch.cuda.max_memory_allocated() - base,
+        state=state, weights={{n: p.to_local().cpu() for n, p in named_main_weights(model)}})
+    del model, optimizer
+    import gc; gc.collect(); torch.cuda.empty_cache()
+same = all(torch.equal(found[False]["weights"][n], w) for n, w in found[True]["weights"].items())
+print(json.dumps(dict(same=same, **{{str(k): {{x: y for x, y in v.items() if x != "weights"}}
+                                    for k, v in found.items()}})))
+"""
+
+
+def test_offloaded_state_leaves_the_gpu_between_steps_and_the_step_exact():
+    run = subprocess.run([sys.executable, "-c", OFFLOAD_RUN], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    import json
+
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    without, offloaded = found["False"], found["True"]
+    print(found)
+    assert found["same"]
+    # The allocator rounds each block up to 512 bytes: one block per state tensor at most.
+    rounding = 512 * 200
+    assert without["between"] - offloaded["between"] >= without["state"] - rounding, found
+    assert offloaded["peak"] <= without["peak"], found
 
 
 def demo_losses(name: str, iterations: int, processes: int = 1) -> list[float]:
