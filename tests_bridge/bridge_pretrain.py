@@ -115,8 +115,12 @@ def main():
     parser.add_argument("--save-interval", type=int, default=None)
     parser.add_argument("--check-interval", type=int, default=0, help="muon_check_interval")
     parser.add_argument("--moment2-method", help="adaptive_muon's, in place of muon")
+    parser.add_argument("--offload", action="store_true",
+                        help="optimizer_cpu_offload, all of the state (optimizer_offload_fraction 1)")
     args = parser.parse_args()
     cfg = config(args)
+    if args.offload:
+        cfg.optimizer.optimizer_cpu_offload, cfg.optimizer.optimizer_offload_fraction = True, 1.0
     if args.moment2_method:
         cfg.optimizer.optimizer = "adaptive_muon"
         cfg.optimizer.adaptive_muon_moment2_method = args.moment2_method

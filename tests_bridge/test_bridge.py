@@ -163,8 +163,7 @@ def test_a_run_resumed_from_bridges_checkpoint_continues_bit_identically_or_on_4
     uninterrupted = _train()
     _train("--save", str(tmp_path), "--save-interval", "3", iterations=3)
     assert (tmp_path / "iter_0000003").is_dir()
-    later = ''.join(line + "\n" for line in uninterrupted.splitlines()
-                    if not demo_log.EXACT_LINE.match(line) or int(line.split()[1]) > 3)
+    later = _after(uninterrupted, 3)
     for nproc, rtol in ((2, 0.0), (4, tolerances.RTOL)):
         resumed = _train("--load", str(tmp_path), *CHECKED, nproc=nproc)
         assert sorted(demo_log.exact_values(resumed, "lm loss")) == [4, 5, 6], nproc
@@ -183,6 +182,26 @@ def test_a_run_resumed_from_bridges_checkpoint_continues_bit_identically_or_on_4
     assert f"the checkpoint {checkpoint} is damaged; nothing was loaded" in damaged.stderr
     assert f"{shard}: contents differ from the save" in damaged.stderr
     assert "exact values" not in damaged.stdout
+
+
+def _after(log: str, iteration: int) -> str:
+    """`log` without the exact values of iterations up to `iteration`."""
+    return ''.join(line + "\n" for line in log.splitlines()
+                   if not demo_log.EXACT_LINE.match(line) or int(line.split()[1]) > iteration)
+
+
+def test_bridge_trains_with_the_state_offloaded_as_without_it_and_resumes_offloaded(tmp_path):
+    """cfg.optimizer.optimizer_cpu_offload (optimizer_offload_fraction 1.0: Muon's momentum and
+    Adam's moments in host memory between steps): every loss and grad norm of the run without
+    offload, bit for bit; its checkpoint, saved while offloaded, resumes offloaded bit for bit."""
+    uninterrupted, offloaded = _train(), _train("--offload")
+    assert re.search(r"optimizer_offload_fraction 1.0: the state of (\d+) of \1 Muon params, "
+                     r"(\d+) of \2 \w+ params in host memory", offloaded), offloaded[-3000:]
+    _assert_same_values(offloaded, uninterrupted, 0.0, "offloaded")
+    _train("--offload", "--save", str(tmp_path), "--save-interval", "3", iterations=3)
+    resumed = _train("--offload", "--load", str(tmp_path))
+    assert sorted(demo_log.exact_values(resumed, "lm loss")) == [4, 5, 6]
+    _assert_same_values(resumed, _after(uninterrupted, 3), 0.0, "resumed offloaded")
 
 
 def _config(**changes):
@@ -206,7 +225,9 @@ def _config(**changes):
     ({"model.qk_clip": True, "model.attention_output_gate": True},
      "cfg.model.qk_clip with cfg.model.attention_output_gate"),
     ({"dist.use_torch_fsdp2": True}, "cfg.dist.use_torch_fsdp2"),
-    ({"optimizer.optimizer_cpu_offload": True}, "cfg.optimizer.optimizer_cpu_offload"),
+    ({"optimizer.optimizer_cpu_offload": True, "optimizer.optimizer_offload_fraction": 1.5},
+     "cfg.optimizer.optimizer_offload_fraction 1.5 (the share of the optimizer state in host "
+     "memory: must lie in [0, 1])"),
     ({"optimizer.use_precision_aware_optimizer": True},
      "cfg.optimizer.use_precision_aware_optimizer"),
     ({"ddp.num_distributed_optimizer_instances": 2},

@@ -128,19 +128,23 @@ def _automodel_checkpoint(model, optimizer):
     return state, loaded
 
 
-def _recipe_resumes_exactly(rank, world_size, recipe_path, path):
+def _recipe_resumes_exactly(rank, world_size, recipe_path, path, offload):
     def build():
         _, model, optimizer, recipe_shards = _recipe_built(world_size, recipe_path, 3)
+        assert all(bool(part.optimizer.host_state.params) == offload
+                   for part in optimizer.chained_optimizers)
         return model, recipe_shards(optimizer)
 
     resumes_exactly(rank, build, _automodel_checkpoint, path, f"Automodel W={world_size}")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_automodels_checkpoint_of_ours_resumes_exactly(distributed, tmp_path, world_size):
+@pytest.mark.parametrize("world_size, offload", [(2, False), (4, True)])
+def test_automodels_checkpoint_of_ours_resumes_exactly(distributed, tmp_path, world_size, offload):
+    """(`offload`: the recipe's `optimizer.offload: true`, the state in host memory.)"""
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE)
-    distributed(_recipe_resumes_exactly, world_size, str(recipe), str(tmp_path / "checkpoint"))
+    recipe.write_text(RECIPE + ("  offload: true\n" if offload else ""))
+    distributed(_recipe_resumes_exactly, world_size, str(recipe), str(tmp_path / "checkpoint"),
+                offload)
 
 
 def test_param_group_overrides_are_refused_naming_what_to_use():
