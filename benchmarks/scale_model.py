@@ -77,10 +77,9 @@ WEIGHT_BYTES, GRADIENT_BYTES, ADAM_STATE_BYTES, MUON_STATE_BYTES = 2 + 4, 4, 8, 
 GPU_BYTES, TRANSIENT_SHARE = 80e9, 0.05
 # --optimizer-cpu-offload: the host link's rate each way, GB/s (both ways at once): PCIe Gen5 x16
 # (64 GB/s raw, about 55 reached by pinned copies) and NVLink-C2C (GH200/GB200: 450 each way).
-# Adam's part goes through megatron-core's HybridDeviceOptimizer: Adam runs on the host, its
-# fp32 gradients go there and its fp32 weights come back (4 bytes an element each way).
+# Adam's part (core/state_offload.offload_between_steps): its moments come to the device whole
+# for its step and go back (ADAM_STATE_BYTES an element each way).
 HOST_LINKS_GBPS = {"PCIe": 55.0, "C2C": 450.0}
-ADAM_OFFLOAD_BYTES_EACH_WAY = 4
 
 
 def expert_parallel(model: str, world: int) -> int:
@@ -438,12 +437,14 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
         alone = max(alone, largest_alone(part.matrices, owners, ELEMENT_BYTES))
     muon_state = [m * MUON_STATE_BYTES + a * ADAM_STATE_BYTES
                   for m, a in zip(muon_elements, adam_elements)]
-    # --optimizer-cpu-offload: Muon's state streamed exchange by exchange, Adam's on the host.
+    # --optimizer-cpu-offload: Muon's state streamed exchange by exchange; Adam's moments on
+    # the device whole for Adam's step, which runs after Muon's.
     offload = offload_figures([(part.matrices, part.exchanges,
                                 [rank_in_part(r) for r in range(world)])
                                for part, rank_in_part in parts], ELEMENT_BYTES)
-    each_way = max(f.host + a * ADAM_OFFLOAD_BYTES_EACH_WAY
-                   for f, a in zip(offload, adam_elements))
+    each_way = max(f.host + a * ADAM_STATE_BYTES for f, a in zip(offload, adam_elements))
+    offloaded_peak = max(f.resident + max(f.streamed, a * ADAM_STATE_BYTES)
+                         for f, a in zip(offload, adam_elements))
     saved = [e * ADAM_STATE_BYTES - s for e, s in zip(all_elements, muon_state)]
     # A train step peaks at rest + the larger of what forward-backward adds (activations,
     # ZeRO-3's gathered weights) and what the optimizer step adds (Adam's: taken as 0). Muon's
@@ -456,7 +457,7 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
                 muon_working=max(working) / 1e9, muon_working_at_budget=max(at_budget) / 1e9,
                 budget=budget / 1e9, largest_alone=alone / 1e9,
                 break_even=max(0, max(w - s for w, s in zip(working, saved))) / 1e9,
-                offloaded_state=max(f.device_peak for f in offload) / 1e9,
+                offloaded_state=offloaded_peak / 1e9,
                 offload_each_way=each_way / 1e9,
                 **{f"offload_ms_{link}": each_way / (gbps * 1e9) * 1e3
                    for link, gbps in HOST_LINKS_GBPS.items()})
@@ -488,8 +489,8 @@ def assumptions(rates: Rates, args) -> list[str]:
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "
         "no communication)",
         "--optimizer-cpu-offload (plan.offload_figures): Muon's state streamed to the device "
-        "exchange by exchange, two in flight, at the default budget; Adam's part on the host "
-        "(HybridDeviceOptimizer: fp32 gradients out, fp32 weights back); each way at "
+        "exchange by exchange, two in flight, at the default budget; Adam's moments to the "
+        "device whole for its step (offload_between_steps); each way at "
         + ", ".join(f"{link} {gbps:g} GB/s" for link, gbps in HOST_LINKS_GBPS.items()),
         "forward-backward = 6 x active params (without the embedding lookup) x tokens per step / "
         f"W / (matmul rate x {args.fwd_bwd_efficiency:g}); attention's own FLOPs left out (a "
