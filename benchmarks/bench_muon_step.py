@@ -55,6 +55,10 @@ ZERO1_MODE = "owner_zero1"
 SIDE_BY_SIDE_MODES = (ZERO1_MODE,) + MEGATRON_CORE_MODES
 # "owner" with --muon-check-interval 1: what a checked step costs (every N-th step with N).
 CHECKED_MODE = "owner_checked"
+# "owner" with --optimizer-cpu-offload (all of the state in host memory between steps): on CPU
+# the host is the device, so its copies are host-to-host; the bytes each way and the most state
+# on the device at once are the optimizer's own accounting (core/state_offload.HostState).
+OFFLOAD_MODE = "owner_offload"
 WARMUP = 3
 # The warm-up step whose collectives, bytes, buffers and FLOPs are counted (exchange.observed and
 # torch's FlopCounterMode: every op passes through Python while they count, so no timed step is
@@ -112,7 +116,9 @@ def build(shape, parallel, mode):
                      outer_strategy=parallel.get("outer_strategy", "no_shard"),
                      **parallel.get("model", {}))
     config = optimizer_config("adam" if mode == "adam" else "muon",
-                              muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION)
+                              muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION,
+                              optimizer_cpu_offload=mode == OFFLOAD_MODE,
+                              optimizer_offload_fraction=1.0)
     optimizer = get_megatron_optimizer(config, [model],
                                        muon_dist_mode="allgather" if mode == "allgather" else "owner",
                                        muon_owner_choice="bytes" if mode == BYTES_MODE else "time",
@@ -127,7 +133,7 @@ def measure(shape, parallel, steps):
     init_parallel_state(expert_parallel=parallel.get("expert_parallel", 1),
                         replicas=parallel.get("replicas", 1))
     rank = dist.get_rank()
-    modes = MODES + ((CHECKED_MODE,) + SIDE_BY_SIDE_MODES if not parallel else ())
+    modes = MODES + ((CHECKED_MODE, OFFLOAD_MODE) + SIDE_BY_SIDE_MODES if not parallel else ())
     built = {mode: build(shape, parallel, mode) for mode in modes}
     traffic = {mode: Traffic() for mode in modes}
     flops = {mode: FlopCounterMode(display=False) for mode in modes}
@@ -169,6 +175,13 @@ def measure(shape, parallel, steps):
         phase_s={phase: statistics.median(p[phase] for p in phases[mode]) for phase in PHASES})
         for mode, (_, optimizer, _) in built.items()}
     figures["plan"] = plan_figures(*built["owner"])
+    if OFFLOAD_MODE in built:  # of its last step; the parts step one after the other
+        host_states = [part.optimizer.host_state
+                       for part in built[OFFLOAD_MODE][1].chained_optimizers]
+        figures[OFFLOAD_MODE]["offload"] = dict(
+            to_device=sum(h.moved_to_device for h in host_states),
+            to_host=sum(h.moved_to_host for h in host_states),
+            most_on_device=max(h.most_on_device for h in host_states))
     return figures
 
 
@@ -298,6 +311,13 @@ def summarize(world, per_rank):
             over_owner_muon_step=paired_ratio(per_rank, CHECKED_MODE, "owner"),
             extra_collectives=checked["collectives_per_step"] - owner["collectives_per_step"],
             extra_bytes_per_rank=checked["comm_bytes_per_rank"] - owner["comm_bytes_per_rank"])
+    if OFFLOAD_MODE in row:
+        offloaded = [r[OFFLOAD_MODE]["offload"] for r in per_rank]
+        row["offloaded_step"] = dict(
+            over_owner_muon_step=paired_ratio(per_rank, OFFLOAD_MODE, "owner"),
+            over_owner_train_step=paired_ratio(per_rank, OFFLOAD_MODE, "owner", "train_times_s"),
+            each_way_bytes=max(max(o["to_device"], o["to_host"]) for o in offloaded),
+            most_on_device_bytes=max(o["most_on_device"] for o in offloaded))
     row["largest_batch_bytes"] = plan["largest_batch_bytes"]
     row["owner_tradeoff"] = plan["owner_tradeoff"]
     row["newton_schulz_precision"] = NEWTON_SCHULZ_PRECISION
@@ -325,8 +345,8 @@ def paired_ratio(per_rank, mode, base, times="step_times_s") -> dict:
 
 def _muon_modes(figures) -> list[str]:
     """The Muon modes a run measured: ours, then megatron-core's where the config has them."""
-    return [mode for mode in ("owner", BYTES_MODE, "allgather", CHECKED_MODE) + SIDE_BY_SIDE_MODES
-            if mode in figures]
+    return [mode for mode in ("owner", BYTES_MODE, "allgather", CHECKED_MODE, OFFLOAD_MODE)
+            + SIDE_BY_SIDE_MODES if mode in figures]
 
 
 def _fixed(value) -> str:
@@ -397,6 +417,14 @@ def print_table(results):
                       f"{_paired(c['over_owner_muon_step'])}x the owner step, "
                       f"{c['extra_collectives']:+d} collectives, "
                       f"{c['extra_bytes_per_rank'] / 1e6:+.3f} MB/rank")
+            if "offloaded_step" in row:
+                o = row["offloaded_step"]
+                print(f"{'':9} the state in host memory (--optimizer-cpu-offload; host to host "
+                      f"here): optimizer step {_paired(o['over_owner_muon_step'])}x the owner "
+                      f"step, train step {_paired(o['over_owner_train_step'])}x; "
+                      f"{o['each_way_bytes'] / 1e6:.2f} MB each way, at most "
+                      f"{o['most_on_device_bytes'] / 1e6:.2f} MB of it on the device at once, of "
+                      f"{row[OFFLOAD_MODE]['optimizer_state_bytes'] / 1e6:.2f} MB")
             if row["world_size"] > 1:
                 print(f"{'':9} byte-first owners (--muon-owner-choice bytes), byte slack -> "
                       f"(bytes/bound, NS max/mean): " + ", ".join(

@@ -615,7 +615,7 @@ def plot(results, path, caption):
 def main():
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_muon.core.zero_muon import TP_MODES
+    from megatron_muon.core.settings import TP_MODES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))

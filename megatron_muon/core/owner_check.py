@@ -47,7 +47,13 @@ class OwnerCheck:
         muon = self.muon
         saved = [(t, t.clone()) for group in muon.param_groups for p in group["params"]
                  for t in (p.to_local(), muon.state[p]["momentum_buffer"].to_local())]
-        return lambda: [t.copy_(copy) for t, copy in saved]
+
+        def restore():
+            muon.host_state.wait_for_copies()  # an offloaded momentum's copies back first
+            for t, copy in saved:
+                t.copy_(copy)
+
+        return restore
 
     def _compare(self, locals_: list, results: dict, restore) -> None:
         """Before anything is applied: each matrix assembled whole and orthogonalized as

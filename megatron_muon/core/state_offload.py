@@ -2,15 +2,18 @@
 --optimizer-offload-fraction). The offloaded params' state shards live on the host (pinned where
 the params are on a GPU). Muon's step (ZeROTensorParallelMuon(offload_fraction=...)) brings one
 matrix's rows of it to the params' device where it reads them, and copies them back when it is
-done with them, so the device holds the state of the matrices being updated, not all of it. The
-scalar optimizer's state (Adam's moments of norms, biases, embeddings: a small share of a
-model's) comes to the device whole for its step and goes back after it
-(offload_between_steps), so its step runs where and as it runs without offload. The copies are
-synchronous in this version: exact and simple; the overlap plan.offload counts (the next
-exchange's state in flight while one computes) is still to come.
+done with them, so the device holds the state of the matrices being updated, not all of it. On
+CUDA the copies run on a stream of their own: Muon's next exchange's momentum comes while the
+current one computes (HostState.prefetch, which the owner step calls an exchange ahead; an
+adaptive variant's state comes as it is read), and changed rows go back while the step goes on; the step waits for the last of them before it returns
+(finish_step), so nothing on the host reads a row still in flight. On the CPU the same calls copy
+at once, in the same order. The scalar optimizer's state (Adam's moments of norms, biases,
+embeddings: a small share of a model's) comes to the device whole for its step and goes back
+after it (offload_between_steps), so its step runs where and as it runs without offload.
 
-The optimizer's own accounting, per step: the bytes copied each way and the most state on the
-device at once (HostState.moved_to_device, moved_to_host, most_on_device)."""
+The optimizer's own accounting, per step: the bytes copied each way, those of them copied an
+exchange ahead, and the most state on the device at once (HostState.moved_to_device,
+moved_to_host, moved_ahead, most_on_device)."""
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,8 +50,11 @@ class HostState:
         self.device = device
         self.params = set(params)
         self.pin = device.type == "cuda"
-        self.moved_to_device = self.moved_to_host = self.most_on_device = 0
+        self.moved_to_device = self.moved_to_host = self.most_on_device = self.moved_ahead = 0
         self._on_device = 0
+        self._copies = torch.cuda.Stream(device) if self.pin and self.params else None
+        # Rows on their way to the device, by where they sit on the host: (copy, its event).
+        self._prefetched: dict[tuple, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
 
     def _at_home(self, local: torch.Tensor) -> bool:
         return local.device.type == "cpu" and local.is_pinned() == self.pin
@@ -69,13 +75,20 @@ class HostState:
                 state[name] = _placed_like(value, host)
 
     def new_step(self) -> None:
-        self.moved_to_device = self.moved_to_host = self.most_on_device = 0
+        self.moved_to_device = self.moved_to_host = self.most_on_device = self.moved_ahead = 0
 
-    def start_step(self, state: Mapping[DTensor, dict]) -> None:
-        """Each offloaded param's state homed (home), the step's accounting reset."""
+    @contextlib.contextmanager
+    def stepping(self, state: Mapping[DTensor, dict]) -> Iterator[None]:
+        """One step of the optimizer whose `state` this is: each offloaded param's state homed
+        (home) and the accounting reset before it, every copy back done after it
+        (finish_step)."""
         for p in self.params:
             self.home(p, state[p])
         self.new_step()
+        try:
+            yield
+        finally:
+            self.finish_step()
 
     def to_device(self, state: dict) -> dict:
         """One param's homed state on the device for a step (a state not yet homed stays where
@@ -86,10 +99,8 @@ class HostState:
                 local = torch.empty(host.shape, dtype=host.dtype, device=self.device)
                 local.copy_(host)
                 homes[name] = host
-                self._on_device += host.nbytes
-                self.moved_to_device += host.nbytes
+                self._hold(host.nbytes)
                 state[name] = _placed_like(value, local)
-        self.most_on_device = max(self.most_on_device, self._on_device)
         return homes
 
     def to_host(self, state: dict, homes: dict) -> None:
@@ -115,26 +126,83 @@ class HostState:
             return self.rows_on_device(state_rows, read, write)
         return contextlib.nullcontext(state_rows)
 
+    def prefetch(self, p: DTensor, host_rows: torch.Tensor) -> None:
+        """Start bringing rows of `p`'s state to the device if `p` is offloaded (on CUDA on the
+        copy stream, after the work issued so far: the copy runs beside what the step issues
+        next); rows_on_device then takes them without copying again."""
+        if p not in self.params or _where(host_rows) in self._prefetched:
+            return
+        on_device = torch.empty(host_rows.shape, dtype=host_rows.dtype, device=self.device)
+        event = None
+        if self._copies is not None:
+            self._copies.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copies):
+                on_device.copy_(host_rows, non_blocking=True)
+                event = self._copies.record_event()
+        else:
+            on_device.copy_(host_rows)
+        self._prefetched[_where(host_rows)] = (on_device, event)
+        self._hold(host_rows.nbytes)
+        self.moved_ahead += host_rows.nbytes
+
+    def _hold(self, nbytes: int, copied: bool = True) -> None:
+        """`nbytes` more of the state on the device (`copied` there from the host)."""
+        self.moved_to_device += nbytes if copied else 0
+        self._on_device += nbytes
+        self.most_on_device = max(self.most_on_device, self._on_device)
+
     @contextlib.contextmanager
     def rows_on_device(self, host_rows: torch.Tensor, read: bool = True,
                        write: bool = True) -> Iterator[torch.Tensor]:
         """`host_rows` (a view of a homed state) on the device while the block runs (copied
-        there where the block reads them), then copied back where it changes them. A copy on
-        the CPU too, so that the CPU runs what a GPU runs."""
+        there, or taken from prefetch, where the block reads them), then copied back where it
+        changes them (on CUDA on the copy stream, once the block's work is done). A copy on the
+        CPU too, so that the CPU runs what a GPU runs."""
         nbytes = host_rows.nbytes
-        on_device = torch.empty(host_rows.shape, dtype=host_rows.dtype, device=self.device)
-        if read:
-            on_device.copy_(host_rows)
-            self.moved_to_device += nbytes
-        self._on_device += nbytes
-        self.most_on_device = max(self.most_on_device, self._on_device)
+        prefetched = self._prefetched.pop(_where(host_rows), None) if read else None
+        if prefetched is not None:
+            on_device, event = prefetched
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+        else:
+            on_device = torch.empty(host_rows.shape, dtype=host_rows.dtype, device=self.device)
+            if read:
+                on_device.copy_(host_rows)
+            self._hold(nbytes, copied=read)
         try:
             yield on_device
             if write:
-                host_rows.copy_(on_device)
-                self.moved_to_host += nbytes
+                self._write_back(on_device, host_rows)
         finally:
             self._on_device -= nbytes
+
+    def _write_back(self, on_device: torch.Tensor, host_rows: torch.Tensor) -> None:
+        self.moved_to_host += host_rows.nbytes
+        if self._copies is None:
+            host_rows.copy_(on_device)
+            return
+        self._copies.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copies):
+            host_rows.copy_(on_device, non_blocking=True)
+        on_device.record_stream(self._copies)  # not reused before the copy has read it
+
+    def wait_for_copies(self) -> None:
+        """Every copy issued so far done: the host may read and write the state."""
+        if self._copies is not None:
+            self._copies.synchronize()
+
+    def finish_step(self) -> None:
+        """The end of a step: every copy back done, and rows prefetched for an exchange that did
+        not read them (a step an error stopped) dropped."""
+        self.wait_for_copies()
+        for on_device, _ in self._prefetched.values():
+            self._on_device -= on_device.nbytes
+        self._prefetched.clear()
+
+
+def _where(host_rows: torch.Tensor) -> tuple:
+    """Where rows sit in host memory: the same rows of a state give the same key."""
+    return host_rows.data_ptr(), tuple(host_rows.shape), host_rows.stride()
 
 
 def _tensors(state: dict) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -14,9 +14,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..compat.upstream_fixes import unscaled_orthogonalize_fn, whole_shape
 from ..distribution.dtensor_rows import ParamAttributes, num_experts, tp_local_rows
+from ..distribution.exchange import OwnerRoutes
 from ..distribution.group_planner import GroupPlan
 from .second_moment import SECOND_MOMENTS, Columns
-from .zero_muon import ZeROTensorParallelMuon, tensor_parallel_muon_settings
+from .settings import tensor_parallel_muon_settings
+from .zero_muon import ZeROTensorParallelMuon
 
 MOMENT2_METHODS = typing.get_args(Moment2MethodT)
 
@@ -98,6 +100,11 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
 
     def _moment2_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
         return plan.rows_of(i, self.state[plan.param_of(i)]["moment2_buffer"].to_local())
+
+    def prefetch_state(self, plan: GroupPlan, routes: OwnerRoutes) -> None:
+        """Nothing ahead: an offloaded second moment is also on the device while an older
+        exchange's update is applied (holder_update), which beside the next exchange's state
+        would pass plan.offload's two-exchange bound; each matrix's state comes as it is read."""
 
     def update_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
         """Muon's update rows, with the second moment's travelling columns beside them."""

@@ -1,23 +1,18 @@
 """Muon on Megatron-FSDP's sharded main weights (ZeRO-1/2/3, HSDP), exact and TP-aware."""
 
-import inspect
-import typing
 from collections.abc import Callable, Hashable, Iterable
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
-from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
-from emerging_optimizers.orthogonalized_optimizers.muon import MuonScaleT
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
-from ..compat import tensor_parallel, upstream
-from ..distribution.dtensor_rows import (ParamAttributes, data_parallel_layout, num_experts,
-                                         tp_local_rows)
-from ..distribution.exchange import all_gather_rows, owner_exchange, run_overlapped
+from ..compat import tensor_parallel
+from ..distribution.dtensor_rows import ParamAttributes
+from ..distribution.exchange import OwnerRoutes, all_gather_rows, owner_exchange, run_overlapped
 from ..distribution.group_planner import GroupPlan, GroupPlanner
 from ..plan import MAX_EXCHANGE_BYTES
 from . import syrk
@@ -25,115 +20,9 @@ from .checks import CheckResult
 from .muon_math import momentum_update_
 from .owner_check import ApplyUpdate, OwnerCheck
 from .second_moment import SecondMoment
+from .settings import (DistMode, OwnerChoice, check_hooks, check_params, check_settings,
+                       tensor_parallel_muon_settings)
 from .state_offload import HostState, offloaded_params
-
-DistMode = Literal["owner", "allgather"]
-DIST_MODES = typing.get_args(DistMode)
-OwnerChoice = Literal["time", "bytes"]
-OWNER_CHOICES = typing.get_args(OwnerChoice)
-TP_MODES = typing.get_args(inspect.signature(TensorParallelMuon.__init__).parameters["tp_mode"].annotation)
-
-
-def tensor_parallel_muon_settings(muon_kwargs: dict) -> dict:
-    """TensorParallelMuon's arguments as it takes them: `muon_kwargs` over its defaults."""
-    defaults = {name: parameter.default for name, parameter
-                in inspect.signature(TensorParallelMuon.__init__).parameters.items()}
-    return {**defaults, **muon_kwargs}
-
-
-def _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
-                    offload_fraction, muon_kwargs) -> None:
-    """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
-    after momentum has changed), naming Megatron's flag."""
-    given = {**tensor_parallel_muon_settings(muon_kwargs), "dist_mode": dist_mode,
-             "owner_choice": owner_choice,
-             "byte_slack": byte_slack, "max_exchange_bytes": max_exchange_bytes,
-             "check_interval": check_interval, "offload_fraction": offload_fraction}
-    scale_modes = typing.get_args(MuonScaleT)
-    rules = [  # (setting, Megatron flag, valid?, what it must be)
-        ("dist_mode", "--muon-dist-mode", lambda v: v in DIST_MODES, f"one of {DIST_MODES}"),
-        ("owner_choice", "--muon-owner-choice", lambda v: v in OWNER_CHOICES,
-         f"one of {OWNER_CHOICES}"),
-        ("tp_mode", "--muon-tp-mode", lambda v: v in TP_MODES, f"one of {TP_MODES}"),
-        ("coefficient_type", "--muon-coefficient-type", lambda v: v in upstream.COEFFICIENT_SETS,
-         f"one of {tuple(sorted(upstream.COEFFICIENT_SETS))}"),
-        ("scale_mode", "--muon-scale-mode", lambda v: v in scale_modes, f"one of {scale_modes}"),
-        ("lr", "--lr", lambda v: v >= 0, "at least 0"),
-        ("momentum", "--muon-momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
-        ("weight_decay", "--weight-decay", lambda v: v >= 0, "at least 0"),
-        ("byte_slack", None, lambda v: v is None or v >= 0, "None or at least 0"),
-        ("max_exchange_bytes", "--muon-max-exchange-bytes", lambda v: v is None or v > 0,
-         "None (what Muon's state saves a rank) or positive"),
-        ("check_interval", "--muon-check-interval", lambda v: v >= 0, "at least 0"),
-        ("offload_fraction", "--optimizer-offload-fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ]
-    for name, flag, valid, expected in rules:
-        if not valid(given[name]):
-            via = f" ({flag})" if flag else ""
-            raise ValueError(f"ZeROTensorParallelMuon: {name}{via} must be {expected}, "
-                             f"got {given[name]!r}")
-    if given["split_qkv"] and given["is_qkv_fn"] is None:
-        raise ValueError("ZeROTensorParallelMuon: split_qkv (Megatron's default; "
-                         "--muon-no-split-qkv turns it off) needs is_qkv_fn")
-
-
-# OrthogonalizedOptimizer.step's hooks around `p -= lr * update`: they see one param whole (e.g.
-# MuonHyperball rescales it to its norm), which a rank holding some rows of it cannot honour.
-WEIGHT_UPDATE_HOOKS = ("pre_weight_update_fn_inplace", "post_weight_update_fn_inplace")
-
-
-def _check_hooks(cls) -> None:
-    """Refuse, before any state exists, a subclass that overrides a weight-update hook (it would
-    otherwise be dropped without a word)."""
-    for hook in WEIGHT_UPDATE_HOOKS:
-        if getattr(cls, hook) is not getattr(OrthogonalizedOptimizer, hook):
-            raise NotImplementedError(
-                f"{cls.__name__}.{hook}: ZeROTensorParallelMuon updates each rank's rows of a "
-                f"matrix apart, so a weight-update hook, which sees the whole param (e.g. "
-                f"MuonHyperball's norm), cannot be honoured on Megatron-FSDP's sharded main "
-                f"weights; use megatron-core's optimizer with Megatron DDP for it")
-
-
-def _check_param(muon, p) -> None:
-    """Refuse a param the optimizer cannot step, naming it."""
-    name = muon.name_of(p)
-    if not isinstance(p, DTensor):
-        raise TypeError(
-            f"{name}: ZeROTensorParallelMuon takes Megatron-FSDP's DTensor main weights, got a "
-            f"{type(p).__name__}; wrap the model with Megatron-FSDP (fully_shard_model or "
-            f"FullyShardedDataParallel) before building the optimizer")
-    if any(not isinstance(pl, (Shard, Replicate)) for pl in p.placements):
-        raise ValueError(f"{name}: unsupported DTensor placements {p.placements}")
-    experts = num_experts(p)
-    if p.dim() != 2 and not (p.dim() == 3 and p.shape[0] == experts):
-        raise ValueError(f"{name}: Muon orthogonalizes 2-D matrices (or stacks of "
-                         f"num_stacked_experts expert matrices); got shape {tuple(p.shape)}")
-    if tp_local_rows(p) % experts:
-        raise ValueError(f"{name}: num_stacked_experts={experts} does not divide its rows")
-    attrs = ParamAttributes(p)
-    tp_group = muon.tp_group_of(attrs)
-    if experts > 1 and tp_group is not None and tp_group.size() > 1:
-        raise NotImplementedError(f"{name}: stacked expert weights with expert tensor parallelism")
-    if muon.splits_qkv(attrs):
-        shapes = getattr(attrs, "qkv_split_shapes", None) or muon.qkv_split_shapes
-        if not shapes or tp_local_rows(p) % sum(shapes):
-            raise ValueError(
-                f"{name}: split_qkv (Megatron's default) needs q/k/v row counts that tile its "
-                f"{tp_local_rows(p)} rows, got qkv_split_shapes={shapes}; pass "
-                f"--muon-no-split-qkv if the model has no fused QKV weight")
-
-
-def _check_params(muon) -> None:
-    """Refuse, before any state, a param it cannot step or a group mixing layouts."""
-    for group in muon.param_groups:
-        for p in group["params"]:
-            _check_param(muon, p)
-        meshes = {data_parallel_layout(p): p for p in group["params"]}
-        if len(meshes) > 1:
-            (a, first), (b, second) = list(meshes.items())[:2]
-            raise ValueError(
-                f"one param group mixes data-parallel layouts: {muon.name_of(first)} {a} and "
-                f"{muon.name_of(second)} {b}; put dense and expert params in separate groups")
 
 
 class ZeROTensorParallelMuon(TensorParallelMuon):
@@ -206,9 +95,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                  param_names: dict | None = None, check_interval: int = 0,
                  use_syrk: bool = False, second_moment: SecondMoment | None = None,
                  offload_fraction: float = 0.0, **kwargs: Any) -> None:
-        _check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
+        check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
                         offload_fraction, kwargs)
-        _check_hooks(type(self))
+        check_hooks(type(self))
         upstream_runs_syrk = use_syrk and syrk.tensor_parallel_muon_takes_syrk()
         super().__init__(params, **kwargs, **({"use_syrk": True} if upstream_runs_syrk else {}))
         self.use_syrk = use_syrk
@@ -223,7 +112,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._param_names = param_names or {}
         self._group_index = {p: index for index, group in enumerate(self.param_groups)
                              for p in group["params"]}
-        _check_params(self)
+        check_params(self)
         self._set_newton_schulz(tensor_parallel_muon_settings(kwargs), use_syrk,
                                 upstream_runs_syrk)
         # What this rank carries out each step, per exchange group (the bench and tests read it),
@@ -247,10 +136,6 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         """(start, stop, rows): this rank's shard of `p` holds rows [start, stop) of its
         TP-local matrix of `rows` rows (3-D stacks: of their rows)."""
         return self._held_rows[p]
-
-    def bytes_received_per_step(self) -> int:
-        """What this rank receives in one owner step (gather and scatter), from its plan."""
-        return sum(plan.bytes_received() for plan in self.plans)
 
     def device(self) -> torch.device:
         """The params' device, that of their process groups (CPU without params)."""
@@ -277,8 +162,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     @torch.no_grad()
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
         # Every rank holds momentum for every param, empty where its shard is empty, so state
-        # keys agree across ranks (megatron-core's checkpoint init calls this too: an offloaded
-        # state is in host memory before a load fills it).
+        # keys agree across ranks (megatron-core's checkpoint init calls this too).
         for p in group["params"]:
             if len(self.state[p]) == 0:
                 self.state[p].update(self.initial_state(p))
@@ -299,7 +183,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         (on their owners, or on every rank in "allgather" mode); then p -= lr * update on this
         rank's rows. In owner mode each exchange computes its matrices' updates when it starts
         and frees them when it ends, so the working memory stays within max_exchange_bytes. The
-        weight-update hooks around that update are refused (WEIGHT_UPDATE_HOOKS)."""
+        weight-update hooks around that update are refused (settings.WEIGHT_UPDATE_HOOKS)."""
         if closure is not None:
             raise ValueError("closure is not supported")
         self.iteration += 1
@@ -307,15 +191,16 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                     and self.iteration % self.check_interval == 0)
         for group in self.param_groups:
             self._init_group(group)
-        self.host_state.start_step(self.state)
         apply = self.apply_update
-        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
+        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec), \
+                self.host_state.stepping(self.state):
             if checking:
                 self._check.step(apply)
                 return None
             for plan in self.plans:
                 if self.dist_mode == "owner":
-                    self.owner_orthogonalize(plan, partial(self.update_rows, plan), apply)
+                    self.owner_orthogonalize(plan, partial(self.update_rows, plan), apply,
+                                             partial(self.prefetch_state, plan))
                 else:
                     self.allgather_orthogonalize(plan, self.all_update_rows(plan), apply)
         return None
@@ -331,12 +216,20 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
     def all_update_rows(self, plan: GroupPlan) -> dict[int, torch.Tensor]:
         return {i: self.update_rows(plan, i) for i in range(len(plan.matrices))}
 
+    def momentum_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
+        return plan.rows_of(i, self.state[plan.param_of(i)]["momentum_buffer"].to_local())
+
+    def prefetch_state(self, plan: GroupPlan, routes: OwnerRoutes) -> None:
+        """The exchange's offloaded momentum rows on their way to the device while the exchange
+        before it computes (HostState.prefetch)."""
+        for i in routes.batch:
+            self.host_state.prefetch(plan.param_of(i), self.momentum_rows(plan, i))
+
     def update_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
         """Weight decay and momentum on this rank's rows of matrix i (in place), and the rows of
         its update to orthogonalize (muon_math.momentum_update_)."""
         p = plan.param_of(i)
-        momentum = plan.rows_of(i, self.state[p]["momentum_buffer"].to_local())
-        with self.host_state.rows(p, momentum) as momentum:
+        with self.host_state.rows(p, self.momentum_rows(plan, i)) as momentum:
             return momentum_update_(self, plan.rows_of(i, p.to_local()), plan.grad_rows(i),
                                     momentum, self.group_of(p))
 
@@ -348,18 +241,24 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             apply(plan, i, self.orthogonalize_whole(plan.param_of(i), full)[start:stop])
 
     def owner_orthogonalize(self, plan: GroupPlan, local_rows: Callable[[int], torch.Tensor],
-                            apply: ApplyUpdate) -> None:
+                            apply: ApplyUpdate,
+                            ahead: Callable[[OwnerRoutes], None] | None = None) -> None:
         """Each exchange's matrices gathered to their owners, orthogonalized there batch by
         batch, the rows sent back and `apply(plan, matrix, this rank's rows)`, two exchanges in
         flight (exchange.run_overlapped). `local_rows(i)`: this rank's rows of matrix i's update,
-        asked for when its exchange starts."""
+        asked for when its exchange starts, after `ahead(the next exchange's routes)`."""
         def orthogonalize(owned, fulls):
             return self.orthogonalize_owned([plan.param_of(i) for i in owned], fulls,
                                             plan.matrices[owned[0]].batch_key)
 
-        run_overlapped(owner_exchange(routes, plan.group, {i: local_rows(i) for i in routes.batch},
-                                      orthogonalize, lambda i, rows: apply(plan, i, rows))
-                       for routes in plan.routes)
+        def exchanges():
+            for k, routes in enumerate(plan.routes):
+                if ahead and k + 1 < len(plan.routes):
+                    ahead(plan.routes[k + 1])
+                yield owner_exchange(routes, plan.group, {i: local_rows(i) for i in routes.batch},
+                                     orthogonalize, lambda i, rows: apply(plan, i, rows))
+
+        run_overlapped(exchanges())
 
     def orthogonalize_whole(self, p: DTensor, full: torch.Tensor) -> torch.Tensor:
         """One matrix's update as "allgather" mode computes it, on its own (the check's
@@ -374,15 +273,22 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         exchange sends back (the check interval compares it with the reference)."""
         if not self.batched_newton_schulz.get((tuple(fulls[0].shape), batch_key)):
             return [self.orthogonalize_full(p, full) for p, full in zip(params, fulls)]
-        by_group: dict[int, list[int]] = {}
-        for j, p in enumerate(params):
-            by_group.setdefault(self._group_index[p], []).append(j)
-        results = [None] * len(fulls)
-        for members in by_group.values():
-            if len(members) == 1:
-                results[members[0]] = self.orthogonalize_full(params[members[0]], fulls[members[0]])
-                continue
-            stacked = torch.stack([fulls[j] for j in members])
-            for j, result in zip(members, self.orthogonalize_full(params[members[0]], stacked).unbind()):
-                results[j] = result
-        return results
+        return _orthogonalized_by_group(self, params, fulls)
+
+
+def _orthogonalized_by_group(muon: ZeROTensorParallelMuon, params: list[DTensor],
+                             fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Same-shape matrices orthogonalized in one batched call per param group (a group's matrices
+    share its options), a group's lone matrix alone."""
+    by_group: dict[int, list[int]] = {}
+    for j, p in enumerate(params):
+        by_group.setdefault(muon._group_index[p], []).append(j)
+    results = [None] * len(fulls)
+    for members in by_group.values():
+        if len(members) == 1:
+            results[members[0]] = muon.orthogonalize_full(params[members[0]], fulls[members[0]])
+            continue
+        stacked = torch.stack([fulls[j] for j in members])
+        for j, result in zip(members, muon.orthogonalize_full(params[members[0]], stacked).unbind()):
+            results[j] = result
+    return results

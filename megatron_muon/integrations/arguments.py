@@ -10,7 +10,7 @@ import re
 
 from ..compat import upstream
 from ..core.zero_adaptive_muon import MOMENT2_METHODS, check_adaptive_settings
-from ..core.zero_muon import DIST_MODES, OWNER_CHOICES
+from ..core.settings import DIST_MODES, OWNER_CHOICES
 from ..plan import MAX_EXCHANGE_BYTES
 from . import rules
 

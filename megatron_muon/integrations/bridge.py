@@ -29,7 +29,7 @@ import megatron.core.datasets.utils
 
 from ..compat import cpu_training, upstream, upstream_fixes
 from ..core.zero_adaptive_muon import check_adaptive_settings
-from ..core.zero_muon import DIST_MODES, OWNER_CHOICES
+from ..core.settings import DIST_MODES, OWNER_CHOICES
 from ..plan import MAX_EXCHANGE_BYTES
 from ..step import checksums, qk_clip
 from ..step.model_chunks import find_megatron_fsdp

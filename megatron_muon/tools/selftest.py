@@ -131,7 +131,8 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):
         memory = measure_train_step([model], optimizer, lambda: forward_backward(ITERATIONS + 1),
                                     device)
-    received = sum(muon.bytes_received_per_step() for muon in optimizer.muon_optimizers)
+    received = sum(plan.bytes_received() for muon in optimizer.muon_optimizers
+                   for plan in muon.plans)
     figures = torch.tensor([statistics.median(step_seconds), received, memory.peak],
                            dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)

@@ -109,6 +109,14 @@ def _assert_offload_as_planned(muon, fraction, case):
                                    [plan.rank]) for plan in muon.plans], 4, fraction)
     host = muon.host_state
     assert host.moved_to_device == host.moved_to_host == planned.host, (case, planned)
+    # Muon's owner step brings every exchange's momentum but each group's first one exchange
+    # ahead (an adaptive variant's state comes as it is read).
+    first = sum(offload_figures([(plan.matrices, [plan.routes[0].batches], [plan.rank])], 4,
+                                fraction)[0].host for plan in muon.plans if plan.routes)
+    muon_owner_step = muon.dist_mode == "owner" and muon.second_moment is None
+    ahead = (0 if not muon_owner_step else planned.host - first if fraction == 1.0
+             else host.moved_ahead)
+    assert host.moved_ahead == ahead, (case, host.moved_ahead, ahead)
     assert (host.most_on_device > 0) == (planned.host > 0), (case, planned)
     assert host.most_on_device <= planned.streamed, (case, host.most_on_device, planned)
 

@@ -58,7 +58,8 @@ def _ours_is_adams_plus_the_exchange(rank, world_size, strategy, num_experts, ou
         traffic[optimizer_name] = _step_traffic(model, optimizer, rank)
         if optimizer_name == ours:
             all_to_alls = _exchange_all_to_alls(optimizer)
-            planned = sum(muon.bytes_received_per_step() for muon in optimizer.muon_optimizers)
+            planned = sum(plan.bytes_received() for muon in optimizer.muon_optimizers
+                          for plan in muon.plans)
     counted = {name: t.by_name for name, t in traffic.items()}
     assert all_to_alls > 0  # the matrices are cut across ranks: rows move
     assert counted[ours] == counted["adam"] + Counter(alltoall_base_=all_to_alls), strategy
