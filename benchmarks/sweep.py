@@ -354,6 +354,10 @@ ROWS = [
            why="megatron-core's DistributedOptimizer on Megatron-FSDP logs a grad norm of 0.0 "
                "when it does not clip (it computes the norm only to clip); its updates equal "
                "Megatron DDP's (the losses agree)"),
+    *_each("--optimizer-cpu-offload", ["dense W=2", "MoE W=4 EP=2"], ["muon", "adaptive_muon"],
+           both="", fsdp="--optimizer-cpu-offload",
+           why="on Megatron-FSDP's side: the optimizer state in host memory between steps "
+               "(megatron-core's own offload, HybridDeviceOptimizer, is Adam's and needs CUDA)"),
     *_each("--qk-clip", ["dense W=2"], ["muon"], expect="limitation",
            limitation_shows="no reference",
            why="Megatron DDP's --qk-clip needs TransformerEngine >= 2.9 (validate_args), absent "
