@@ -160,10 +160,11 @@ def test_demo_resumes_from_its_checkpoint_bit_identically_its_state_offloaded_or
 
 def test_normuon_with_its_state_offloaded_trains_as_without_it():
     """NorMuon (--optimizer adaptive_muon; its second moment travels with the update's rows) on
-    ZeRO-2 with half of the state offloaded: every loss and grad norm of the run without."""
+    ZeRO-2 with half of the state offloaded, MuonClip clipping every step: every loss and grad
+    norm of the run without."""
     flags = (*SMALL, *NO_DROPOUT, '--optimizer', 'adaptive_muon',
              '--adaptive-muon-moment2-method', 'normuon', '--data-parallel-sharding-strategy',
-             'optim_grads', '--exit-interval', '4')
+             'optim_grads', '--qk-clip', '--qk-clip-threshold', '0.01', '--exit-interval', '4')
     without = training_log(*flags, iterations=STRATEGY_ITERATIONS)
     offloaded = training_log(*flags, *OFFLOAD, '--optimizer-offload-fraction', '0.5',
                              iterations=STRATEGY_ITERATIONS)
