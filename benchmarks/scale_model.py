@@ -80,6 +80,12 @@ GPU_BYTES, TRANSIENT_SHARE = 80e9, 0.05
 # Adam's part (core/state_offload.offload_between_steps): its moments come to the device whole
 # for its step and go back (ADAM_STATE_BYTES an element each way).
 HOST_LINKS_GBPS = {"PCIe": 55.0, "C2C": 450.0}
+# A collective's latency, beside its bytes at the bandwidth: this many microseconds per rank of
+# its group (an all-to-all of small messages is a send and a receive with each peer; a ring
+# all-gather N - 1 steps). nccl-tests' alltoall_perf took 324 us at 512 bytes over 128 ranks, 16
+# per node (NVIDIA/nccl-tests#78: NCCL 2.8.4 over sockets, an old and slow network: an upper
+# figure for InfiniBand), 2.5 us per rank.
+LATENCY_US_PER_RANK = 2.5
 
 
 def expert_parallel(model: str, world: int) -> int:
@@ -306,6 +312,14 @@ def syrk_share(matrix) -> float:
     return sum(flops(m, n, True) for m, n in blocks) / sum(flops(m, n, False) for m, n in blocks)
 
 
+def collective_latency(part: Part, mode: str, us_per_rank: float) -> tuple[int, float]:
+    """One step's collectives of `part` in `mode` and their latency, seconds: an all-gather per
+    matrix in allgather mode, else each exchange's gather and scatter all-to-alls; each costs
+    `us_per_rank` per rank of the part's group."""
+    count = len(part.matrices) if mode == "allgather" else 2 * len(part.exchanges)
+    return count, count * part.world * us_per_rank * 1e-6
+
+
 def rank_figures(part: Part, mode: str, cost, ns_steps: int) -> list[dict]:
     """Per rank of `part`: Newton-Schulz FLOPs and seconds (and seconds with the SYRK kernel:
     each owned matrix in its own call, at the plain call's rate on the FLOPs it keeps), bytes
@@ -381,6 +395,7 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
                   plan_seconds=sum(part.plan_seconds for part, _ in parts),
                   owners=sum(len(set(part.owners["owner"])) for part, _ in parts),
                   batches=sum(len(part.batches) for part, _ in parts),
+                  exchanges=sum(len(part.exchanges) for part, _ in parts),
                   adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3,
                   memory_gb=result_memory, modes={})
     elementwise = max((muon_elements[r] * rates.muon_elementwise_ns_per_element
@@ -389,8 +404,11 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
         ranks = [dict(ns_flops=0, ns_seconds=0.0, syrk_seconds=0.0, received=0, sent=0)
                  for _ in range(world)]
         step = syrk_step = elementwise
+        collectives, latency = 0, 0.0
         for part, rank_in_part in parts:
             figures = rank_figures(part, mode, cost, args.ns_steps)
+            count, part_latency = collective_latency(part, mode, args.latency_us_per_rank)
+            collectives, latency = collectives + count, latency + part_latency
             # The part's all-to-alls synchronize its ranks: its slowest one counts.
             step += max(f["ns_seconds"] + max(f["received"], f["sent"]) / cost.bytes_per_second
                         for f in figures)
@@ -405,8 +423,10 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
             ideal_ns_gflop=sum(f["ns_flops"] for f in ranks) / world / 1e9,
             max_received_mb=max(f["received"] for f in ranks) / 1e6,
             ns_ms=max(f["ns_seconds"] for f in ranks) * 1e3, network_ms=max(network) * 1e3,
+            collectives=collectives, latency_ms=latency * 1e3,
             step_ms=step * 1e3, syrk_step_ms=syrk_step * 1e3,
             overhead=(step - adam_step) / (fwd_bwd + adam_step),
+            overhead_with_latency=(step + latency - adam_step) / (fwd_bwd + adam_step),
             syrk_overhead=(syrk_step - adam_step) / (fwd_bwd + adam_step),
             overhead_at_nvidia_batch=(step - adam_step) / (fwd_bwd_at_nvidia + adam_step))
     return result
@@ -485,7 +505,11 @@ def assumptions(rates: Rates, args) -> list[str]:
         "Muon step = the slowest rank's elementwise step, plus for each exchange group (dense "
         "matrices over dp_cp, experts over expert data parallelism) its slowest rank's "
         "Newton-Schulz + network (the group's all-to-alls synchronize it), nothing overlapped (an "
-        "upper bound: the exchange overlaps the next batch's gather with compute)",
+        "upper bound: the exchange overlaps the next batch's gather with compute); 'lat ms' and "
+        "'+ latency': each collective's latency besides "
+        f"({args.latency_us_per_rank:g} us per rank of its group: an all-to-all's gather and "
+        "scatter per exchange, an all-gather per matrix in allgather mode; nccl-tests' "
+        "alltoall_perf at 128 ranks over sockets, NVIDIA/nccl-tests#78: an upper figure)",
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "
         "no communication)",
         "--optimizer-cpu-offload (plan.offload_figures): Muon's state streamed to the device "
@@ -528,10 +552,12 @@ def print_table(results, notes):
     for note in notes:
         print(f"  - {note}")
     columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("tokens", 7, ">"),
-               ("plan s", 7, ">"), ("owners", 7, ">"), ("batches", 8, ">"), ("mode", 22, "<"),
-               ("busiest NS GF", 14, ">"), ("ideal GF", 10, ">"), ("max in MB", 10, ">"),
-               ("NS ms", 9, ">"), ("net ms", 9, ">"), ("step ms", 9, ">"), ("SYRK ms", 9, ">"),
+               ("plan s", 7, ">"), ("owners", 7, ">"), ("batches", 8, ">"), ("exch", 5, ">"),
+               ("mode", 22, "<"), ("busiest NS GF", 14, ">"), ("ideal GF", 10, ">"),
+               ("max in MB", 10, ">"), ("NS ms", 9, ">"), ("net ms", 9, ">"), ("coll", 5, ">"),
+               ("lat ms", 8, ">"), ("step ms", 9, ">"), ("SYRK ms", 9, ">"),
                ("Adam ms", 9, ">"), ("fwd-bwd ms", 11, ">"), ("overhead", 9, ">"),
+               ("+ latency", 10, ">"),
                ("SYRK", 7, ">"), ("@NVIDIA batch", 14, ">")]
 
     line = functools.partial(_line, columns=columns)
@@ -541,11 +567,14 @@ def print_table(results, notes):
         for mode, m in r["modes"].items():
             print(line([r["model"], r["world"], r["expert_parallel"],
                         f"{r['tokens_per_step'] / 1e6:.1f}M", f"{r['plan_seconds']:.2f}",
-                        r["owners"], r["batches"], mode, f"{m['busiest_ns_gflop']:.0f}",
-                        f"{m['ideal_ns_gflop']:.0f}", f"{m['max_received_mb']:.0f}",
-                        f"{m['ns_ms']:.4g}", f"{m['network_ms']:.4g}", f"{m['step_ms']:.4g}",
+                        r["owners"], r["batches"], r["exchanges"], mode,
+                        f"{m['busiest_ns_gflop']:.0f}", f"{m['ideal_ns_gflop']:.0f}",
+                        f"{m['max_received_mb']:.0f}", f"{m['ns_ms']:.4g}",
+                        f"{m['network_ms']:.4g}", m["collectives"], f"{m['latency_ms']:.4g}",
+                        f"{m['step_ms']:.4g}",
                         f"{m['syrk_step_ms']:.4g}", f"{r['adam_step_ms']:.4g}",
                         f"{r['fwd_bwd_ms']:.4g}", f"{m['overhead']:.2%}",
+                        f"{m['overhead_with_latency']:.2%}",
                         f"{m['syrk_overhead']:.2%}", f"{m['overhead_at_nvidia_batch']:.2%}"]))
 
 
@@ -626,6 +655,8 @@ def main():
     source.add_argument("--measure-rates", type=Path, help="measure the rates here, write them "
                         "to this JSON, and go on with them")
     parser.add_argument("--bandwidth-gbps", type=float, default=50.0)
+    parser.add_argument("--latency-us-per-rank", type=float, default=LATENCY_US_PER_RANK,
+                        help="a collective's latency per rank of its group, microseconds")
     parser.add_argument("--tokens-per-step", type=int, default=None,
                         help="for every model (default: each model's own, from its report)")
     parser.add_argument("--fwd-bwd-efficiency", type=float, default=0.5,

@@ -71,3 +71,17 @@ def test_the_syrk_kernel_keeps_the_share_of_flops_its_symmetric_products_leave(r
 
     matrix = Matrix(RowLayout((rows,)), cols, row_blocks=blocks)
     assert scale_model.syrk_share(matrix) == pytest.approx(kept)
+
+
+def test_each_collective_costs_its_latency_per_rank_of_its_group():
+    """The scale model's latency (collective_latency): each exchange's gather and scatter
+    all-to-alls, or one all-gather per matrix in allgather mode, LATENCY_US_PER_RANK per rank."""
+    from megatron_muon.plan import Matrix, RowLayout
+
+    matrices = [Matrix(RowLayout((3, 1, 0, 4)), 8) for _ in range(5)]
+    part = scale_model.Part(matrices, 4, None)
+    exchanges = len(part.exchanges)
+    assert exchanges >= 1
+    count, seconds = scale_model.collective_latency(part, "owner", 2.5)
+    assert count == 2 * exchanges and seconds == pytest.approx(2 * exchanges * 4 * 2.5e-6)
+    assert scale_model.collective_latency(part, "allgather", 1.0) == (5, pytest.approx(20e-6))
