@@ -58,9 +58,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             (--muon-max-exchange-bytes): the update rows, exchange buffers, assembled matrices,
             results and Newton-Schulz of the two exchanges in flight (one is gathered while the
             previous one computes), as plan.working_memory counts them. Same-shape matrices are
-            orthogonalized together and consecutive batches exchanged together (one collective
-            per direction) within half of it each; a matrix that alone needs more goes alone,
-            and rank 0 says so once at construction. None (the default): per exchange group,
+            orthogonalized together and batches exchanged together (one collective per
+            direction) within half of it each; a matrix that alone needs more goes alone on its
+            owner, and rank 0 says so once at construction. None (the default): per exchange group,
             what Muon's state saves the rank that saves least against Adam's
             (plan.affordable_bytes), so that the step never holds more than Adam's state would.
             "allgather" mode and a checked step hold every update at once, beyond it.

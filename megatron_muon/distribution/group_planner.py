@@ -93,8 +93,8 @@ class GroupPlanner:
 
     def say_which_go_alone(self, plans: list[GroupPlan]) -> None:
         """One line on rank 0: the matrices that alone need more than half of the working-memory
-        budget the user set (each goes alone in its batch and exchange), the largest named with
-        its size. Under the default budget (what Muon's state saves a rank) small models send
+        budget the user set (each goes alone in its batch, and on its owner in its exchange), the
+        largest named with its size. Under the default budget (what Muon's state saves a rank) small models send
         most matrices alone by design, and the line would tell the user nothing to act on."""
         needs = [(owner_bytes(matrix, plan.param_of(i).element_size()), plan, i)
                  for plan in plans for i, matrix in enumerate(plan.matrices)]

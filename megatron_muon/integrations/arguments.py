@@ -87,7 +87,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        'Adam\'s (4 bytes per Muon element it holds; the least over the ranks), so '
                        'that the step never holds more than Adam\'s state would. Smaller: more, '
                        'smaller exchanges and Newton-Schulz batches; a matrix that alone needs '
-                       'more goes alone and the start-up log names the largest.')
+                       'more goes alone on its owner and the start-up log names the largest.')
     if not any('--muon-use-syrk' in action.option_strings
                for action in upstream.parser_actions(parser)):  # megatron-core main defines it
         group.add_argument('--muon-use-syrk', action='store_true',

@@ -112,6 +112,11 @@ class ExchangeMemory:
             added["computing"][owner] = max(self.bytes["computing"].get(owner, 0), call)
         return added
 
+    def fits(self, batch: Sequence[int], allowed: dict[int, int]) -> bool:
+        """Whether every rank `batch` touches would hold at most `allowed[rank]` with it added."""
+        added = self._added(batch)
+        return all(self.peak(rank, added) <= allowed[rank] for rank in set().union(*added.values()))
+
     def _largest_with(self, added: dict[str, dict[int, int]]) -> int:
         touched = set().union(*added.values())
         return max([self.largest] + [self.peak(rank, added) for rank in touched])
@@ -147,17 +152,32 @@ class ExchangeMemory:
 def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]],
                      owners: Sequence[int], element_bytes: int,
                      max_bytes: int) -> list[list[list[int]]]:
-    """Consecutive batches packed into exchanges, each holding at most `max_bytes` on any rank
-    (ExchangeMemory.largest; at least one batch each): an exchange carries all its batches'
-    rows in one collective per direction, whatever their shapes."""
+    """Batches packed into exchanges, first fit in order: a batch joins the first exchange where
+    every rank stays within `max_bytes` (ExchangeMemory.peak), or, for a rank whose part of one
+    batch alone needs more (a matrix too large for the share, on its owner), within that
+    batch's part alone: such a batch holds its owner alone in its exchange, beside other owners'
+    matrices. An exchange carries all its batches' rows in one collective per direction,
+    whatever their shapes; a rank holds at most the larger of `max_bytes` and its largest batch
+    alone in each."""
     exchanges: list[list[list[int]]] = []
-    memory = None
+    memories: list[ExchangeMemory] = []
+    floors: list[dict[int, int]] = []  # per exchange, each rank's largest batch alone
     for batch in batches:
-        if memory is None or memory.grown(batch) > max_bytes:
-            exchanges.append([])
-            memory = ExchangeMemory(matrices, owners, element_bytes)
-        exchanges[-1].append(list(batch))
+        alone = ExchangeMemory(matrices, owners, element_bytes)
+        alone.add(batch)
+        batch_floor = {rank: alone.peak(rank) for rank in alone.ranks()}
+        for batches_in, memory, floor in zip(exchanges, memories, floors):
+            allowed = {rank: max(max_bytes, floor.get(rank, 0), batch_floor.get(rank, 0))
+                       for rank in batch_floor.keys() | floor.keys()}
+            if memory.fits(batch, allowed):
+                break
+        else:
+            batches_in, memory, floor = [], ExchangeMemory(matrices, owners, element_bytes), {}
+            exchanges.append(batches_in), memories.append(memory), floors.append(floor)
+        batches_in.append(list(batch))
         memory.add(batch)
+        for rank, held in batch_floor.items():
+            floor[rank] = max(floor.get(rank, 0), held)
     return exchanges
 
 
@@ -204,7 +224,8 @@ def state_saved(matrices: Sequence[Matrix], element_bytes: int) -> list[int]:
 def affordable_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
     """The default working-memory budget: what Muon's state saves the rank of the group that
     saves least (state_saved), so that no rank's step holds more than Adam's state would have;
-    a matrix that alone needs more still goes alone, the floor. At least one byte."""
+    a matrix that alone needs more still goes alone on its owner, the floor. At least one
+    byte."""
     return max(1, min(state_saved(matrices, element_bytes), default=1))
 
 

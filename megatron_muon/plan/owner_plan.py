@@ -27,7 +27,8 @@ def owner_plan(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float
     bytes, None: no cap), else fewest bytes first (choose_owners, balancing within `byte_slack`,
     by default BYTE_SLACK). Batches and exchanges keep the step's working memory within
     `max_exchange_bytes` on every rank (working_memory; two exchanges in flight, each within
-    half; None: affordable_bytes), except where one matrix alone needs more: it goes alone."""
+    half; None: affordable_bytes), except where one matrix alone needs more: it goes alone on
+    its owner (exchange_batches)."""
     share = per_exchange_bytes(exchange_budget(matrices, element_bytes, max_exchange_bytes))
     batches = batch_matrices(matrices, share, element_bytes)
     if cost is None:

@@ -229,6 +229,32 @@ def test_exchanges_pack_consecutive_batches_within_the_bound():
         max(first.peak(rank) + second.started(rank), second.peak(rank)) for rank in range(2)]
 
 
+def test_a_matrix_too_large_for_the_share_goes_alone_on_its_owner_beside_other_owners():
+    """First fit by rank: a matrix whose owner needs more than the share holds that owner alone
+    in its exchange, while other owners' matrices (on other ranks) travel in the same exchange;
+    a second such matrix on the same owner takes the next exchange. Every rank stays within the
+    larger of the share and its largest batch alone."""
+    big = Matrix(RowLayout((8, 0, 0, 0)), 8)
+    matrices = [big, Matrix(RowLayout((0, 0, 2, 0)), 8), Matrix(RowLayout((0, 0, 0, 2)), 8), big]
+    owners, batches = [0, 2, 3, 0], [[0], [1], [2], [3]]
+
+    def alone(i):
+        memory = ExchangeMemory(matrices, owners, element_bytes=4)
+        memory.add([i])
+        return memory
+
+    share = max(alone(1).largest, alone(2).largest)
+    assert alone(0).largest > share
+    exchanges = exchange_batches(matrices, batches, owners, 4, max_bytes=share)
+    assert exchanges == [[[0], [1], [2]], [[3]]]
+    for exchange in exchanges:
+        memory = ExchangeMemory(matrices, owners, element_bytes=4)
+        for batch in exchange:
+            memory.add(batch)
+        for rank in memory.ranks():
+            assert memory.peak(rank) <= max(share, *(alone(b[0]).peak(rank) for b in exchange))
+
+
 def test_gather_segments_list_the_rows_a_rank_sends_each_owner():
     matrices = [_matrix((2, 3, 0)), _matrix((1, 0, 4)), _matrix((0, 2, 2))]
     owners = [1, 2, 2]
