@@ -5,15 +5,16 @@ matrix's rows of it to the params' device where it reads them, and copies them b
 done with them, so the device holds the state of the matrices being updated, not all of it. On
 CUDA the copies run on a stream of their own: Muon's next exchange's momentum comes while the
 current one computes (HostState.prefetch, which the owner step calls an exchange ahead; an
-adaptive variant's state comes as it is read), and changed rows go back while the step goes on; the step waits for the last of them before it returns
-(finish_step), so nothing on the host reads a row still in flight. On the CPU the same calls copy
-at once, in the same order. The scalar optimizer's state (Adam's moments of norms, biases,
-embeddings: a small share of a model's) comes to the device whole for its step and goes back
-after it (offload_between_steps), so its step runs where and as it runs without offload.
+adaptive variant's state comes as it is read), and changed rows go back while the step goes on;
+the step waits for the last of them before it returns (finish_step), so nothing on the host reads
+a row still in flight. On the CPU the same calls copy at once, in the same order. The scalar
+optimizer's state (Adam's moments of norms, biases, embeddings: a small share of a model's) comes
+to the device whole for its step and goes back after it (offload_between_steps), so its step runs
+where and as it runs without offload.
 
 The optimizer's own accounting, per step: the bytes copied each way, those of them copied an
-exchange ahead, and the most state on the device at once (HostState.moved_to_device,
-moved_to_host, moved_ahead, most_on_device)."""
+exchange ahead, and the most state on the device at once (HostState.moved_to_device, moved_to_host,
+moved_ahead, most_on_device)."""
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
