@@ -282,7 +282,7 @@ def _orthogonalized_by_group(muon: ZeROTensorParallelMuon, params: list[DTensor]
     share its options), a group's lone matrix alone."""
     by_group: dict[int, list[int]] = {}
     for j, p in enumerate(params):
-        by_group.setdefault(muon._group_index[p], []).append(j)
+        by_group.setdefault(id(muon.group_of(p)), []).append(j)
     results = [None] * len(fulls)
     for members in by_group.values():
         if len(members) == 1:
