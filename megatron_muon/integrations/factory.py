@@ -11,8 +11,8 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ..compat import upstream, upstream_fixes
-from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from ..core.state_offload import offload_between_steps
+from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from ..core.zero_muon import ZeROTensorParallelMuon
 from ..plan import MAX_EXCHANGE_BYTES
 from ..step.chained import FSDPMuonChainedOptimizer
