@@ -121,10 +121,6 @@ class ExchangeMemory:
         touched = set().union(*added.values())
         return max([self.largest] + [self.peak(rank, added) for rank in touched])
 
-    def grown(self, batch: Sequence[int]) -> int:
-        """`largest` were `batch` added."""
-        return self._largest_with(self._added(batch))
-
     def add(self, batch: Sequence[int]) -> None:
         added = self._added(batch)
         self.largest = self._largest_with(added)
