@@ -32,7 +32,7 @@ def tensor_parallel_muon_settings(muon_kwargs: dict) -> dict:
 
 
 def check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
-                    offload_fraction, muon_kwargs) -> None:
+                   offload_fraction, muon_kwargs) -> None:
     """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
     after momentum has changed), naming Megatron's flag."""
     given = {**tensor_parallel_muon_settings(muon_kwargs), "dist_mode": dist_mode,

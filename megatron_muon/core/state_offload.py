@@ -63,6 +63,10 @@ class HostState:
     def _new_home(self, local: torch.Tensor) -> torch.Tensor:
         return torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin)
 
+    def _device_buffer(self, host: torch.Tensor) -> torch.Tensor:
+        """An empty device tensor for `host`'s values."""
+        return torch.empty(host.shape, dtype=host.dtype, device=self.device)
+
     def home(self, p: DTensor, state: dict) -> None:
         """Put `p`'s state in host memory if `p` is offloaded, where it is not already (a new
         state, or one a checkpoint load placed on the param's device, as torch.optim's
@@ -97,7 +101,7 @@ class HostState:
         homes = {}
         for name, value, host in _tensors(state):
             if self._at_home(host):
-                local = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                local = self._device_buffer(host)
                 local.copy_(host)
                 homes[name] = host
                 self._hold(host.nbytes)
@@ -133,7 +137,7 @@ class HostState:
         next); rows_on_device then takes them without copying again."""
         if p not in self.params or _where(host_rows) in self._prefetched:
             return
-        on_device = torch.empty(host_rows.shape, dtype=host_rows.dtype, device=self.device)
+        on_device = self._device_buffer(host_rows)
         event = None
         if self._copies is not None:
             self._copies.wait_stream(torch.cuda.current_stream(self.device))
@@ -166,7 +170,7 @@ class HostState:
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
         else:
-            on_device = torch.empty(host_rows.shape, dtype=host_rows.dtype, device=self.device)
+            on_device = self._device_buffer(host_rows)
             if read:
                 on_device.copy_(host_rows)
             self._hold(nbytes, copied=read)

@@ -96,7 +96,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                  use_syrk: bool = False, second_moment: SecondMoment | None = None,
                  offload_fraction: float = 0.0, **kwargs: Any) -> None:
         check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
-                        offload_fraction, kwargs)
+                       offload_fraction, kwargs)
         check_hooks(type(self))
         upstream_runs_syrk = use_syrk and syrk.tensor_parallel_muon_takes_syrk()
         super().__init__(params, **kwargs, **({"use_syrk": True} if upstream_runs_syrk else {}))
@@ -289,6 +289,7 @@ def _orthogonalized_by_group(muon: ZeROTensorParallelMuon, params: list[DTensor]
             results[members[0]] = muon.orthogonalize_full(params[members[0]], fulls[members[0]])
             continue
         stacked = torch.stack([fulls[j] for j in members])
-        for j, result in zip(members, muon.orthogonalize_full(params[members[0]], stacked).unbind()):
+        batched = muon.orthogonalize_full(params[members[0]], stacked)
+        for j, result in zip(members, batched.unbind()):
             results[j] = result
     return results
