@@ -30,6 +30,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -38,6 +39,9 @@ ELEMENT_BYTES = 4  # fp32 main weights, momentum and updates
 # owner: ours (owners by estimated time); owner-by-bytes: byte-first owners (our choice before
 # owners by time, and its fallback); whole-matrix-per-rank: megatron-core's layer-wise placement.
 MODES = ("owner", "owner-by-bytes", "allgather", "whole-matrix-per-rank")
+# --optimizer muon, and --optimizer adaptive_muon's --adaptive-muon-moment2-method values: each
+# planned as ZeROTensorParallelMuon plans it (the variants table, owner mode).
+VARIANTS = ("muon", "adamuon", "normuon", "namo")
 
 # name -> (megatron-core TransformerConfig settings, GPTModel settings, tokens per step)
 MODELS = {
@@ -281,23 +285,83 @@ def step_cost(rates: Rates, args):
 class Part:
     """One exchange group's Muon matrices (dense over dp_cp, or experts over expert data
     parallelism) planned as ZeROTensorParallelMuon plans them (its defaults, the rates standing
-    for what it measures): owners, batches, and how long one rank took to plan them; and the
-    owners of the other placements."""
+    for what it measures): owners and batches (`owned`), then exchanges packed within budgets
+    whose headroom is the largest of every part's (`pack`; GroupPlanner.plan), how long one
+    rank took to plan them, and the owners of the other placements."""
 
     def __init__(self, matrices, world, cost):
-        from megatron_muon.distribution.exchange import OwnerRoutes
-        from megatron_muon.plan import choose_owners, owner_plan, whole_matrix_owners
+        from megatron_muon.plan import choose_owners, owned_batches, whole_matrix_owners
 
         self.matrices, self.world = matrices, world
         start = time.perf_counter()
-        plan = owner_plan(matrices, ELEMENT_BYTES, cost=cost)
-        self.batches, self.exchanges = plan.batches, plan.exchanges
-        # What one rank builds at construction besides: its routes through every exchange.
-        for batches in self.exchanges:
-            OwnerRoutes(matrices, plan.owners, batches, 0)
+        self.owned = owned_batches(matrices, ELEMENT_BYTES, cost=cost)
+        self.batches = self.owned.batches
         self.plan_seconds = time.perf_counter() - start
-        self.owners = {"owner": plan.owners, "owner-by-bytes": choose_owners(matrices, ELEMENT_BYTES),
+        self.owners = {"owner": self.owned.owners,
+                       "owner-by-bytes": choose_owners(matrices, ELEMENT_BYTES),
                        "whole-matrix-per-rank": whole_matrix_owners(matrices)}
+
+    def headroom(self) -> int:
+        from megatron_muon.plan import step_headroom
+
+        return step_headroom(self.matrices, self.owned.owners, self.batches, ELEMENT_BYTES)
+
+    def pack(self, headroom: int) -> None:
+        """The exchanges at the default budget with `headroom` (and, for the offloaded state,
+        without it, as ZeROTensorParallelMuon plans them then); with one rank's routes through
+        every exchange, as it builds them at construction."""
+        from megatron_muon.distribution.exchange import OwnerRoutes
+        from megatron_muon.plan import packed_plan
+
+        start = time.perf_counter()
+        self.exchanges = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None,
+                                     headroom).exchanges
+        for batches in self.exchanges:
+            OwnerRoutes(self.matrices, self.owned.owners, batches, 0)
+        self.plan_seconds += time.perf_counter() - start
+        self.offloaded_exchanges = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None,
+                                               None).exchanges
+
+
+def planned_parts(dense, expert, world: int, ep: int, cost) -> list[tuple[Part, Callable]]:
+    """(Part, rank of dp_cp -> its rank in the part) for the dense matrices and the experts (rank
+    r of dp_cp is rank r // EP of its expert data-parallel group: megatron-core's order, expert
+    parallelism varying fastest), packed with the larger headroom: the parts run one after the
+    other, so each may hold what the step needs anyway in either (the factory's
+    _share_headroom)."""
+    parts = [(Part(dense, world, cost), lambda r: r)]
+    if expert:
+        parts.append((Part(expert, world // ep, cost), lambda r: r // ep))
+    headroom = max(part.headroom() for part, _ in parts)
+    for part, _ in parts:
+        part.pack(headroom)
+    return parts
+
+
+def with_second_moment(matrices, variant: str):
+    """`matrices` as ZeROTensorParallelAdaptiveMuon plans them under --adaptive-muon-moment2-method
+    `variant` (GroupPlanner._with_second_moment: the columns travelling beside each row, the
+    second moment's held per row); "muon": as they are."""
+    from megatron_muon.core.second_moment import SECOND_MOMENTS
+
+    if variant == "muon":
+        return matrices
+    moment = SECOND_MOMENTS[variant]
+    return [dataclasses.replace(m, state_cols=moment.columns(*m.shape).beside,
+                                moment2_cols=moment.held_columns(*m.shape)) for m in matrices]
+
+
+def part_step(part: Part, mode: str, cost, args) -> dict:
+    """One part's figures in `mode`: per rank (rank_figures), the seconds of its slowest rank
+    (its all-to-alls synchronize the part) with and without the SYRK kernel, its collectives
+    and their latency."""
+    figures = rank_figures(part, mode, cost, args.ns_steps)
+    collectives, latency = collective_latency(part, mode, args.latency_us_per_rank)
+    return dict(figures=figures, collectives=collectives, latency=latency,
+                seconds=max(f["ns_seconds"] + max(f["received"], f["sent"]) / cost.bytes_per_second
+                            for f in figures),
+                syrk_seconds=max(f["syrk_seconds"] + max(f["received"], f["sent"])
+                                 / cost.bytes_per_second for f in figures))
 
 
 def syrk_share(matrix) -> float:
@@ -357,12 +421,8 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     rows = fsdp_rows(model, world, world // ep)
     layout_seconds = time.perf_counter() - start
     dense, expert = muon_matrices(model, rows, args.muon_tp_mode)
-    # Rank r of dp_cp is rank r // EP of its expert data-parallel group (megatron-core's order:
-    # expert parallelism varies fastest).
     cost = step_cost(rates, args)
-    parts = [(Part(dense, world, cost), lambda r: r)]
-    if expert:
-        parts.append((Part(expert, world // ep, cost), lambda r: r // ep))
+    parts = planned_parts(dense, expert, world, ep, cost)
 
     muon_elements, adam_elements, all_elements = [0] * world, [0] * world, [0] * world
     active = 0
@@ -406,16 +466,13 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
         step = syrk_step = elementwise
         collectives, latency = 0, 0.0
         for part, rank_in_part in parts:
-            figures = rank_figures(part, mode, cost, args.ns_steps)
-            count, part_latency = collective_latency(part, mode, args.latency_us_per_rank)
-            collectives, latency = collectives + count, latency + part_latency
-            # The part's all-to-alls synchronize its ranks: its slowest one counts.
-            step += max(f["ns_seconds"] + max(f["received"], f["sent"]) / cost.bytes_per_second
-                        for f in figures)
-            syrk_step += max(f["syrk_seconds"] + max(f["received"], f["sent"])
-                             / cost.bytes_per_second for f in figures)
+            figures = part_step(part, mode, cost, args)
+            collectives += figures["collectives"]
+            latency += figures["latency"]
+            step += figures["seconds"]
+            syrk_step += figures["syrk_seconds"]
             for r in range(world):
-                for key, value in figures[rank_in_part(r)].items():
+                for key, value in figures["figures"][rank_in_part(r)].items():
                     ranks[r][key] += value
         network = [max(f["received"], f["sent"]) / cost.bytes_per_second for f in ranks]
         result["modes"][mode] = dict(
@@ -429,7 +486,31 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
             overhead_with_latency=(step + latency - adam_step) / (fwd_bwd + adam_step),
             syrk_overhead=(syrk_step - adam_step) / (fwd_bwd + adam_step),
             overhead_at_nvidia_batch=(step - adam_step) / (fwd_bwd_at_nvidia + adam_step))
+    result["variants"] = {
+        variant: variant_figures(parts if variant == "muon" else planned_parts(
+            with_second_moment(dense, variant), with_second_moment(expert, variant), world, ep,
+            cost), world, elementwise, adam_step, fwd_bwd, cost, args)
+        for variant in VARIANTS}
     return result
+
+
+def variant_figures(parts, world: int, elementwise: float, adam_step: float, fwd_bwd: float,
+                    cost, args) -> dict:
+    """Our step (owner mode) for one variant's plan: exchanges, collectives and their latency,
+    the step, its overhead with latency, and the most working memory a rank holds (GB)."""
+    from megatron_muon.plan import working_memory
+
+    step, collectives, latency, working = elementwise, 0, 0.0, 0
+    for part, _ in parts:
+        figures = part_step(part, "owner", cost, args)
+        step += figures["seconds"]
+        collectives += figures["collectives"]
+        latency += figures["latency"]
+        working = max([working] + working_memory(part.matrices, part.owners["owner"],
+                                                 part.exchanges, ELEMENT_BYTES))
+    return dict(exchanges=sum(len(part.exchanges) for part, _ in parts), collectives=collectives,
+                latency_ms=latency * 1e3, step_ms=step * 1e3, working_gb=working / 1e9,
+                overhead_with_latency=(step + latency - adam_step) / (fwd_bwd + adam_step))
 
 
 def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> dict:
@@ -439,18 +520,19 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
     the other); the most one matrix exchanged alone holds, which no budget goes below; with
     --optimizer-cpu-offload, the most state on the device at once, the bytes copied each way per
     step and their time over each host link."""
-    from megatron_muon.plan import (batch_matrices, exchange_batches, largest_alone,
-                                    offload_figures, per_exchange_bytes, working_memory)
+    from megatron_muon.plan import (OwnedBatches, batch_bytes, batch_matrices, largest_alone,
+                                    offload_figures, packed_plan, working_memory)
 
     budget = int(TRANSIENT_SHARE * GPU_BYTES)
-    share = per_exchange_bytes(budget)
     working, at_budget, alone = [0] * world, [0] * world, 0
     for part, rank_in_part in parts:
         owners = part.owners["owner"]
-        batches = batch_matrices(part.matrices, share, ELEMENT_BYTES)
+        batches = batch_matrices(part.matrices, batch_bytes(part.matrices, ELEMENT_BYTES, budget),
+                                 ELEMENT_BYTES)
         by_plan = working_memory(part.matrices, owners, part.exchanges, ELEMENT_BYTES)
-        by_budget = working_memory(part.matrices, owners, exchange_batches(
-            part.matrices, batches, owners, ELEMENT_BYTES, share), ELEMENT_BYTES)
+        by_budget = working_memory(part.matrices, owners, packed_plan(
+            part.matrices, OwnedBatches(owners, batches), ELEMENT_BYTES, budget, None).exchanges,
+            ELEMENT_BYTES)
         for r in range(world):
             working[r] = max(working[r], by_plan[rank_in_part(r)])
             at_budget[r] = max(at_budget[r], by_budget[rank_in_part(r)])
@@ -459,7 +541,7 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
                   for m, a in zip(muon_elements, adam_elements)]
     # --optimizer-cpu-offload: Muon's state streamed exchange by exchange; Adam's moments on
     # the device whole for Adam's step, which runs after Muon's.
-    offload = offload_figures([(part.matrices, part.exchanges,
+    offload = offload_figures([(part.matrices, part.offloaded_exchanges,
                                 [rank_in_part(r) for r in range(world)])
                                for part, rank_in_part in parts], ELEMENT_BYTES)
     each_way = max(f.host + a * ADAM_STATE_BYTES for f, a in zip(offload, adam_elements))
@@ -595,6 +677,23 @@ def print_beside_nvidia(results, rates: Rates):
               f"{layer_wise['overhead']:.2%} / {layer_wise['overhead_at_nvidia_batch']:.2%}")
 
 
+def print_variants_table(results):
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("variant", 8, "<"), ("exch", 5, ">"),
+               ("coll", 5, ">"), ("lat ms", 8, ">"), ("step ms", 9, ">"), ("work GB", 8, ">"),
+               ("overhead + latency", 19, ">")]
+    line = functools.partial(_line, columns=columns)
+    header = line([name for name, _, _ in columns])
+    print("\nThe Muon family, ours (owner mode), each planned as it runs (its second moment's "
+          "columns travelling and held; latency counted; the variants' elementwise second "
+          "moment taken at Muon's elementwise rate):")
+    print(header + "\n" + "-" * len(header))
+    for r in results:
+        for variant, v in r["variants"].items():
+            print(line([r["model"], r["world"], variant, v["exchanges"], v["collectives"],
+                        f"{v['latency_ms']:.4g}", f"{v['step_ms']:.4g}", f"{v['working_gb']:.2f}",
+                        f"{v['overhead_with_latency']:.2%}"]))
+
+
 def print_memory_table(results):
     columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("weights", 8, ">"),
                ("grads", 7, ">"), ("Adam state", 11, ">"), ("Muon state", 11, ">"),
@@ -697,6 +796,7 @@ def main():
     notes = assumptions(rates, args)
     print_table(results, notes)
     print_beside_nvidia(results, rates)
+    print_variants_table(results)
     print_memory_table(results)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scale.json").write_text(json.dumps(dict(assumptions=notes, rates=table,

@@ -59,10 +59,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             results and Newton-Schulz of the two exchanges in flight (one is gathered while the
             previous one computes), as plan.working_memory counts them. Same-shape matrices are
             orthogonalized together and batches exchanged together (one collective per
-            direction) within half of it each; a matrix that alone needs more goes alone on its
-            owner, and rank 0 says so once at construction. None (the default): per exchange group,
-            what Muon's state saves the rank that saves least against Adam's
-            (plan.affordable_bytes), so that the step never holds more than Adam's state would.
+            direction) within it; a matrix needing more than half goes alone in its batch,
+            and rank 0 says so. None (the default): per rank, what Muon's state saves it
+            against Adam's plus the most the step must exceed a rank's saving anyway
+            (plan.rank_budgets; the saving alone with the state offloaded).
             "allgather" mode and a checked step hold every update at once, beyond it.
         use_syrk: Newton-Schulz through emerging_optimizers' Triton SYRK kernel
             (--muon-use-syrk; megatron_muon.core.syrk says where it runs): CUDA, bf16 (`medium`),
@@ -115,13 +115,14 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         check_params(self)
         self._set_newton_schulz(tensor_parallel_muon_settings(kwargs), use_syrk,
                                 upstream_runs_syrk)
-        # What this rank carries out each step, per exchange group (the bench and tests read it),
-        # the rows of each param it holds, and where same-shape matrices run batched; rank 0
-        # names the matrices too large to share an exchange under a budget the user set.
-        planner = GroupPlanner(self)
-        self.batched_newton_schulz = planner.batched_newton_schulz
-        self.plans: list[GroupPlan] = planner.plan(byte_slack, max_exchange_bytes)
-        self._held_rows = planner.held_rows
+        # What this rank carries out each step, per exchange group (the bench and tests read it;
+        # the factory re-packs it with another Muon part's headroom), the rows of each param it
+        # holds, and where same-shape matrices run batched.
+        self.planner = GroupPlanner(self)
+        self.batched_newton_schulz = self.planner.batched_newton_schulz
+        self.plans: list[GroupPlan] = self.planner.plan(byte_slack, max_exchange_bytes,
+                                                         headroom=not offload_fraction)
+        self._held_rows = self.planner.held_rows
         self._check = OwnerCheck(self)
         self.host_state = HostState(self.device(), offloaded_params(self.plans, offload_fraction))
 

@@ -16,9 +16,10 @@ from emerging_optimizers import utils as eo_utils
 from torch.distributed.tensor import DTensor
 
 from ..compat import tensor_parallel, upstream
-from ..plan import (Matrix, RowLayout, StepCost, batch_matrices, cost_key, exchange_budget,
-                    orthogonalization_key, owner_bytes, owner_plan, per_exchange_bytes,
-                    qkv_row_blocks, row_layouts, split_matrices)
+from ..plan import (Matrix, OwnedBatches, RowLayout, StepCost, batch_bytes, batch_matrices,
+                    cost_key, orthogonalization_key, owned_batches, owner_bytes, packed_plan,
+                    per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices,
+                    step_headroom)
 from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_dims, data_parallel_layout,
                            num_experts, shard_index, tp_local_rows)
 from .exchange import OwnerRoutes, all_gather_ints
@@ -36,14 +37,15 @@ class GroupPlan:
     expert of a stacked expert weight; where this rank's rows of each sit in its param's local
     shard; their owners, this rank's routes through the exchanges that carry their batches, and
     the working-memory budget they were planned within, and the measured StepCost the owners
-    were chosen by (None: byte-first, or no owners)."""
+    were chosen by (None: byte-first, or no owners); `budgets`: each rank's
+    (plan.rank_budgets)."""
 
     def __init__(self, params: list[DTensor], matrices: list[Matrix],
                  pieces: list[tuple[int, int, int]], owners: list[int],
-                 exchanges: list[list[list[int]]], group: dist.ProcessGroup | None, budget: int,
-                 cost: StepCost | None = None) -> None:
+                 exchanges: list[list[list[int]]], group: dist.ProcessGroup | None,
+                 budgets: list[int], cost: StepCost | None = None) -> None:
         self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
-        self.group, self.budget, self.cost = group, budget, cost
+        self.group, self.budgets, self.cost = group, budgets, cost
         self.rank = dist.get_rank(group)
         self.routes = [OwnerRoutes(matrices, owners, batches, self.rank) for batches in exchanges]
 
@@ -83,31 +85,53 @@ class GroupPlanner:
         self.held_rows: dict[DTensor, tuple[int, int, int]] = {}
         self.batched_newton_schulz: dict[tuple, bool] = {}
 
-    def plan(self, byte_slack: float | None, max_exchange_bytes: int | None) -> list[GroupPlan]:
-        plans = [self._plan_group(params, group, byte_slack, max_exchange_bytes)
-                 for (group, _), params in self._exchange_groups().items()]
+    def plan(self, byte_slack: float | None, max_exchange_bytes: int | None,
+             headroom: bool = True) -> list[GroupPlan]:
+        """Every exchange group's plan. Under the default budget, `headroom`: each rank's budget
+        adds what the step must exceed a rank's saving anyway (plan.step_headroom), the most
+        over every group a rank steps (they run one after the other), agreed within each group;
+        False (the state offloaded: device memory first): each rank's saving alone."""
+        self._drafts = [self._draft_group(params, group, byte_slack, max_exchange_bytes)
+                        for (group, _), params in self._exchange_groups().items()]
+        self._max_exchange_bytes = max_exchange_bytes
+        self._with_headroom = headroom and max_exchange_bytes is None
+        plans = self.packed(0)
         if (dist.get_rank() == 0 and self.muon.dist_mode == "owner"
                 and max_exchange_bytes is not None):
-            self.say_which_go_alone(plans)
+            self.say_which_go_alone(plans, max_exchange_bytes)
         return plans
 
-    def say_which_go_alone(self, plans: list[GroupPlan]) -> None:
+    def headroom(self) -> int:
+        """This rank's largest step_headroom over its groups (0 where none is added)."""
+        return max([0] + [draft.headroom() for draft in self._drafts if self._with_headroom])
+
+    def packed(self, least_headroom: int) -> list[GroupPlan]:
+        """The groups' plans with at least `least_headroom`, each group's headroom the largest
+        of its ranks' (one collective per group)."""
+        if not self._with_headroom:
+            return [draft.packed(self._max_exchange_bytes, None) for draft in self._drafts]
+        mine = max(least_headroom, self.headroom())
+        return [draft.packed(None, max(row[0] for row in all_gather_ints(
+                    [mine], draft.group, draft.params[0].to_local().device)))
+                for draft in self._drafts]
+
+    def say_which_go_alone(self, plans: list[GroupPlan], max_exchange_bytes: int) -> None:
         """One line on rank 0: the matrices that alone need more than half of the working-memory
-        budget the user set (each goes alone in its batch, and on its owner in its exchange), the
-        largest named with its size. Under the default budget (what Muon's state saves a rank) small models send
-        most matrices alone by design, and the line would tell the user nothing to act on."""
+        budget the user set (each goes alone in its batch), the largest named with its size.
+        Under the default budget (what Muon's state saves a rank, and what the step needs
+        anyway) the line would tell the user nothing to act on."""
         needs = [(owner_bytes(matrix, plan.param_of(i).element_size()), plan, i)
                  for plan in plans for i, matrix in enumerate(plan.matrices)]
-        alone = [need for need in needs if need[0] > per_exchange_bytes(need[1].budget)]
+        alone = [need for need in needs if need[0] > per_exchange_bytes(max_exchange_bytes)]
         if not alone:
             return
         largest, plan, i = max(alone, key=lambda item: item[0])
         rows, cols = plan.matrices[i].shape
         print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
-              f"--muon-max-exchange-bytes ({plan.budget / 2**20:.1f} MiB) and are orthogonalized "
-              f"alone; the largest, {self.muon.name_of(plan.param_of(i))} ({rows}x{cols}, "
-              f"{rows * cols * plan.param_of(i).element_size() / 2**20:.1f} MiB), needs "
-              f"{largest / 2**20:.1f} MiB on its owner", flush=True)
+              f"--muon-max-exchange-bytes ({max_exchange_bytes / 2**20:.1f} MiB) and are "
+              f"orthogonalized alone; the largest, {self.muon.name_of(plan.param_of(i))} "
+              f"({rows}x{cols}, {rows * cols * plan.param_of(i).element_size() / 2**20:.1f} "
+              f"MiB), needs {largest / 2**20:.1f} MiB on its owner", flush=True)
 
     def _exchange_group(self, p: DTensor):
         dims = data_parallel_dims(p)
@@ -144,8 +168,8 @@ class GroupPlanner:
         return row_layouts([row[0] for row in table], [row[1:] for row in table],
                            [tp_local_rows(p) for p in params])
 
-    def _plan_group(self, params: list, group, byte_slack: float | None,
-                    max_exchange_bytes: int) -> GroupPlan:
+    def _draft_group(self, params: list, group, byte_slack: float | None,
+                     max_exchange_bytes: int | None) -> "_Draft":
         layouts = self._learn_layouts(params, group)
         rank = dist.get_rank(group)
         matrices, pieces = [], []
@@ -161,18 +185,17 @@ class GroupPlanner:
             representatives.setdefault(cost_key(matrix), (matrix, params[index]))
         batchable = self._batchable(matrices, representatives)
         element_bytes = params[0].element_size()
-        budget = exchange_budget(matrices, element_bytes, max_exchange_bytes)
         cost = None
         if self.muon.dist_mode == "owner" and self.muon.owner_choice == "time":
-            cost = self._measure_cost(matrices, representatives, batchable, group,
-                                      element_bytes, per_exchange_bytes(budget))
+            cost = self._measure_cost(matrices, representatives, batchable, group, element_bytes,
+                                      batch_bytes(matrices, element_bytes, max_exchange_bytes))
         else:
             self.batched_newton_schulz.update((key[:2], True) for key in batchable)
         # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
         # measured cost, so they pick the same owners: TP Newton-Schulz then meets its TP peers
         # on the same matrix.
-        plan = owner_plan(matrices, element_bytes, byte_slack, budget, cost)
-        return GroupPlan(params, matrices, pieces, plan.owners, plan.exchanges, group, budget, cost)
+        owned = owned_batches(matrices, element_bytes, byte_slack, max_exchange_bytes, cost)
+        return _Draft(params, matrices, pieces, owned, group, cost)
 
     @torch.no_grad()
     def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,
@@ -285,3 +308,25 @@ class GroupPlanner:
             batched = self.muon.orthogonalize_full(p, sample)
             single = torch.stack([self.muon.orthogonalize_full(p, m) for m in sample])
         return torch.equal(batched, single)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Draft:
+    """One exchange group's plan before its exchanges are packed: what the group's budgets
+    wait for is the headroom of every group its ranks step."""
+    params: list
+    matrices: list[Matrix]
+    pieces: list[tuple[int, int, int]]
+    owned: OwnedBatches
+    group: Any
+    cost: StepCost | None
+
+    def headroom(self) -> int:
+        return step_headroom(self.matrices, self.owned.owners, self.owned.batches,
+                             self.params[0].element_size())
+
+    def packed(self, max_exchange_bytes: int | None, headroom: int | None) -> GroupPlan:
+        plan = packed_plan(self.matrices, self.owned, self.params[0].element_size(),
+                           max_exchange_bytes, headroom)
+        return GroupPlan(self.params, self.matrices, self.pieces, plan.owners, plan.exchanges,
+                         self.group, plan.budgets, self.cost)

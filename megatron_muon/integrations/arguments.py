@@ -83,11 +83,12 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='The most bytes "owner" mode\'s step holds at once on a rank beyond '
                        'the weights, gradients and momentum: update rows, exchange buffers, '
                        'assembled matrices, results and Newton-Schulz\'s working set of the two '
-                       'exchanges in flight. Default: what Muon\'s state saves a rank against '
-                       'Adam\'s (4 bytes per Muon element it holds; the least over the ranks), so '
-                       'that the step never holds more than Adam\'s state would. Smaller: more, '
-                       'smaller exchanges and Newton-Schulz batches; a matrix that alone needs '
-                       'more goes alone on its owner and the start-up log names the largest.')
+                       'exchanges in flight. Default, per rank: what Muon\'s state saves it '
+                       'against Adam\'s (4 bytes per Muon element it holds) plus the most the '
+                       'step must exceed a rank\'s saving anyway (its largest matrices alone). '
+                       'Smaller: more, smaller exchanges and Newton-Schulz batches; a matrix '
+                       'that alone needs more than half goes alone in its batch and the start-up '
+                       'log names the largest.')
     if not any('--muon-use-syrk' in action.option_strings
                for action in upstream.parser_actions(parser)):  # megatron-core main defines it
         group.add_argument('--muon-use-syrk', action='store_true',

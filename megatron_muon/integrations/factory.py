@@ -253,4 +253,17 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
             part.tp_group = pg_collection.tp
             part.expert_tp_group = getattr(pg_collection, "expt_tp", pg_collection.tp)
             parts.append(part)
+    _share_headroom([part.optimizer for part in parts
+                     if isinstance(part.optimizer, ZeROTensorParallelMuon)])
     return parts
+
+
+def _share_headroom(muons: list[ZeROTensorParallelMuon]) -> None:
+    """The dense and the expert Muon part step one after the other, so each may hold what the
+    other's step must hold anyway: both re-pack their exchanges with the larger headroom
+    (plan.rank_budgets; GroupPlanner.packed), at construction, before any state."""
+    if len(muons) < 2:
+        return
+    headroom = max(muon.planner.headroom() for muon in muons)
+    for muon in muons:
+        muon.plans = muon.planner.packed(headroom)

@@ -5,14 +5,15 @@ budget it fits (budget), one exchange group's plan from them (owner_plan), and w
 the state to host memory keeps there and streams (offload). No communication, no tensors:
 unit-tested without processes. Imports nothing else of megatron_muon."""
 
-from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, affordable_bytes,
-                     batch_matrices, exchange_batches, exchange_budget, largest_alone,
-                     newton_schulz_bytes, owner_bytes, per_exchange_bytes, state_saved,
+from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, alone_working, batch_bytes,
+                     batch_matrices, exchange_batches, largest_alone, newton_schulz_bytes,
+                     owner_bytes, per_exchange_bytes, rank_budgets, state_saved, step_headroom,
                      working_memory)
 from .layouts import (Matrix, QKVRows, RowLayout, cost_key, ns_flops, orthogonalization_key,
                       qkv_row_blocks, row_layouts, split_matrices)
 from .offload import OffloadFigures, offload_figures, offloaded
-from .owner_plan import OwnerPlan, owner_plan
+from .owner_plan import (OwnedBatches, OwnerPlan, owned_batches, owner_plan,
+                         packed_plan)
 from .owners import (BYTE_SLACK, StepCost, choose_owners, choose_owners_by_time, estimated_seconds,
                      newton_schulz_seconds, whole_matrix_owners)
 from .traffic import (gather_moves, gather_segments, gather_traffic, layout_min_bytes,
@@ -20,12 +21,14 @@ from .traffic import (gather_moves, gather_segments, gather_traffic, layout_min_
                       scatter_traffic)
 
 __all__ = ["BYTE_SLACK", "ExchangeMemory", "IN_FLIGHT", "MAX_EXCHANGE_BYTES", "Matrix",
-           "OffloadFigures", "OwnerPlan", "QKVRows", "RowLayout", "StepCost", "affordable_bytes",
-           "batch_matrices", "choose_owners", "choose_owners_by_time", "cost_key",
-           "estimated_seconds", "exchange_batches", "exchange_budget", "gather_moves",
+           "OffloadFigures", "OwnedBatches", "OwnerPlan", "QKVRows", "RowLayout", "StepCost",
+           "alone_working", "batch_bytes", "batch_matrices", "choose_owners", "choose_owners_by_time", "cost_key",
+           "estimated_seconds", "exchange_batches", "gather_moves",
            "gather_segments", "gather_traffic", "largest_alone", "layout_min_bytes",
            "matrix_traffic", "newton_schulz_bytes", "newton_schulz_seconds", "ns_flops",
-           "offload_figures", "offloaded", "orthogonalization_key", "owner_bytes", "owner_plan",
-           "owner_traffic", "per_exchange_bytes", "qkv_row_blocks", "row_layouts", "scatter_moves",
-           "scatter_segments", "scatter_traffic", "split_matrices", "state_saved",
+           "offload_figures", "offloaded", "orthogonalization_key", "owned_batches", "owner_bytes",
+           "owner_plan", "packed_plan",
+           "owner_traffic", "per_exchange_bytes", "qkv_row_blocks", "rank_budgets", "row_layouts",
+           "scatter_moves",
+           "scatter_segments", "scatter_traffic", "split_matrices", "state_saved", "step_headroom",
            "whole_matrix_owners", "working_memory"]

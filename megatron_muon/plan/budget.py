@@ -8,8 +8,8 @@ from .layouts import Matrix
 from .traffic import gather_traffic, scatter_traffic
 
 # The most the owner step's working memory (exchanges in flight, Newton-Schulz) holds at once on a
-# rank (--muon-max-exchange-bytes), unless one matrix alone needs more; None: what Muon's state
-# saves each rank of the exchange group against Adam's (affordable_bytes).
+# rank (--muon-max-exchange-bytes), unless its batches alone need more; None: what Muon's state
+# saves each rank against Adam's, plus what the step must exceed that by anyway (rank_budgets).
 MAX_EXCHANGE_BYTES = None
 
 
@@ -77,10 +77,12 @@ class ExchangeMemory:
     def __init__(self, matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int):
         self.matrices, self.owners, self.element_bytes = matrices, owners, element_bytes
         self.bytes = {stage: {} for stage in _STAGES}  # stage -> {rank: bytes}
+        self.batches: list[list[int]] = []
         self.largest = 0
 
-    def _added(self, batch: Sequence[int]) -> dict[str, dict[int, int]]:
-        """Each touched rank's bytes per stage with `batch` added."""
+    def added(self, batch: Sequence[int]) -> dict[str, dict[int, int]]:
+        """Each touched rank's bytes per stage with `batch` added (what `peak` and `started`
+        take as `added`)."""
         eb, added = self.element_bytes, {stage: {} for stage in _STAGES}
 
         def add(stage, rank, nbytes):
@@ -112,20 +114,16 @@ class ExchangeMemory:
             added["computing"][owner] = max(self.bytes["computing"].get(owner, 0), call)
         return added
 
-    def fits(self, batch: Sequence[int], allowed: dict[int, int]) -> bool:
-        """Whether every rank `batch` touches would hold at most `allowed[rank]` with it added."""
-        added = self._added(batch)
-        return all(self.peak(rank, added) <= allowed[rank] for rank in set().union(*added.values()))
-
     def _largest_with(self, added: dict[str, dict[int, int]]) -> int:
         touched = set().union(*added.values())
         return max([self.largest] + [self.peak(rank, added) for rank in touched])
 
     def add(self, batch: Sequence[int]) -> None:
-        added = self._added(batch)
+        added = self.added(batch)
         self.largest = self._largest_with(added)
         for stage, counts in added.items():
             self.bytes[stage].update(counts)
+        self.batches.append(list(batch))
 
     def _get(self, stage: str, rank: int, added=None) -> int:
         if added and rank in added[stage]:
@@ -136,8 +134,8 @@ class ExchangeMemory:
         """The ranks holding anything for this exchange."""
         return set().union(*self.bytes.values())
 
-    def started(self, rank: int) -> int:
-        return self._get("local", rank) + self._get("gathered", rank)
+    def started(self, rank: int, added=None) -> int:
+        return self._get("local", rank, added) + self._get("gathered", rank, added)
 
     def peak(self, rank: int, added=None) -> int:
         local, gathered, assembled, results, computing, scattered = (
@@ -147,34 +145,63 @@ class ExchangeMemory:
 
 def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]],
                      owners: Sequence[int], element_bytes: int,
-                     max_bytes: int) -> list[list[list[int]]]:
+                     budgets: Sequence[int]) -> list[list[list[int]]]:
     """Batches packed into exchanges, first fit in order: a batch joins the first exchange where
-    every rank stays within `max_bytes` (ExchangeMemory.peak), or, for a rank whose part of one
-    batch alone needs more (a matrix too large for the share, on its owner), within that
-    batch's part alone: such a batch holds its owner alone in its exchange, beside other owners'
-    matrices. An exchange carries all its batches' rows in one collective per direction,
-    whatever their shapes; a rank holds at most the larger of `max_bytes` and its largest batch
-    alone in each."""
-    exchanges: list[list[list[int]]] = []
+    every rank r it touches stays within `budgets[r]` with two exchanges in flight
+    (working_memory's count: an exchange at its peak beside the next one started, the one
+    before at its peak beside this one started); the last exchange keeps room for the largest
+    start of any batch still to come, so that one opening an exchange after it fits. A batch
+    that joins none opens the next exchange. With every budget at least alone_working's,
+    every rank's working memory stays within its budget. An exchange carries all its batches'
+    rows in one collective per direction, whatever their shapes."""
+    alone = _alone(matrices, owners, batches, element_bytes)
     memories: list[ExchangeMemory] = []
-    floors: list[dict[int, int]] = []  # per exchange, each rank's largest batch alone
-    for batch in batches:
-        alone = ExchangeMemory(matrices, owners, element_bytes)
-        alone.add(batch)
-        batch_floor = {rank: alone.peak(rank) for rank in alone.ranks()}
-        for batches_in, memory, floor in zip(exchanges, memories, floors):
-            allowed = {rank: max(max_bytes, floor.get(rank, 0), batch_floor.get(rank, 0))
-                       for rank in batch_floor.keys() | floor.keys()}
-            if memory.fits(batch, allowed):
+    for batch, later in zip(batches, _later_starts(alone)):
+        for k, memory in enumerate(memories):
+            if _fits(memories, k, memory.added(batch), later, budgets):
+                memory.add(batch)
                 break
         else:
-            batches_in, memory, floor = [], ExchangeMemory(matrices, owners, element_bytes), {}
-            exchanges.append(batches_in), memories.append(memory), floors.append(floor)
-        batches_in.append(list(batch))
-        memory.add(batch)
-        for rank, held in batch_floor.items():
-            floor[rank] = max(floor.get(rank, 0), held)
-    return exchanges
+            memories.append(ExchangeMemory(matrices, owners, element_bytes))
+            memories[-1].add(batch)
+    return [memory.batches for memory in memories]
+
+
+def _fits(memories: Sequence[ExchangeMemory], k: int, added: dict, later: dict[int, int],
+          budgets: Sequence[int]) -> bool:
+    """Whether every rank exchange k touches with `added` stays within its budget at the
+    exchange's peak beside the next one started (the last: beside `later`, the largest start
+    still to come), and at the one before's peak beside this one started."""
+    memory = memories[k]
+    before = memories[k - 1] if k > 0 else None
+    after = memories[k + 1] if k + 1 < len(memories) else None
+    for rank in set().union(*added.values()):
+        following = after.started(rank) if after else later.get(rank, 0)
+        if memory.peak(rank, added) + following > budgets[rank]:
+            return False
+        if before and before.peak(rank) + memory.started(rank, added) > budgets[rank]:
+            return False
+    return True
+
+
+def _alone(matrices: Sequence[Matrix], owners: Sequence[int], batches: Sequence[Sequence[int]],
+           element_bytes: int) -> list[ExchangeMemory]:
+    """Each batch exchanged alone."""
+    alone = []
+    for batch in batches:
+        alone.append(ExchangeMemory(matrices, owners, element_bytes))
+        alone[-1].add(batch)
+    return alone
+
+
+def _later_starts(alone: Sequence[ExchangeMemory]) -> list[dict[int, int]]:
+    """For each batch, {rank: the largest start of any batch after it}."""
+    later, largest = [], {}
+    for memory in reversed(alone):
+        later.append(dict(largest))
+        for rank in memory.ranks():
+            largest[rank] = max(largest.get(rank, 0), memory.started(rank))
+    return later[::-1]
 
 
 def largest_alone(matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int) -> int:
@@ -217,18 +244,58 @@ def state_saved(matrices: Sequence[Matrix], element_bytes: int) -> list[int]:
     return saved
 
 
-def affordable_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
-    """The default working-memory budget: what Muon's state saves the rank of the group that
-    saves least (state_saved), so that no rank's step holds more than Adam's state would have;
-    a matrix that alone needs more still goes alone on its owner, the floor. At least one
-    byte."""
-    return max(1, min(state_saved(matrices, element_bytes), default=1))
+def batch_bytes(matrices: Sequence[Matrix], element_bytes: int,
+                max_exchange_bytes: int | None) -> int:
+    """What one batch's owner_bytes may add up to (batch_matrices): half of a budget the user
+    set (two exchanges in flight share it), by default the largest matrix's, so that batching
+    never makes a call need more than the largest matrix alone. At least one byte."""
+    if max_exchange_bytes is not None:
+        return max(1, per_exchange_bytes(max_exchange_bytes))
+    return max([1] + [owner_bytes(matrix, element_bytes) for matrix in matrices])
 
 
-def exchange_budget(matrices: Sequence[Matrix], element_bytes: int,
-                    max_exchange_bytes: int | None) -> int:
-    """The working-memory budget a group is planned within: `max_exchange_bytes`, or where it
-    is None (the default), affordable_bytes."""
-    if max_exchange_bytes is None:
-        return affordable_bytes(matrices, element_bytes)
-    return max_exchange_bytes
+def alone_working(matrices: Sequence[Matrix], owners: Sequence[int],
+                  batches: Sequence[Sequence[int]], element_bytes: int) -> list[int]:
+    """Each rank's working memory with its batches exchanged alone: each at its peak beside the
+    largest start of any batch after it (what first fit may place next to it): what its own
+    batches need, which no budget goes below."""
+    held = [0] * (matrices[0].layout.ranks if matrices else 0)
+    alone = _alone(matrices, owners, batches, element_bytes)
+    for memory, later in zip(alone, _later_starts(alone)):
+        for rank in memory.ranks():
+            held[rank] = max(held[rank], memory.peak(rank) + later.get(rank, 0))
+    return held
+
+
+def step_headroom(matrices: Sequence[Matrix], owners: Sequence[int],
+                  batches: Sequence[Sequence[int]], element_bytes: int) -> int:
+    """How far the step must go above what Muon's state saves a rank, on the rank where that
+    is furthest, with every batch exchanged alone (alone_working less state_saved): 0 where
+    every rank's saving holds its batches alone."""
+    saved = state_saved(matrices, element_bytes)
+    return max([0] + [need - kept for need, kept in
+                      zip(alone_working(matrices, owners, batches, element_bytes), saved)])
+
+
+def rank_budgets(matrices: Sequence[Matrix], owners: Sequence[int],
+                 batches: Sequence[Sequence[int]], element_bytes: int,
+                 max_exchange_bytes: int | None, headroom: int | None) -> list[int]:
+    """Each rank's working-memory budget, two exchanges in flight, never below what the rank's
+    own batches need alone (alone_working): `max_exchange_bytes`; or by default what Muon's
+    state saves the rank (state_saved) plus `headroom`, the most the step must exceed a rank's
+    saving anyway (step_headroom, over every exchange group a rank steps: they run one after
+    the other), and a rank whose batches alone need more than its saving holds them and its
+    saving besides; `headroom` None (the state offloaded: device memory first): the saving.
+
+    Megatron-FSDP cuts every bucket into equal shards, so ranks differ at rest by what Muon's
+    state saves them: by default no rank's peak goes above Adam's state at rest plus the most
+    one rank's batches need alone, and where every rank's saving holds its batches alone
+    (headroom 0), every rank's step stays within its saving."""
+    alone = alone_working(matrices, owners, batches, element_bytes)
+    if max_exchange_bytes is not None:
+        return [max(1, max_exchange_bytes, need) for need in alone]
+    saved = state_saved(matrices, element_bytes)
+    if headroom is None:
+        return [max(1, kept, need) for kept, need in zip(saved, alone)]
+    return [max(1, kept + max(headroom, need if need > kept else 0))
+            for kept, need in zip(saved, alone)]

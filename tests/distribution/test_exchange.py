@@ -50,12 +50,18 @@ def _owner_round_trip(rank, world_size, shard_of):
     matrices = [Matrix(layout, 3 + 2 * (i % 2)) for i, layout in enumerate(layouts)]
     owners = choose_owners(matrices, element_bytes=4)
     # Batches of at most two matrices; the first exchange as large as all batches but the last
-    # need (it holds both widths), the last batch in one of its own where it would add to it.
+    # need beside any one's start (it holds both widths), the last batch in one of its own
+    # where it would add more to it.
     batches = batch_matrices(matrices, 2 * owner_bytes(matrices[0], 4), 4)
-    all_but_last = ExchangeMemory(matrices, owners, 4)
+    all_but_last, alone = ExchangeMemory(matrices, owners, 4), []
     for batch in batches[:-1]:
         all_but_last.add(batch)
-    exchanges = exchange_batches(matrices, batches, owners, 4, all_but_last.largest)
+    for batch in batches:
+        alone.append(ExchangeMemory(matrices, owners, 4))
+        alone[-1].add(batch)
+    budgets = [all_but_last.peak(r) + max(memory.started(r) for memory in alone)
+               for r in range(world_size)]
+    exchanges = exchange_batches(matrices, batches, owners, 4, budgets)
     assert exchanges[0] == batches[:-1] or exchanges == [batches], exchanges
     assert any(len({matrices[b[0]].cols for b in batches}) > 1 for batches in exchanges), exchanges
     routes = [OwnerRoutes(matrices, owners, batches, rank) for batches in exchanges]

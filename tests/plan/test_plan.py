@@ -9,6 +9,7 @@ from megatron_muon.plan import (ExchangeMemory, Matrix, RowLayout, StepCost, bat
                                 newton_schulz_bytes, ns_flops, owner_bytes, owner_plan,
                                 owner_traffic, qkv_row_blocks, row_layouts, scatter_segments,
                                 whole_matrix_owners, working_memory)
+from megatron_muon.plan.budget import alone_working, rank_budgets, state_saved, step_headroom
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -206,53 +207,87 @@ def test_exchange_memory_counts_each_stage_of_an_owner_exchange():
     assert pair.peak(1) == 2 * 3 * 32 + 2 * 160 + (2 * newton_schulz + 2 * 160)
 
 
-def test_exchanges_pack_consecutive_batches_within_the_bound():
+def _packed_memory(matrices, owners, exchange):
+    memory = ExchangeMemory(matrices, owners, element_bytes=4)
+    for batch in exchange:
+        memory.add(batch)
+    return memory
+
+
+def test_exchanges_pack_batches_within_each_ranks_budget_two_in_flight():
     matrices = [_matrix((2, 2)), _matrix((1, 1), cols=4), _matrix((2, 2), key="x")]
     owners, batches = [0, 1, 0], [[0], [1], [2]]
 
-    def largest(*members):
-        memory = ExchangeMemory(matrices, owners, element_bytes=4)
-        for batch in members:
-            memory.add(batch)
-        return memory.largest
+    def most(*exchanges):  # each rank's working memory with these exchanges
+        return working_memory(matrices, owners, list(exchanges), 4)
 
-    two, three = largest([0], [1]), largest([0], [1], [2])
-    assert two < three
-    assert exchange_batches(matrices, batches, owners, 4, max_bytes=two) == [[[0], [1]], [[2]]]
-    assert exchange_batches(matrices, batches, owners, 4, max_bytes=three) == [[[0], [1], [2]]]
-    # A batch over the bound still gets an exchange of its own.
-    assert exchange_batches(matrices, batches, owners, 4, max_bytes=1) == [[[0]], [[1]], [[2]]]
+    two_then_one = most([[0], [1]], [[2]])
+    assert max(two_then_one) < max(most([[0], [1], [2]]))
+    assert exchange_batches(matrices, batches, owners, 4, two_then_one) == [[[0], [1]], [[2]]]
+    # All three in one exchange: the budget holds them, and, while the last batch is still to
+    # come, the first two beside its start (room for it to open an exchange of its own).
+    together, third = most([[0], [1], [2]]), _packed_memory(matrices, owners, [[2]])
+    first_two = _packed_memory(matrices, owners, [[0], [1]])
+    roomy = [max(most_held, first_two.peak(rank) + third.started(rank))
+             for rank, most_held in enumerate(together)]
+    assert exchange_batches(matrices, batches, owners, 4, roomy) == [[[0], [1], [2]]]
+    assert exchange_batches(matrices, batches, owners, 4, together) != [[[0], [1], [2]]]
+    # A batch over its budget still gets an exchange of its own.
+    assert exchange_batches(matrices, batches, owners, 4, [1, 1]) == [[[0]], [[1]], [[2]]]
     # Two exchanges in flight: the first at its peak beside the second started.
-    first, second = ExchangeMemory(matrices, owners, 4), ExchangeMemory(matrices, owners, 4)
-    first.add([0]), first.add([1]), second.add([2])
-    assert working_memory(matrices, owners, [[[0], [1]], [[2]]], 4) == [
-        max(first.peak(rank) + second.started(rank), second.peak(rank)) for rank in range(2)]
+    first, second = _packed_memory(matrices, owners, [[0], [1]]), _packed_memory(
+        matrices, owners, [[2]])
+    assert two_then_one == [max(first.peak(rank) + second.started(rank), second.peak(rank))
+                            for rank in range(2)]
 
 
-def test_a_matrix_too_large_for_the_share_goes_alone_on_its_owner_beside_other_owners():
-    """First fit by rank: a matrix whose owner needs more than the share holds that owner alone
-    in its exchange, while other owners' matrices (on other ranks) travel in the same exchange;
-    a second such matrix on the same owner takes the next exchange. Every rank stays within the
-    larger of the share and its largest batch alone."""
+def test_packing_keeps_every_rank_within_its_budget_on_random_layouts():
+    """First fit with two in flight, the last exchange keeping room for what may open the next:
+    on random uneven layouts and batches, every batch goes once, and every rank's working
+    memory stays within its budget, whatever it adds to what its batches need alone."""
+    rng = random.Random(1)
+    for _ in range(60):
+        world = rng.choice([2, 3, 4])
+        matrices = [_matrix([rng.choice([0, 0, 1, 3, 6]) for _ in range(world - 1)] + [1],
+                            cols=rng.choice([4, 8])) for _ in range(rng.randint(2, 9))]
+        owners = choose_owners(matrices, element_bytes=4)
+        batches = batch_matrices(matrices, rng.choice([1, 1000, 4000]), 4)
+        alone = alone_working(matrices, owners, batches, 4)
+        budgets = [need + rng.choice([0, 0, 40, 400, 4000]) for need in alone]
+        exchanges = exchange_batches(matrices, batches, owners, 4, budgets)
+        assert sorted(b for exchange in exchanges for b in exchange) == sorted(batches)
+        held = working_memory(matrices, owners, exchanges, 4)
+        assert all(h <= budget for h, budget in zip(held, budgets)), (held, budgets)
+        if all(budget >= max(held) * 3 for budget in budgets):
+            assert len(exchanges) == 1
+
+
+def test_a_matrix_too_large_for_its_owners_saving_goes_alone_on_it_beside_other_owners():
+    """Each rank's budget never goes below what its own batches need alone: a matrix needing
+    more than its owner's saving holds that owner alone in its exchange (state offloaded:
+    budgets are the savings), while other owners' matrices travel in the same exchange; a
+    second such matrix on the same owner takes the next. By default the owner also keeps its
+    saving besides, and every rank gets the headroom the busiest one needs anyway."""
     big = Matrix(RowLayout((8, 0, 0, 0)), 8)
     matrices = [big, Matrix(RowLayout((0, 0, 2, 0)), 8), Matrix(RowLayout((0, 0, 0, 2)), 8), big]
     owners, batches = [0, 2, 3, 0], [[0], [1], [2], [3]]
-
-    def alone(i):
-        memory = ExchangeMemory(matrices, owners, element_bytes=4)
-        memory.add([i])
-        return memory
-
-    share = max(alone(1).largest, alone(2).largest)
-    assert alone(0).largest > share
-    exchanges = exchange_batches(matrices, batches, owners, 4, max_bytes=share)
+    saved, alone = state_saved(matrices, 4), alone_working(matrices, owners, batches, 4)
+    offloaded = rank_budgets(matrices, owners, batches, 4, None, headroom=None)
+    assert offloaded == [max(1, s, need) for s, need in zip(saved, alone)]
+    assert offloaded[0] == alone[0] > saved[0]
+    exchanges = exchange_batches(matrices, batches, owners, 4, offloaded)
     assert exchanges == [[[0], [1], [2]], [[3]]]
-    for exchange in exchanges:
-        memory = ExchangeMemory(matrices, owners, element_bytes=4)
-        for batch in exchange:
-            memory.add(batch)
-        for rank in memory.ranks():
-            assert memory.peak(rank) <= max(share, *(alone(b[0]).peak(rank) for b in exchange))
+    held = working_memory(matrices, owners, exchanges, 4)
+    assert all(h <= budget for h, budget in zip(held, offloaded))
+
+    headroom = step_headroom(matrices, owners, batches, 4)
+    assert headroom == max(need - s for s, need in zip(saved, alone)) > 0
+    budgets = rank_budgets(matrices, owners, batches, 4, None, headroom)
+    assert budgets[0] == saved[0] + alone[0]
+    assert budgets[2:] == [s + headroom for s in saved[2:]]
+    # A budget the user sets is every rank's, raised to what a rank's batches need alone.
+    assert rank_budgets(matrices, owners, batches, 4, 10, headroom) == [
+        max(10, need) for need in alone]
 
 
 def test_gather_segments_list_the_rows_a_rank_sends_each_owner():
