@@ -301,40 +301,56 @@ class Part:
                        "owner-by-bytes": choose_owners(matrices, ELEMENT_BYTES),
                        "whole-matrix-per-rank": whole_matrix_owners(matrices)}
 
-    def headroom(self) -> int:
-        from megatron_muon.plan import step_headroom
-
-        return step_headroom(self.matrices, self.owned.owners, self.batches, ELEMENT_BYTES)
-
-    def pack(self, headroom: int) -> None:
-        """The exchanges at the default budget with `headroom` (and, for the offloaded state,
-        without it, as ZeROTensorParallelMuon plans them then); with one rank's routes through
-        every exchange, as it builds them at construction."""
+    def pack(self, headroom: int, saved: list[int] | None = None) -> None:
+        """The exchanges at the default budget with `headroom` and each rank's `saved` (None:
+        its saving in this part), and, for the offloaded state, without them, as
+        ZeROTensorParallelMuon plans them then; with one rank's routes through every exchange,
+        as it builds them at construction."""
         from megatron_muon.distribution.exchange import OwnerRoutes
-        from megatron_muon.plan import packed_plan
+        from megatron_muon.plan import fewest_exchanges, packed_plan
 
         start = time.perf_counter()
-        self.exchanges = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None,
-                                     headroom).exchanges
+        plan = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None, headroom, saved)
+        self.exchanges = plan.exchanges
         for batches in self.exchanges:
             OwnerRoutes(self.matrices, self.owned.owners, batches, 0)
         self.plan_seconds += time.perf_counter() - start
+        self.fewest_exchanges = fewest_exchanges(self.matrices, self.owned.owners, self.batches,
+                                                 ELEMENT_BYTES, plan.budgets)
         self.offloaded_exchanges = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None,
                                                None).exchanges
 
 
-def planned_parts(dense, expert, world: int, ep: int, cost) -> list[tuple[Part, Callable]]:
+def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
+                  expert_rank: int | None = None) -> list[tuple[Part, Callable]]:
     """(Part, rank of dp_cp -> its rank in the part) for the dense matrices and the experts (rank
     r of dp_cp is rank r // EP of its expert data-parallel group: megatron-core's order, expert
-    parallelism varying fastest), packed with the larger headroom: the parts run one after the
-    other, so each may hold what the step needs anyway in either (the factory's
-    _share_headroom)."""
+    parallelism varying fastest), packed as the factory packs its dense and expert Muon parts
+    (_share_headroom): a rank's budget is its saving over both parts plus the headroom over
+    both. The experts part stands for the expert data-parallel group of expert-parallel rank
+    `expert_rank` (dp_cp ranks r with r % EP == expert_rank), or where None for every group at
+    once: each of its ranks the least saving of the dp_cp ranks it stands for. `expert_cost`:
+    the experts' StepCost where it is not `cost` (a run measures one per group)."""
+    from megatron_muon.plan import alone_working, state_saved
+
     parts = [(Part(dense, world, cost), lambda r: r)]
     if expert:
-        parts.append((Part(expert, world // ep, cost), lambda r: r // ep))
-    headroom = max(part.headroom() for part, _ in parts)
-    for part, _ in parts:
-        part.pack(headroom)
+        parts.append((Part(expert, world // ep, expert_cost or cost), lambda r: r // ep))
+    saving, need = [0] * world, [0] * world
+    for part, rank_in_part in parts:
+        saved = state_saved(part.matrices, ELEMENT_BYTES)
+        alone = alone_working(part.matrices, part.owned.owners, part.batches, ELEMENT_BYTES)
+        for r in range(world):
+            saving[r] += saved[rank_in_part(r)]
+            need[r] = max(need[r], alone[rank_in_part(r)])
+    headroom = max([0] + [n - s for n, s in zip(need, saving)])
+    for part, rank_in_part in parts:
+        in_part = [None] * part.world
+        for r in range(world):
+            if part is parts[0][0] or expert_rank is None or r % ep == expert_rank:
+                q = rank_in_part(r)
+                in_part[q] = saving[r] if in_part[q] is None else min(in_part[q], saving[r])
+        part.pack(headroom, in_part)
     return parts
 
 
@@ -508,7 +524,9 @@ def variant_figures(parts, world: int, elementwise: float, adam_step: float, fwd
         latency += figures["latency"]
         working = max([working] + working_memory(part.matrices, part.owners["owner"],
                                                  part.exchanges, ELEMENT_BYTES))
-    return dict(exchanges=sum(len(part.exchanges) for part, _ in parts), collectives=collectives,
+    return dict(exchanges=sum(len(part.exchanges) for part, _ in parts),
+                fewest_exchanges=sum(part.fewest_exchanges for part, _ in parts),
+                collectives=collectives,
                 latency_ms=latency * 1e3, step_ms=step * 1e3, working_gb=working / 1e9,
                 overhead_with_latency=(step + latency - adam_step) / (fwd_bwd + adam_step))
 
@@ -679,17 +697,20 @@ def print_beside_nvidia(results, rates: Rates):
 
 def print_variants_table(results):
     columns = [("model", 12, "<"), ("W", 5, ">"), ("variant", 8, "<"), ("exch", 5, ">"),
-               ("coll", 5, ">"), ("lat ms", 8, ">"), ("step ms", 9, ">"), ("work GB", 8, ">"),
+               ("at least", 9, ">"), ("coll", 5, ">"), ("lat ms", 8, ">"), ("step ms", 9, ">"),
+               ("work GB", 8, ">"),
                ("overhead + latency", 19, ">")]
     line = functools.partial(_line, columns=columns)
     header = line([name for name, _, _ in columns])
     print("\nThe Muon family, ours (owner mode), each planned as it runs (its second moment's "
-          "columns travelling and held; latency counted; the variants' elementwise second "
-          "moment taken at Muon's elementwise rate):")
+          "columns travelling and held; 'at least': the exchanges its budgets allow at fewest, "
+          "plan.fewest_exchanges; latency counted; the variants' elementwise second moment "
+          "taken at Muon's elementwise rate):")
     print(header + "\n" + "-" * len(header))
     for r in results:
         for variant, v in r["variants"].items():
-            print(line([r["model"], r["world"], variant, v["exchanges"], v["collectives"],
+            print(line([r["model"], r["world"], variant, v["exchanges"], v["fewest_exchanges"],
+                        v["collectives"],
                         f"{v['latency_ms']:.4g}", f"{v['step_ms']:.4g}", f"{v['working_gb']:.2f}",
                         f"{v['overhead_with_latency']:.2%}"]))
 

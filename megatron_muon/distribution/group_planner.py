@@ -16,10 +16,10 @@ from emerging_optimizers import utils as eo_utils
 from torch.distributed.tensor import DTensor
 
 from ..compat import tensor_parallel, upstream
-from ..plan import (Matrix, OwnedBatches, RowLayout, StepCost, batch_bytes, batch_matrices,
-                    cost_key, orthogonalization_key, owned_batches, owner_bytes, packed_plan,
-                    per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices,
-                    step_headroom)
+from ..plan import (Matrix, OwnedBatches, RowLayout, StepCost, alone_working, batch_bytes,
+                    batch_matrices, cost_key, orthogonalization_key, owned_batches, owner_bytes,
+                    packed_plan, per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices,
+                    state_saved)
 from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_dims, data_parallel_layout,
                            num_experts, shard_index, tp_local_rows)
 from .exchange import OwnerRoutes, all_gather_ints
@@ -87,33 +87,47 @@ class GroupPlanner:
 
     def plan(self, byte_slack: float | None, max_exchange_bytes: int | None,
              headroom: bool = True) -> list[GroupPlan]:
-        """Every exchange group's plan. Under the default budget, `headroom`: each rank's budget
-        adds what the step must exceed a rank's saving anyway (plan.step_headroom), the most
-        over every group a rank steps (they run one after the other), agreed within each group;
-        False (the state offloaded: device memory first): each rank's saving alone."""
+        """Every exchange group's plan. Under the default budget, `headroom`: a rank's budget
+        is its saving plus what the step must exceed a rank's saving anyway (packed); False
+        (the state offloaded: device memory first): each rank's saving in the group."""
         self._drafts = [self._draft_group(params, group, byte_slack, max_exchange_bytes)
                         for (group, _), params in self._exchange_groups().items()]
         self._max_exchange_bytes = max_exchange_bytes
         self._with_headroom = headroom and max_exchange_bytes is None
-        plans = self.packed(0)
+        self.headroom = 0
+        plans = self.packed()
         if (dist.get_rank() == 0 and self.muon.dist_mode == "owner"
                 and max_exchange_bytes is not None):
             self.say_which_go_alone(plans, max_exchange_bytes)
         return plans
 
-    def headroom(self) -> int:
-        """This rank's largest step_headroom over its groups (0 where none is added)."""
-        return max([0] + [draft.headroom() for draft in self._drafts if self._with_headroom])
+    def saving(self) -> int:
+        """What Muon's state saves this rank against Adam's, over its groups (plan.state_saved)."""
+        return sum(draft.saved()[draft.rank] for draft in self._drafts)
 
-    def packed(self, least_headroom: int) -> list[GroupPlan]:
-        """The groups' plans with at least `least_headroom`, each group's headroom the largest
-        of its ranks' (one collective per group)."""
+    def need(self) -> int:
+        """The most this rank's batches alone need in any of its groups (plan.alone_working)."""
+        return max([0] + [draft.alone()[draft.rank] for draft in self._drafts])
+
+    def packed(self, saving: int | None = None, need: int | None = None,
+               least_headroom: int = 0) -> list[GroupPlan]:
+        """The groups' plans: a rank's budget is its `saving` over every group it steps
+        (whichever Muon part steps them: they run one after the other; None: this planner's)
+        plus the headroom, the most any rank's `need` (None: this planner's) exceeds its
+        saving (plan.rank_budgets), at least `least_headroom`. Each group gathers its ranks'
+        savings and headroom (one collective) and passes the largest headroom on to the next
+        group; `headroom`: the last."""
         if not self._with_headroom:
             return [draft.packed(self._max_exchange_bytes, None) for draft in self._drafts]
-        mine = max(least_headroom, self.headroom())
-        return [draft.packed(None, max(row[0] for row in all_gather_ints(
-                    [mine], draft.group, draft.params[0].to_local().device)))
-                for draft in self._drafts]
+        saving = self.saving() if saving is None else saving
+        need = self.need() if need is None else need
+        self.headroom, plans = max(least_headroom, need - saving, 0), []
+        for draft in self._drafts:
+            table = all_gather_ints([saving, self.headroom], draft.group,
+                                    draft.params[0].to_local().device)
+            self.headroom = max(row[1] for row in table)
+            plans.append(draft.packed(None, self.headroom, [row[0] for row in table]))
+        return plans
 
     def say_which_go_alone(self, plans: list[GroupPlan], max_exchange_bytes: int) -> None:
         """One line on rank 0: the matrices that alone need more than half of the working-memory
@@ -312,8 +326,8 @@ class GroupPlanner:
 
 @dataclasses.dataclass(frozen=True)
 class _Draft:
-    """One exchange group's plan before its exchanges are packed: what the group's budgets
-    wait for is the headroom of every group its ranks step."""
+    """One exchange group's plan before its exchanges are packed: its budgets wait for its
+    ranks' savings and headroom over every group they step."""
     params: list
     matrices: list[Matrix]
     pieces: list[tuple[int, int, int]]
@@ -321,12 +335,20 @@ class _Draft:
     group: Any
     cost: StepCost | None
 
-    def headroom(self) -> int:
-        return step_headroom(self.matrices, self.owned.owners, self.owned.batches,
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def saved(self) -> list[int]:
+        return state_saved(self.matrices, self.params[0].element_size())
+
+    def alone(self) -> list[int]:
+        return alone_working(self.matrices, self.owned.owners, self.owned.batches,
                              self.params[0].element_size())
 
-    def packed(self, max_exchange_bytes: int | None, headroom: int | None) -> GroupPlan:
+    def packed(self, max_exchange_bytes: int | None, headroom: int | None,
+               saved: list[int] | None = None) -> GroupPlan:
         plan = packed_plan(self.matrices, self.owned, self.params[0].element_size(),
-                           max_exchange_bytes, headroom)
+                           max_exchange_bytes, headroom, saved)
         return GroupPlan(self.params, self.matrices, self.pieces, plan.owners, plan.exchanges,
                          self.group, plan.budgets, self.cost)

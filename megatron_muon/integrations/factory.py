@@ -259,11 +259,14 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
 
 
 def _share_headroom(muons: list[ZeROTensorParallelMuon]) -> None:
-    """The dense and the expert Muon part step one after the other, so each may hold what the
-    other's step must hold anyway: both re-pack their exchanges with the larger headroom
-    (plan.rank_budgets; GroupPlanner.packed), at construction, before any state."""
+    """The dense and the expert Muon part step one after the other, so a rank's budget in
+    either is its saving over both plus the headroom over both (GroupPlanner.packed): both
+    re-pack their exchanges with them, dense first, at construction, before any state."""
     if len(muons) < 2:
         return
-    headroom = max(muon.planner.headroom() for muon in muons)
+    saving = sum(muon.planner.saving() for muon in muons)
+    need = max(muon.planner.need() for muon in muons)
+    headroom = 0
     for muon in muons:
-        muon.plans = muon.planner.packed(headroom)
+        muon.plans = muon.planner.packed(saving, need, headroom)
+        headroom = muon.planner.headroom

@@ -6,9 +6,9 @@ the state to host memory keeps there and streams (offload). No communication, no
 unit-tested without processes. Imports nothing else of megatron_muon."""
 
 from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, alone_working, batch_bytes,
-                     batch_matrices, exchange_batches, largest_alone, newton_schulz_bytes,
-                     owner_bytes, per_exchange_bytes, rank_budgets, state_saved, step_headroom,
-                     working_memory)
+                     batch_matrices, exchange_batches, fewest_exchanges, largest_alone,
+                     newton_schulz_bytes, owner_bytes, per_exchange_bytes, rank_budgets,
+                     state_saved, step_headroom, working_memory)
 from .layouts import (Matrix, QKVRows, RowLayout, cost_key, ns_flops, orthogonalization_key,
                       qkv_row_blocks, row_layouts, split_matrices)
 from .offload import OffloadFigures, offload_figures, offloaded
@@ -22,13 +22,12 @@ from .traffic import (gather_moves, gather_segments, gather_traffic, layout_min_
 
 __all__ = ["BYTE_SLACK", "ExchangeMemory", "IN_FLIGHT", "MAX_EXCHANGE_BYTES", "Matrix",
            "OffloadFigures", "OwnedBatches", "OwnerPlan", "QKVRows", "RowLayout", "StepCost",
-           "alone_working", "batch_bytes", "batch_matrices", "choose_owners", "choose_owners_by_time", "cost_key",
-           "estimated_seconds", "exchange_batches", "gather_moves",
-           "gather_segments", "gather_traffic", "largest_alone", "layout_min_bytes",
-           "matrix_traffic", "newton_schulz_bytes", "newton_schulz_seconds", "ns_flops",
-           "offload_figures", "offloaded", "orthogonalization_key", "owned_batches", "owner_bytes",
-           "owner_plan", "packed_plan",
-           "owner_traffic", "per_exchange_bytes", "qkv_row_blocks", "rank_budgets", "row_layouts",
-           "scatter_moves",
-           "scatter_segments", "scatter_traffic", "split_matrices", "state_saved", "step_headroom",
+           "alone_working", "batch_bytes", "batch_matrices", "choose_owners",
+           "choose_owners_by_time", "cost_key", "estimated_seconds", "exchange_batches",
+           "fewest_exchanges", "gather_moves", "gather_segments", "gather_traffic", "largest_alone",
+           "layout_min_bytes", "matrix_traffic", "newton_schulz_bytes", "newton_schulz_seconds",
+           "ns_flops", "offload_figures", "offloaded", "orthogonalization_key", "owned_batches",
+           "owner_bytes", "owner_plan", "packed_plan", "owner_traffic", "per_exchange_bytes",
+           "qkv_row_blocks", "rank_budgets", "row_layouts", "scatter_moves", "scatter_segments",
+           "scatter_traffic", "split_matrices", "state_saved", "step_headroom",
            "whole_matrix_owners", "working_memory"]

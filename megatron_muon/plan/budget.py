@@ -204,6 +204,26 @@ def _later_starts(alone: Sequence[ExchangeMemory]) -> list[dict[int, int]]:
     return later[::-1]
 
 
+def fewest_exchanges(matrices: Sequence[Matrix], owners: Sequence[int],
+                     batches: Sequence[Sequence[int]], element_bytes: int,
+                     budgets: Sequence[int]) -> int:
+    """A lower bound on the exchanges `budgets` allow these batches: an exchange's peak on a
+    rank is at least the sum of its batches' bytes on it in the stages that add up across
+    batches (update rows and the gather's buffers beside the assembled matrices; update rows,
+    results and the scatter's buffers), so a rank needs at least that sum over all batches,
+    over its budget, exchanges. At least one where there are batches."""
+    sums: dict[int, list[int]] = {}
+    for memory in _alone(matrices, owners, batches, element_bytes):
+        for rank in memory.ranks():
+            local, gathered, assembled, results, _, scattered = (
+                memory.bytes[stage].get(rank, 0) for stage in _STAGES)
+            totals = sums.setdefault(rank, [0, 0])
+            totals[0] += local + gathered + assembled
+            totals[1] += local + results + scattered
+    return max([1 if batches else 0] + [math.ceil(max(totals) / budgets[rank])
+                                        for rank, totals in sums.items()])
+
+
 def largest_alone(matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int) -> int:
     """The most any rank holds for one matrix exchanged alone: below it no budget goes."""
     largest = 0
@@ -268,24 +288,28 @@ def alone_working(matrices: Sequence[Matrix], owners: Sequence[int],
 
 
 def step_headroom(matrices: Sequence[Matrix], owners: Sequence[int],
-                  batches: Sequence[Sequence[int]], element_bytes: int) -> int:
+                  batches: Sequence[Sequence[int]], element_bytes: int,
+                  saved: Sequence[int] | None = None) -> int:
     """How far the step must go above what Muon's state saves a rank, on the rank where that
-    is furthest, with every batch exchanged alone (alone_working less state_saved): 0 where
-    every rank's saving holds its batches alone."""
-    saved = state_saved(matrices, element_bytes)
+    is furthest, with every batch exchanged alone (alone_working less `saved`, by default
+    state_saved: each rank's saving in this group): 0 where every rank's saving holds its
+    batches alone."""
+    saved = state_saved(matrices, element_bytes) if saved is None else saved
     return max([0] + [need - kept for need, kept in
                       zip(alone_working(matrices, owners, batches, element_bytes), saved)])
 
 
 def rank_budgets(matrices: Sequence[Matrix], owners: Sequence[int],
                  batches: Sequence[Sequence[int]], element_bytes: int,
-                 max_exchange_bytes: int | None, headroom: int | None) -> list[int]:
+                 max_exchange_bytes: int | None, headroom: int | None,
+                 saved: Sequence[int] | None = None) -> list[int]:
     """Each rank's working-memory budget, two exchanges in flight, never below what the rank's
     own batches need alone (alone_working): `max_exchange_bytes`; or by default what Muon's
-    state saves the rank (state_saved) plus `headroom`, the most the step must exceed a rank's
-    saving anyway (step_headroom, over every exchange group a rank steps: they run one after
-    the other), and a rank whose batches alone need more than its saving holds them and its
-    saving besides; `headroom` None (the state offloaded: device memory first): the saving.
+    state saves the rank (`saved`: over every exchange group it steps, as they run one after
+    the other; None: state_saved, this group's) plus `headroom`, the most the step must exceed
+    a rank's saving anyway (step_headroom), and a rank whose batches alone need more than its
+    saving holds them and its saving besides; `headroom` None (the state offloaded: device
+    memory first): the saving.
 
     Megatron-FSDP cuts every bucket into equal shards, so ranks differ at rest by what Muon's
     state saves them: by default no rank's peak goes above Adam's state at rest plus the most
@@ -294,7 +318,7 @@ def rank_budgets(matrices: Sequence[Matrix], owners: Sequence[int],
     alone = alone_working(matrices, owners, batches, element_bytes)
     if max_exchange_bytes is not None:
         return [max(1, max_exchange_bytes, need) for need in alone]
-    saved = state_saved(matrices, element_bytes)
+    saved = state_saved(matrices, element_bytes) if saved is None else saved
     if headroom is None:
         return [max(1, kept, need) for kept, need in zip(saved, alone)]
     return [max(1, kept + max(headroom, need if need > kept else 0))

@@ -45,10 +45,12 @@ def owned_batches(matrices: Sequence[Matrix], element_bytes: int, byte_slack: fl
 
 
 def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,
-                max_exchange_bytes: int | None, headroom: int | None) -> OwnerPlan:
-    """`owned` packed into exchanges within each rank's budget (rank_budgets)."""
+                max_exchange_bytes: int | None, headroom: int | None,
+                saved: Sequence[int] | None = None) -> OwnerPlan:
+    """`owned` packed into exchanges within each rank's budget (rank_budgets; `saved`: each
+    rank's saving over every group it steps, None: this group's)."""
     budgets = rank_budgets(matrices, owned.owners, owned.batches, element_bytes,
-                           max_exchange_bytes, headroom)
+                           max_exchange_bytes, headroom, saved)
     return OwnerPlan(owned.owners, owned.batches,
                      exchange_batches(matrices, owned.batches, owned.owners, element_bytes,
                                       budgets), budgets)

@@ -9,7 +9,8 @@ from megatron_muon.plan import (ExchangeMemory, Matrix, RowLayout, StepCost, bat
                                 newton_schulz_bytes, ns_flops, owner_bytes, owner_plan,
                                 owner_traffic, qkv_row_blocks, row_layouts, scatter_segments,
                                 whole_matrix_owners, working_memory)
-from megatron_muon.plan.budget import alone_working, rank_budgets, state_saved, step_headroom
+from megatron_muon.plan.budget import (alone_working, fewest_exchanges, rank_budgets, state_saved,
+                                       step_headroom)
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -258,6 +259,7 @@ def test_packing_keeps_every_rank_within_its_budget_on_random_layouts():
         assert sorted(b for exchange in exchanges for b in exchange) == sorted(batches)
         held = working_memory(matrices, owners, exchanges, 4)
         assert all(h <= budget for h, budget in zip(held, budgets)), (held, budgets)
+        assert 1 <= fewest_exchanges(matrices, owners, batches, 4, budgets) <= len(exchanges)
         if all(budget >= max(held) * 3 for budget in budgets):
             assert len(exchanges) == 1
 

@@ -37,7 +37,7 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
     dense, expert = scale_model.muon_matrices(reference, derived, config.muon_tp_mode)
     muons = [part.optimizer for part in optimizer.chained_optimizers
              if isinstance(part.optimizer, ZeROTensorParallelMuon)]
-    parts = []
+    checked = []
     for muon, matrices in zip(muons, [dense, expert] if expert else [dense]):
         (plan,) = muon.plans
         # The run's measured rates stand in for the scale model's (StepCost), or none: by bytes.
@@ -46,15 +46,20 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
         mode = "owner" if owner_choice == "time" else "owner-by-bytes"
         assert sorted(zip(plan.matrices, plan.owners), key=repr) == sorted(
             zip(part.matrices, part.owners[mode]), key=repr)
-        parts.append((plan, part))
+        checked.append(plan)
     assert len(muons) == (2 if expert else 1)
-    # The exchanges too, within budgets whose headroom is the larger of the dense and the
-    # expert part's (plan order: the model's matrices are the run's, in the same order).
-    headroom = max(part.headroom() for _, part in parts)
-    for plan, part in parts:
-        part.pack(headroom)
+    # The exchanges too, each rank's budget its saving over the dense and the expert part plus
+    # the headroom over both, as the factory packs them (where the model's matrices are the
+    # run's in the same order: here every part).
+    parts = scale_model.planned_parts(
+        dense, expert, world_size, expert_parallel, checked[0].cost, checked[-1].cost,
+        expert_rank=parallel_state.get_expert_model_parallel_rank())
+    compared = 0
+    for plan, (part, _) in zip(checked, parts):
         if plan.matrices == part.matrices:
             assert [route.batches for route in plan.routes] == part.exchanges
+            compared += 1
+    assert compared == len(checked)
 
 
 # Each --muon-tp-mode that plans differently: duplicated gathers over the one TP rank; None is
@@ -89,7 +94,7 @@ def test_each_collective_costs_its_latency_per_rank_of_its_group():
 
     matrices = [Matrix(RowLayout((3, 1, 0, 4)), 8) for _ in range(5)]
     part = scale_model.Part(matrices, 4, None)
-    part.pack(part.headroom())
+    part.pack(headroom=0)
     exchanges = len(part.exchanges)
     assert exchanges >= 1
     count, seconds = scale_model.collective_latency(part, "owner", 2.5)
