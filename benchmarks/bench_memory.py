@@ -15,7 +15,8 @@ statistics, the most over the three steps; on CPU the profiler's allocation reco
 measure_train_step says why). A figure is
 its largest rank's (the one that runs out first), beside the collectives its optimizer step
 issues over more than one rank (the busiest rank's; Muon's working-memory budget, by default
-what its state saves a rank, decides how many exchanges, two all-to-alls each, it takes). Beside
+what its state saves a rank plus the headroom its largest matrices need, decides how many
+exchanges, two all-to-alls each, it takes). Beside
 them: what Muon's state saves against
 Adam's on the same layout, per rank on average (their optimizer-state bytes apart, summed over the
 ranks, over W: 4 bytes per Muon element over W), and how much of it the peak keeps (the largest

@@ -35,10 +35,9 @@ BATCHED_MUST_SAVE = 0.9
 class GroupPlan:
     """The matrices of one exchange group, fixed at construction: one per param, or one per
     expert of a stacked expert weight; where this rank's rows of each sit in its param's local
-    shard; their owners, this rank's routes through the exchanges that carry their batches, and
-    the working-memory budget they were planned within, and the measured StepCost the owners
-    were chosen by (None: byte-first, or no owners); `budgets`: each rank's
-    (plan.rank_budgets)."""
+    shard; their owners, this rank's routes through the exchanges that carry their batches, each
+    rank's working-memory budget they were planned within (`budgets`: plan.rank_budgets), and
+    the measured StepCost the owners were chosen by (None: byte-first, or no owners)."""
 
     def __init__(self, params: list[DTensor], matrices: list[Matrix],
                  pieces: list[tuple[int, int, int]], owners: list[int],
