@@ -285,9 +285,9 @@ def step_cost(rates: Rates, args):
 class Part:
     """One exchange group's Muon matrices (dense over dp_cp, or experts over expert data
     parallelism) planned as ZeROTensorParallelMuon plans them (its defaults, the rates standing
-    for what it measures): owners and batches (`owned`), then exchanges packed within budgets
-    whose headroom is the largest of every part's (`pack`; GroupPlanner.plan), how long one
-    rank took to plan them, and the owners of the other placements."""
+    for what it measures): owners and batches (`owned`), then exchanges packed within each
+    rank's budget (`pack`, as planned_parts calls it), how long one rank took to plan them, and
+    the owners of the other placements."""
 
     def __init__(self, matrices, world, cost):
         from megatron_muon.plan import choose_owners, owned_batches, whole_matrix_owners
@@ -505,13 +505,13 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     result["variants"] = {
         variant: variant_figures(parts if variant == "muon" else planned_parts(
             with_second_moment(dense, variant), with_second_moment(expert, variant), world, ep,
-            cost), world, elementwise, adam_step, fwd_bwd, cost, args)
+            cost), elementwise, adam_step, fwd_bwd, cost, args)
         for variant in VARIANTS}
     return result
 
 
-def variant_figures(parts, world: int, elementwise: float, adam_step: float, fwd_bwd: float,
-                    cost, args) -> dict:
+def variant_figures(parts, elementwise: float, adam_step: float, fwd_bwd: float, cost,
+                    args) -> dict:
     """Our step (owner mode) for one variant's plan: exchanges, collectives and their latency,
     the step, its overhead with latency, and the most working memory a rank holds (GB)."""
     from megatron_muon.plan import working_memory
@@ -698,8 +698,7 @@ def print_beside_nvidia(results, rates: Rates):
 def print_variants_table(results):
     columns = [("model", 12, "<"), ("W", 5, ">"), ("variant", 8, "<"), ("exch", 5, ">"),
                ("at least", 9, ">"), ("coll", 5, ">"), ("lat ms", 8, ">"), ("step ms", 9, ">"),
-               ("work GB", 8, ">"),
-               ("overhead + latency", 19, ">")]
+               ("work GB", 8, ">"), ("overhead + latency", 19, ">")]
     line = functools.partial(_line, columns=columns)
     header = line([name for name, _, _ in columns])
     print("\nThe Muon family, ours (owner mode), each planned as it runs (its second moment's "
