@@ -226,12 +226,8 @@ def fewest_exchanges(matrices: Sequence[Matrix], owners: Sequence[int],
 
 def largest_alone(matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int) -> int:
     """The most any rank holds for one matrix exchanged alone: below it no budget goes."""
-    largest = 0
-    for i in range(len(matrices)):
-        memory = ExchangeMemory(matrices, owners, element_bytes)
-        memory.add([i])
-        largest = max(largest, memory.largest)
-    return largest
+    return max([0] + [memory.largest for memory in
+                      _alone(matrices, owners, [[i] for i in range(len(matrices))], element_bytes)])
 
 
 def working_memory(matrices: Sequence[Matrix], owners: Sequence[int],
@@ -288,15 +284,13 @@ def alone_working(matrices: Sequence[Matrix], owners: Sequence[int],
 
 
 def step_headroom(matrices: Sequence[Matrix], owners: Sequence[int],
-                  batches: Sequence[Sequence[int]], element_bytes: int,
-                  saved: Sequence[int] | None = None) -> int:
-    """How far the step must go above what Muon's state saves a rank, on the rank where that
-    is furthest, with every batch exchanged alone (alone_working less `saved`, by default
-    state_saved: each rank's saving in this group): 0 where every rank's saving holds its
-    batches alone."""
-    saved = state_saved(matrices, element_bytes) if saved is None else saved
+                  batches: Sequence[Sequence[int]], element_bytes: int) -> int:
+    """How far the step must go above what Muon's state saves a rank in this group, on the rank
+    where that is furthest, with every batch exchanged alone (alone_working less state_saved):
+    0 where every rank's saving holds its batches alone."""
     return max([0] + [need - kept for need, kept in
-                      zip(alone_working(matrices, owners, batches, element_bytes), saved)])
+                      zip(alone_working(matrices, owners, batches, element_bytes),
+                          state_saved(matrices, element_bytes))])
 
 
 def rank_budgets(matrices: Sequence[Matrix], owners: Sequence[int],
