@@ -356,15 +356,13 @@ def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
 
 def with_second_moment(matrices, variant: str):
     """`matrices` as ZeROTensorParallelAdaptiveMuon plans them under --adaptive-muon-moment2-method
-    `variant` (GroupPlanner._with_second_moment: the columns travelling beside each row, the
-    second moment's held per row); "muon": as they are."""
+    `variant` (SecondMoment.planned, as GroupPlanner._with_second_moment); "muon": as they
+    are."""
     from megatron_muon.core.second_moment import SECOND_MOMENTS
 
     if variant == "muon":
         return matrices
-    moment = SECOND_MOMENTS[variant]
-    return [dataclasses.replace(m, state_cols=moment.columns(*m.shape).beside,
-                                moment2_cols=moment.held_columns(*m.shape)) for m in matrices]
+    return [SECOND_MOMENTS[variant].planned(m) for m in matrices]
 
 
 def part_step(part: Part, mode: str, cost, args) -> dict:

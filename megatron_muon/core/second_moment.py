@@ -17,25 +17,28 @@ then scales. A variant (a SecondMoment) says where that runs and what travels fo
   each way.
 - NAMO scales the whole update by one number from the whole raw gradient's and the whole
   pre-orthogonalization update's Frobenius norms and a scalar moment: the owner runs it, the raw
-  gradient's rows travelling beside the update's (and back, unused: an exchange's two directions
-  carry rows of one width), its moment in the first row's one column (zeros below it).
+  gradient's rows travelling beside the update's to the owner (not back: the return carries the
+  update and the moment, `Columns.returned`), its moment in the first row's one column (zeros
+  below it).
 """
 
 import abc
+import dataclasses
 import math
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from ..compat import upstream
+from ..plan import Matrix
 
 WholeShape = tuple[int, int]  # the whole (TP-unsharded) matrix's, which Muon's scale reads
 
 
 class Columns(NamedTuple):
-    """What each row of a matrix carries through the owner exchange, side by side in this order,
-    both ways: the update's `update` columns, the raw gradient's `grad` columns, the second
-    moment's `moment2` columns."""
+    """What each row of a matrix carries to its owner, side by side in this order: the update's
+    `update` columns, the raw gradient's `grad` columns, the second moment's `moment2` columns.
+    The owner sends back `returned`'s: the gradient stays with it."""
 
     update: int
     grad: int = 0
@@ -43,18 +46,17 @@ class Columns(NamedTuple):
 
     @property
     def beside(self) -> int:
-        """The columns travelling beside the update's (Matrix.state_cols)."""
+        """The columns travelling beside the update's to the owner (Matrix.state_cols)."""
         return self.grad + self.moment2
+
+    @property
+    def returned(self) -> "Columns":
+        """The columns the owner sends back (Matrix.returned_state_cols beside the update's)."""
+        return self._replace(grad=0)
 
     def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(update, raw gradient, second moment) columns of rows laid out as these columns."""
         return rows.split(self, dim=1)
-
-    def join(self, update: torch.Tensor, grad: torch.Tensor,
-             moment2: torch.Tensor) -> torch.Tensor:
-        """Rows laid out as these columns (split's inverse)."""
-        assert (update.shape[1], grad.shape[1], moment2.shape[1]) == self
-        return torch.cat([update, grad, moment2], dim=1)
 
 
 class SecondMoment(abc.ABC):
@@ -63,17 +65,18 @@ class SecondMoment(abc.ABC):
 
     - at construction, `held_columns(rows, cols)`: the second moment's columns per row of a
       rows x cols (TP-local) matrix, kept on each rank holding the row ("moment2_buffer", sharded
-      as the main weights); `columns(rows, cols)`: what each row carries to the owner and back
-      (the planner sizes the exchanges by it);
+      as the main weights); `columns(rows, cols)`: what each row carries to the owner (and its
+      `returned`, back; the planner sizes the exchanges by them: `planned`);
     - on each rank holding rows, before the exchange, `travelling(grad_rows, moment2_rows)`: the
       columns sent beside the update's rows (None: none);
     - on the owner, after unscaled Newton-Schulz on the whole matrix, `owner_update(optimizer,
       update, orthogonalized, raw_grad, moment2, group, whole_shape)`: the rows sent back, laid
-      out as `columns` (`update`: the pre-orthogonalization update; `raw_grad`, `moment2`: the
-      travelling columns as they came, empty where none travel);
+      out as `columns(...).returned` (`update`: the pre-orthogonalization update; `raw_grad`,
+      `moment2`: the travelling columns as they came, empty where none travel);
     - on each rank holding rows, `holder_update(optimizer, rows, columns, moment2, group,
-      whole_shape)`: the update to apply to its rows, given what the owner sent back; it keeps
-      the new second moment in `moment2`, its rows of the state.
+      whole_shape)`: the update to apply to its rows, given what the owner sent back (`rows`,
+      laid out as `columns`, the returned ones); it keeps the new second moment in `moment2`,
+      its rows of the state.
 
     `optimizer` is the AdaptiveMuon whose methods (upstream.apply_moment2_normalization,
     upstream.apply_muon_scale) compute the variant; `group` its param group; `whole_shape` what
@@ -88,6 +91,14 @@ class SecondMoment(abc.ABC):
     @abc.abstractmethod
     def held_columns(self, rows: int, cols: int) -> int:
         ...
+
+    def planned(self, matrix: Matrix) -> Matrix:
+        """`matrix` as the planner sizes its exchanges and memory: the columns travelling beside
+        its rows each way, and held per row."""
+        columns = self.columns(*matrix.shape)
+        return dataclasses.replace(matrix, state_cols=columns.beside,
+                                   returned_state_cols=columns.returned.beside,
+                                   moment2_cols=self.held_columns(*matrix.shape))
 
     @abc.abstractmethod
     def columns(self, rows: int, cols: int) -> Columns:
@@ -132,8 +143,8 @@ class HolderSecondMoment(SecondMoment):
 
 class OwnerSecondMoment(SecondMoment):
     """A second moment that needs the whole matrix: it runs on the owner (`owner_update`), its
-    state (and, where `needs_raw_gradient`, the raw gradient's rows) travelling beside the
-    update's rows both ways; each holder keeps the moment that comes back."""
+    state travelling beside the update's rows both ways (and, where `needs_raw_gradient`, the raw
+    gradient's rows to the owner); each holder keeps the moment that comes back."""
 
     needs_raw_gradient: ClassVar[bool] = False
     moment2_travels = True
@@ -145,6 +156,12 @@ class OwnerSecondMoment(SecondMoment):
                    moment2_rows: torch.Tensor) -> torch.Tensor | None:
         return torch.cat([grad_rows, moment2_rows], dim=1) if self.needs_raw_gradient \
             else moment2_rows
+
+    @staticmethod
+    def returned_rows(update: torch.Tensor, moment2: torch.Tensor) -> torch.Tensor:
+        """What `owner_update` sends back: the update's columns and the new moment's, laid out as
+        Columns.returned."""
+        return torch.cat([update, moment2], dim=1)
 
     def holder_update(self, optimizer: Any, rows: torch.Tensor, columns: Columns,
                       moment2: torch.Tensor, group: dict, whole_shape: WholeShape) -> torch.Tensor:
@@ -187,7 +204,7 @@ class NorMuon(OwnerSecondMoment):
         result = upstream.apply_moment2_normalization(
             optimizer, orthogonalized, laid_out, group["beta2"], group["eps"])
         result = upstream.apply_muon_scale(optimizer, result, *whole_shape)
-        return self.columns(rows, cols).join(result, raw_grad, moment2)
+        return self.returned_rows(result, moment2)
 
 
 class NAMO(OwnerSecondMoment):
@@ -208,7 +225,7 @@ class NAMO(OwnerSecondMoment):
             optimizer, orthogonalized, moment2.view(-1)[:1], group["beta2"], group["eps"],
             raw_grad=raw_grad, pre_orth_grad=update)
         result = upstream.apply_muon_scale(optimizer, result, *whole_shape)
-        return self.columns(*orthogonalized.shape).join(result, raw_grad, moment2)
+        return self.returned_rows(result, moment2)
 
 
 SECOND_MOMENTS: dict[str, SecondMoment] = {

@@ -145,6 +145,6 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
         with self.host_state.rows(p, self._moment2_rows(plan, i),
                                   read=not self.second_moment.moment2_travels) as moment2:
             update = self.second_moment.holder_update(
-                self, rows, self._columns(p, shape[0]), moment2, self.group_of(p),
+                self, rows, self._columns(p, shape[0]).returned, moment2, self.group_of(p),
                 whole_shape(self, ParamAttributes(p), shape))
         super().apply_update(plan, i, update)

@@ -3,6 +3,7 @@ owner exchange; with the one instrumentation hook that observes them (and everyt
 sends through torch.distributed)."""
 
 import contextlib
+from operator import attrgetter
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple, Sequence
@@ -47,49 +48,55 @@ def all_gather_rows(local: torch.Tensor, layout: RowLayout,
 
 class Route(NamedTuple):
     """What this rank sends and receives in one direction of an exchange: segments per peer,
-    their element counts, and whether any rank moves anything (else no collective is issued)."""
+    their element counts, whether any rank moves anything (else no collective is issued), and
+    each matrix's elements per row in this direction (Matrix.gather_width or scatter_width)."""
 
     sends: list
     recvs: list
     send_counts: list[int]
     recv_counts: list[int]
     moves: bool
+    width: Callable[[Matrix], int]
 
 
 class OwnerRoutes:
     """One exchange of an owner plan, as this rank sees it, fixed at construction: its batches
     (each of one shape), the matrices it owns in each, and the routes of both directions (each
     matrix's rows to its owner; the owner's result rows back to every rank holding rows of it,
-    replicas too). Rows already on their owner never travel."""
+    replicas too; each direction's rows as wide as it carries them). Rows already on their owner
+    never travel."""
 
     def __init__(self, matrices: Sequence[Matrix], owners: Sequence[int],
                  batches: Sequence[Sequence[int]], rank: int) -> None:
         self.rank, self.matrices = rank, matrices
         self.batches = [list(batch) for batch in batches]
         self.batch = [i for batch in self.batches for i in batch]
-        self.gather = self._route(gather_segments, gather_moves, owners)
-        self.scatter = self._route(scatter_segments, scatter_moves, owners)
+        self.gather = self._route(gather_segments, gather_moves, owners, attrgetter("gather_width"))
+        self.scatter = self._route(scatter_segments, scatter_moves, owners,
+                                   attrgetter("scatter_width"))
         self.owned_batches = [[i for i in batch if owners[i] == rank] for batch in self.batches]
         self.owned = [i for owned in self.owned_batches for i in owned]
 
-    def _route(self, segments_of, moves, owners) -> Route:
+    def _route(self, segments_of, moves, owners, width) -> Route:
         # This rank's row and column of the (src, dst) table only: O(world) per exchange, not
         # O(world^2), so a plan at a thousand ranks is built in seconds.
         world = range(self.matrices[self.batch[0]].layout.ranks)
         sends = [segments_of(self.matrices, owners, self.batch, self.rank, dst) for dst in world]
         recvs = [segments_of(self.matrices, owners, self.batch, src, self.rank) for src in world]
-        return Route(sends, recvs, [self.elements(s) for s in sends],
-                     [self.elements(s) for s in recvs], moves(self.matrices, owners, self.batch))
+        return Route(sends, recvs, [self._elements(width, s) for s in sends],
+                     [self._elements(width, s) for s in recvs],
+                     moves(self.matrices, owners, self.batch), width)
 
-    def elements(self, segments: Iterable[tuple[int, int, int]]) -> int:
-        return sum((stop - start) * self.matrices[i].width for i, start, stop in segments)
+    def _elements(self, width: Callable[[Matrix], int],
+                  segments: Iterable[tuple[int, int, int]]) -> int:
+        return sum((stop - start) * width(self.matrices[i]) for i, start, stop in segments)
 
-    def pieces(self, buffer: torch.Tensor, per_rank: Sequence[Sequence[tuple[int, int, int]]],
-               ) -> Iterator[tuple[tuple[int, int, int], torch.Tensor]]:
-        """(segment, its rows) of a received buffer laid out as `per_rank`'s segments."""
-        segments = [segment for segments in per_rank for segment in segments]
-        pieces = buffer.split([self.elements([segment]) for segment in segments])
-        return zip(segments, [piece.view(-1, self.matrices[i].width)
+    def received_pieces(self, route: Route, buffer: torch.Tensor,
+                        ) -> Iterator[tuple[tuple[int, int, int], torch.Tensor]]:
+        """(segment, its rows) of `route`'s receive buffer, laid out as its recvs' segments."""
+        segments = [segment for segments in route.recvs for segment in segments]
+        pieces = buffer.split([self._elements(route.width, [segment]) for segment in segments])
+        return zip(segments, [piece.view(-1, route.width(self.matrices[i]))
                               for (i, _, _), piece in zip(segments, pieces)])
 
 
@@ -146,10 +153,11 @@ def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: 
         for i in routes.owned:
             start, stop = routes.matrices[i].layout.row_range(routes.rank)
             rows[i] = results[i][start:stop]
-        for (i, _, _), piece in routes.pieces(returned, routes.scatter.recvs):
+        for (i, _, _), piece in routes.received_pieces(routes.scatter, returned):
             rows[i] = piece
-        for i in routes.batch:
-            apply(i, rows.get(i, local[i]))  # local[i]: this rank holds no rows of it
+        for i in routes.batch:  # where this rank holds no rows of it: none, as wide as returned
+            apply(i, rows[i] if i in rows else
+                  local[i].new_empty((0, routes.matrices[i].scatter_width)))
 
 
 def _assembled(routes: OwnerRoutes, local: dict, received: torch.Tensor, work) -> dict:
@@ -162,10 +170,10 @@ def _assembled(routes: OwnerRoutes, local: dict, received: torch.Tensor, work) -
         if layout.held(routes.rank) == layout.num_rows:
             full[i] = local[i]  # held whole: nothing to assemble
             continue
-        full[i] = local[i].new_empty((layout.num_rows, routes.matrices[i].width))
+        full[i] = local[i].new_empty((layout.num_rows, routes.matrices[i].gather_width))
         start, stop = layout.row_range(routes.rank)
         full[i][start:stop] = local[i]
-    for (i, start, stop), piece in routes.pieces(received, routes.gather.recvs):
+    for (i, start, stop), piece in routes.received_pieces(routes.gather, received):
         full[i][start:stop] = piece
     return full
 

@@ -266,10 +266,7 @@ class GroupPlanner:
         """`matrix` with the columns of state an adaptive variant's second moment sends beside its
         rows and holds per row (core/second_moment.py's SecondMoment)."""
         moment = self.muon.second_moment
-        if moment is None:
-            return matrix
-        return dataclasses.replace(matrix, state_cols=moment.columns(*matrix.shape).beside,
-                                   moment2_cols=moment.held_columns(*matrix.shape))
+        return matrix if moment is None else moment.planned(matrix)
 
     def _with_tp_gather(self, matrix: Matrix, p: DTensor) -> Matrix:
         """`matrix` with what emerging_optimizers' newton_schulz_tp all-gathers before

@@ -91,17 +91,17 @@ class ExchangeMemory:
         calls: dict[int, list] = {}  # owner -> [Newton-Schulz bytes, input bytes, matrices, state?]
         for i in batch:
             matrix, owner = self.matrices[i], self.owners[i]
-            layout, size = matrix.layout, matrix.layout.num_rows * matrix.width * eb
+            layout = matrix.layout
             for shard, rows in layout.nonempty_shards:
                 for rank in layout.holders(shard):
-                    add("local", rank, rows * matrix.width * eb)
+                    add("local", rank, rows * matrix.gather_width * eb)
             for stage, traffic in (("gathered", gather_traffic(matrix, owner, eb)),
                                    ("scattered", scatter_traffic(matrix, owner, eb))):
                 for rank, (into, out) in traffic.items():
                     add(stage, rank, into + out)
             if layout.held(owner) < layout.num_rows:
-                add("assembled", owner, size)
-            add("results", owner, size)
+                add("assembled", owner, layout.num_rows * matrix.gather_width * eb)
+            add("results", owner, layout.num_rows * matrix.scatter_width * eb)
             call = calls.setdefault(owner, [0, 0, 0, False])
             call[0] += newton_schulz_bytes(matrix, eb)
             call[1] += math.prod(matrix.shape) * eb

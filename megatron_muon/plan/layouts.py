@@ -156,8 +156,9 @@ class Matrix:
     """One matrix to orthogonalize: how its rows are spread, its width, which matrices it may
     share a batched Newton-Schulz with (same shape and same orthogonalization), and, when it is
     orthogonalized in row blocks (QKV split), the total rows of each kind of block. A Muon
-    variant's second moment (second_moment.py) may add `state_cols` columns of per-row state
-    that travel with each row both ways, and holds `moment2_cols` elements per row. Under
+    variant's second moment (second_moment.py) may add `state_cols` columns that travel with
+    each row to its owner, `returned_state_cols` of them back (a raw gradient's stay there), and
+    holds `moment2_cols` elements per row. Under
     --muon-tp-mode duplicated a tensor-parallel matrix is all-gathered before Newton-Schulz:
     `tp_gather` is (the dim its TP shards tile, their number), None where nothing is gathered."""
 
@@ -166,6 +167,7 @@ class Matrix:
     batch_key: object = None
     row_blocks: tuple[int, ...] | None = None
     state_cols: int = 0
+    returned_state_cols: int = 0
     moment2_cols: int = 0
     tp_gather: tuple[int, int] | None = None
 
@@ -174,9 +176,14 @@ class Matrix:
         return self.layout.num_rows, self.cols
 
     @property
-    def width(self) -> int:
-        """Elements per row an exchange moves: the update's and the state's that travels."""
+    def gather_width(self) -> int:
+        """Elements per row an exchange moves to the owner: the update's and the state's."""
         return self.cols + self.state_cols
+
+    @property
+    def scatter_width(self) -> int:
+        """Elements per row the owner sends back: the update's and the returned state's."""
+        return self.cols + self.returned_state_cols
 
     def ns_flops(self, steps: int) -> int:
         return sum(ns_flops(rows, self.cols, steps) for rows in self.row_blocks or (self.shape[0],))
@@ -187,12 +194,13 @@ class Matrix:
         layout = self.layout
         held_elsewhere = layout.held_by_all - layout.held(owner)
         rows_in = layout.num_rows - layout.held(owner)
-        return (rows_in + held_elsewhere) * self.width * element_bytes
+        return (rows_in * self.gather_width + held_elsewhere * self.scatter_width) * element_bytes
 
     def least_bytes(self, element_bytes: int) -> int:
         """The fewest bytes any owner moves: bytes_to_owner of a rank holding the most rows."""
         layout = self.layout
-        return (layout.num_rows + layout.held_by_all - 2 * layout.max_rows) * self.width * element_bytes
+        return ((layout.num_rows - layout.max_rows) * self.gather_width
+                + (layout.held_by_all - layout.max_rows) * self.scatter_width) * element_bytes
 
 
 def cost_key(matrix: Matrix) -> tuple:

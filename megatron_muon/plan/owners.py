@@ -136,11 +136,12 @@ class _Loads:
         """(busy, received, sent) matrix i gives `rank` under `owner`: the owner runs it and gets
         and sends every row it lacks; another holder sends and gets its own rows (from the owner's
         replica's holder, with replicas: not followed here)."""
-        layout, row_bytes = self.matrices[i].layout, self.matrices[i].width * self.element_bytes
+        matrix, layout, eb = self.matrices[i], self.matrices[i].layout, self.element_bytes
+        bytes_in, bytes_out = matrix.gather_width * eb, matrix.scatter_width * eb
         if rank == owner:
-            return (self.single[i], (layout.num_rows - layout.held(rank)) * row_bytes,
-                    (layout.held_by_all - layout.held(rank)) * row_bytes)
-        return 0.0, layout.held(rank) * row_bytes, layout.held(rank) * row_bytes
+            return (self.single[i], (layout.num_rows - layout.held(rank)) * bytes_in,
+                    (layout.held_by_all - layout.held(rank)) * bytes_out)
+        return 0.0, layout.held(rank) * bytes_out, layout.held(rank) * bytes_in
 
     def move_seconds(self, i: int, owner: int) -> float:
         """The busier of the old and the new owner if matrix i moves to `owner` (the ranks whose

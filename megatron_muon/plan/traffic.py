@@ -15,7 +15,7 @@ def layout_min_bytes(matrices: Sequence[Matrix], element_bytes: int) -> int:
 def gather_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, list[int]]:
     """{rank: [bytes received, bytes sent]} of assembling one matrix on `owner`: it gets the
     rows it lacks, every shard from one holder (the one in its replica)."""
-    layout, row_bytes = matrix.layout, matrix.width * element_bytes
+    layout, row_bytes = matrix.layout, matrix.gather_width * element_bytes
     traffic: dict[int, list[int]] = {}
     for shard, rows in layout.nonempty_shards:
         if shard != layout.shard_of[owner]:
@@ -27,7 +27,7 @@ def gather_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, 
 def scatter_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, list[int]]:
     """{rank: [bytes received, bytes sent]} of returning one matrix's result: the owner sends
     every other rank holding rows (replicas too) its rows."""
-    layout, row_bytes = matrix.layout, matrix.width * element_bytes
+    layout, row_bytes = matrix.layout, matrix.scatter_width * element_bytes
     traffic: dict[int, list[int]] = {}
     for shard, rows in layout.nonempty_shards:
         for rank in layout.holders(shard):

@@ -8,7 +8,8 @@ from megatron_muon.distribution.exchange import (OwnerRoutes, Traffic, all_gathe
                                                  all_gather_rows, observed, owner_exchange,
                                                  run_overlapped)
 from megatron_muon.plan import (ExchangeMemory, Matrix, batch_matrices, choose_owners,
-                                exchange_batches, owner_bytes, row_layouts)
+                                exchange_batches, gather_traffic, owner_bytes, row_layouts,
+                                scatter_traffic)
 
 ROWS = [[3, 0, 5], [0, 0, 1], [2, 4, 0], [0, 1, 1]]  # rows[rank][matrix]
 
@@ -37,7 +38,8 @@ def _full(matrix_index, rows, cols):
 # Rows of 5 matrices per shard (more matrices than ranks, not a multiple of W), and which shard
 # each rank holds: plain shards, HSDP (2 replicas x 2 shards, the replica dim outermost or
 # innermost) and no_shard (every rank holds every row). Widths 3, 5, 3, 5, 3: batches of one
-# width, exchanges mixing both.
+# width, exchanges mixing both; each row carries 2 columns more to its owner and 1 back (as
+# NAMO's raw gradient and moment do).
 SHARD_ROWS = [[3, 0, 2, 1, 0], [0, 3, 1, 1, 3], [2, 0, 0, 1, 0], [0, 2, 2, 2, 2]]
 LAYOUTS = {"shards": None, "hsdp": (0, 1, 0, 1), "hsdp_inner_replicas": (0, 0, 1, 1),
            "no_shard": (0, 0, 0, 0)}
@@ -47,7 +49,8 @@ def _owner_round_trip(rank, world_size, shard_of):
     shard_of = tuple(shard_of or range(world_size))[:world_size]
     rows = [SHARD_ROWS[shard] for shard in shard_of]
     layouts = row_layouts(shard_of, rows, [sum(col) for col in zip(*SHARD_ROWS[:max(shard_of) + 1])])
-    matrices = [Matrix(layout, 3 + 2 * (i % 2)) for i, layout in enumerate(layouts)]
+    matrices = [Matrix(layout, 3 + 2 * (i % 2), state_cols=2, returned_state_cols=1)
+                for i, layout in enumerate(layouts)]
     owners = choose_owners(matrices, element_bytes=4)
     # Batches of at most two matrices; the first exchange as large as all batches but the last
     # need beside any one's start (it holds both widths), the last batch in one of its own
@@ -67,15 +70,20 @@ def _owner_round_trip(rank, world_size, shard_of):
     routes = [OwnerRoutes(matrices, owners, batches, rank) for batches in exchanges]
     orthogonalized, returned = [], {}
 
+    def _sent(i):  # a whole matrix as its rows travel to the owner
+        return _full(i, matrices[i].layout.num_rows, matrices[i].gather_width)
+
+    def _result(i):  # an owner's known result, as wide as it travels back
+        return 2 * _sent(i)[:, :matrices[i].scatter_width] + 1
+
     def orthogonalize(owned, fulls):  # what an owner computes: checked, then a known result
         orthogonalized.extend(owned)
         for i, full in zip(owned, fulls):
-            assert owners[i] == rank and torch.equal(full, _full(i, *matrices[i].shape)), (rank, i)
-        return [2 * full + 1 for full in fulls]
+            assert owners[i] == rank and torch.equal(full, _sent(i)), (rank, i)
+        return [_result(i) for i in owned]
 
     def local(r):
-        return {i: _full(i, *matrices[i].shape)[slice(*matrices[i].layout.row_range(rank))].clone()
-                for i in r.batch}
+        return {i: _sent(i)[slice(*matrices[i].layout.row_range(rank))].clone() for i in r.batch}
 
     with observed(Traffic()) as traffic:
         run_overlapped(owner_exchange(r, dist.group.WORLD, local(r), orthogonalize,
@@ -84,11 +92,15 @@ def _owner_round_trip(rank, world_size, shard_of):
     assert sorted(returned) == list(range(len(matrices)))
     for i, rows in returned.items():
         start, stop = matrices[i].layout.row_range(rank)
-        assert torch.equal(rows, 2 * _full(i, *matrices[i].shape)[start:stop] + 1), (rank, i)
-    # The hook saw what the routes say: one all-to-all per moving direction, their bytes.
+        assert torch.equal(rows, _result(i)[start:stop]), (rank, i)
+    # The hook saw what the routes say: one all-to-all per moving direction, their bytes, which
+    # are what the plan counts each direction to move.
     moving = [route for r in routes for route in (r.gather, r.scatter) if route.moves]
     assert traffic.by_name == ({"alltoall_base_": len(moving)} if moving else {})
     assert traffic.received_bytes == 4 * sum(sum(route.recv_counts) for route in moving)
+    assert traffic.received_bytes == sum(
+        moved.get(rank, (0, 0))[0] for matrix, owner in zip(matrices, owners)
+        for moved in (gather_traffic(matrix, owner, 4), scatter_traffic(matrix, owner, 4)))
     assert traffic.peak_buffer_bytes > 0 or not moving
     if len(set(shard_of)) < world_size:  # replicas split the Newton-Schulz work
         assert len(set(owners)) == world_size, owners

@@ -4,7 +4,7 @@ Megatron-FSDP's own param gathers) plus the owner exchange's all-to-alls, one pe
 each exchange that moves rows (at the default budget, what Muon's state saves a rank, these
 tiny matrices mostly go one exchange each), receiving what the plan says; with every matrix in
 one exchange, on ZeRO-1 no more than megatron-core's layer-wise optimizer on the same model.
-Likewise --optimizer adaptive_muon (AdaMuon, NorMuon)."""
+Likewise --optimizer adaptive_muon (AdaMuon, NorMuon, NAMO)."""
 
 from collections import Counter
 
@@ -43,9 +43,9 @@ def _exchange_all_to_alls(optimizer) -> int:
 
 
 # --optimizer adaptive_muon's variants: the same exchanges (NorMuon's second moment travels
-# inside them, as more columns), nothing else.
+# inside them, as more columns; NAMO's raw gradient too, to the owner only), nothing else.
 ADAPTIVE = {method: dict(optimizer="adaptive_muon", adaptive_muon_moment2_method=method)
-            for method in ("adamuon", "normuon")}
+            for method in ("adamuon", "normuon", "namo")}
 
 
 def _ours_is_adams_plus_the_exchange(rank, world_size, strategy, num_experts, ours="muon"):
@@ -86,7 +86,8 @@ def _ours_is_adams_plus_the_exchange(rank, world_size, strategy, num_experts, ou
 @pytest.mark.parametrize("world_size, strategy, num_experts, ours", [
     (2, "optim", None, "muon"), (2, "optim_grads_params", None, "muon"), (4, "optim", None, "muon"),
     pytest.param(4, "optim_grads_params", 4, "muon", marks=pytest.mark.slow),
-    (2, "optim_grads_params", None, "normuon"), (2, "optim", None, "adamuon")])
+    (2, "optim_grads_params", None, "normuon"), (2, "optim", None, "adamuon"),
+    (2, "optim_grads_params", None, "namo")])
 def test_the_step_issues_adams_collectives_plus_the_exchanges_all_to_alls(
         distributed, world_size, strategy, num_experts, ours):
     distributed(_ours_is_adams_plus_the_exchange, world_size, strategy, num_experts, ours)
