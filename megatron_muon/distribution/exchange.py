@@ -3,9 +3,9 @@ owner exchange; with the one instrumentation hook that observes them (and everyt
 sends through torch.distributed)."""
 
 import contextlib
-from operator import attrgetter
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
+from operator import attrgetter
 from typing import NamedTuple, Sequence
 
 import torch

@@ -158,9 +158,9 @@ class Matrix:
     orthogonalized in row blocks (QKV split), the total rows of each kind of block. A Muon
     variant's second moment (second_moment.py) may add `state_cols` columns that travel with
     each row to its owner, `returned_state_cols` of them back (a raw gradient's stay there), and
-    holds `moment2_cols` elements per row. Under
-    --muon-tp-mode duplicated a tensor-parallel matrix is all-gathered before Newton-Schulz:
-    `tp_gather` is (the dim its TP shards tile, their number), None where nothing is gathered."""
+    holds `moment2_cols` elements per row. Under --muon-tp-mode duplicated a tensor-parallel
+    matrix is all-gathered before Newton-Schulz: `tp_gather` is (the dim its TP shards tile,
+    their number), None where nothing is gathered."""
 
     layout: RowLayout
     cols: int
