@@ -215,7 +215,8 @@ def test_hsdp_matches_single_device_muon(distributed, outer, strategy, dist_mode
 # --optimizer adaptive_muon: each update bit-identical to megatron-core's TensorParallelAdaptiveMuon
 # (repaired) on the unsharded model; ZeRO-3 with owners at W=1, 2 and 4, the other strategies at
 # W=2 for NorMuon (whose state travels with the rows), and allgather mode, the one-unit layout
-# (W=2) and HSDP (W=4). NAMO's state travels as NorMuon's: ZeRO-3 and HSDP.
+# (W=2) and HSDP (W=4). NAMO's state travels as NorMuon's, its raw gradient to the owner only:
+# ZeRO-3, HSDP and allgather mode (the check interval's reference).
 MOMENT2_METHODS = ("adamuon", "normuon")
 ADAPTIVE_CASES = [
     pytest.param(strategy, "owner", True, None, world_size, method,
@@ -234,6 +235,8 @@ ADAPTIVE_CASES += [
     for method in MOMENT2_METHODS]
 ADAPTIVE_CASES.append(pytest.param("optim_grads_params", "owner", True, "optim", 4, "namo",
                                    id="namo-optim-optim_grads_params-owner-units-W4"))
+ADAPTIVE_CASES.append(pytest.param("optim_grads_params", "allgather", True, None, 2, "namo",
+                                   id="namo-optim_grads_params-allgather-units-W2"))
 
 
 @pytest.mark.parametrize("strategy, dist_mode, unit_modules, outer, world_size, method",

@@ -10,8 +10,9 @@ from unittest import mock
 import pytest
 import torch
 
-from fsdp_models import MUON_KWARGS, batch, make_models, muon_param_groups, split_params
-from megatron_muon import ZeROTensorParallelMuon
+from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, batch, make_models, muon_param_groups,
+                         split_params)
+from megatron_muon import ZeROTensorParallelAdaptiveMuon, ZeROTensorParallelMuon
 from megatron_muon.step.model_chunks import find_megatron_fsdp, named_main_weights
 from megatron_muon.distribution.exchange import Traffic, observed
 
@@ -142,6 +143,34 @@ def _bf16_checks(rank, world_size):
 
 def test_with_bf16_newton_schulz_the_bound_is_bf16s_own_error(distributed):
     distributed(_bf16_checks, 2)
+
+
+def _adaptive_checks(rank, world_size):
+    for method in ("normuon", "namo"):  # the owner's second moment; NAMO's return is narrower
+        runs = []
+        for interval in (1, 0):
+            fsdp = make_models("optim_grads_params", world_size)[1]
+            matrices = split_params(fsdp)[0]
+            runs.append((fsdp, matrices, ZeROTensorParallelAdaptiveMuon(
+                muon_param_groups(matrices), moment2_method=method, check_interval=interval,
+                **ADAPTIVE_KWARGS, **MUON_KWARGS)))
+        (fsdp, matrices, checked), (_, twins, plain) = runs
+        for step in range(2):
+            _backward(fsdp, step, rank)
+            for p, q in zip(matrices, twins):  # the same gradients, unchecked
+                q.grad = p.grad
+            checked.step()
+            plain.step()
+            assert checked.last_check.iteration == step + 1 and checked.last_check.worst == 0
+            assert all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(matrices, twins))
+            assert all(torch.equal(checked.state[p]["moment2_buffer"].to_local(),
+                                   plain.state[q]["moment2_buffer"].to_local())
+                       for p, q in zip(matrices, twins)), (method, step)
+            fsdp.zero_grad_buffer()
+
+
+def test_the_check_passes_the_adaptive_variants_exact_updates(distributed):
+    distributed(_adaptive_checks, 2)
 
 
 def test_a_negative_check_interval_is_refused():
