@@ -130,9 +130,14 @@ newton_schulz = _borrow(
     "emerging_optimizers.orthogonalized_optimizers.muon_utils.newton_schulz",
     "Newton-Schulz with the Triton SYRK kernel (use_syrk), for --muon-use-syrk where "
     "megatron-core's TensorParallelMuon cannot pass it on")
+newton_schulz_tp = _borrow(
+    "emerging_optimizers.orthogonalized_optimizers.muon_utils.newton_schulz_tp",
+    "Newton-Schulz split over a team of ranks in its \"distributed\" form, as megatron-core's "
+    "TensorParallelMuon runs it over a TP group, for --muon-max-team-size")
 get_muon_scale_factor = _borrow(
     "emerging_optimizers.orthogonalized_optimizers.get_muon_scale_factor",
-    "Muon's scale modes, applied after the SYRK Newton-Schulz as TensorParallelMuon applies them")
+    "Muon's scale modes, applied after the SYRK or a team's Newton-Schulz as TensorParallelMuon "
+    "applies them")
 
 
 # Megatron-FSDP: megatron-core's own copy, and the standalone package (optional).

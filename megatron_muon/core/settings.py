@@ -32,13 +32,14 @@ def tensor_parallel_muon_settings(muon_kwargs: dict) -> dict:
 
 
 def check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
-                   offload_fraction, muon_kwargs) -> None:
+                   offload_fraction, max_team_size, muon_kwargs) -> None:
     """Refuse bad settings up front (TensorParallelMuon finds some only inside the first step,
     after momentum has changed), naming Megatron's flag."""
     given = {**tensor_parallel_muon_settings(muon_kwargs), "dist_mode": dist_mode,
              "owner_choice": owner_choice,
              "byte_slack": byte_slack, "max_exchange_bytes": max_exchange_bytes,
-             "check_interval": check_interval, "offload_fraction": offload_fraction}
+             "check_interval": check_interval, "offload_fraction": offload_fraction,
+             "max_team_size": max_team_size}
     scale_modes = typing.get_args(MuonScaleT)
     rules = [  # (setting, Megatron flag, valid?, what it must be)
         ("dist_mode", "--muon-dist-mode", lambda v: v in DIST_MODES, f"one of {DIST_MODES}"),
@@ -56,6 +57,8 @@ def check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, chec
          "None (what Muon's state saves a rank) or positive"),
         ("check_interval", "--muon-check-interval", lambda v: v >= 0, "at least 0"),
         ("offload_fraction", "--optimizer-offload-fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("max_team_size", "--muon-max-team-size", lambda v: isinstance(v, int) and v >= 1,
+         "an integer, at least 1"),
     ]
     for name, flag, valid, expected in rules:
         if not valid(given[name]):
@@ -113,8 +116,25 @@ def _check_param(muon, p) -> None:
                 f"--muon-no-split-qkv if the model has no fused QKV weight")
 
 
+def _check_teams(muon) -> None:
+    """Refuse teams (max_team_size > 1) beside what they do not run with yet, naming the flags:
+    a team's blocks are orthogonalized in owner mode's exchange, plainly."""
+    if muon.max_team_size == 1:
+        return
+    beside = [flag for flag, on in (
+        ("--muon-dist-mode allgather", muon.dist_mode != "owner"),
+        ("--muon-check-interval", muon.check_interval), ("--muon-use-syrk", muon.use_syrk),
+        ("--optimizer adaptive_muon", muon.second_moment is not None)) if on]
+    if beside:
+        raise ValueError(f"ZeROTensorParallelMuon: --muon-max-team-size "
+                         f"{muon.max_team_size} does not run with {', '.join(beside)} yet; "
+                         f"leave it at 1 (every matrix whole on one owner)")
+
+
 def check_params(muon) -> None:
-    """Refuse, before any state, a param it cannot step or a group mixing layouts."""
+    """Refuse, before any state, teams beside what they do not run with, a param it cannot
+    step, or a group mixing layouts."""
+    _check_teams(muon)
     for group in muon.param_groups:
         for p in group["params"]:
             _check_param(muon, p)

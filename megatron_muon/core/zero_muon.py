@@ -23,6 +23,7 @@ from .second_moment import SecondMoment
 from .settings import (DistMode, OwnerChoice, check_hooks, check_params, check_settings,
                        tensor_parallel_muon_settings)
 from .state_offload import HostState, offloaded_params
+from .team_newton_schulz import orthogonalized_by_team
 
 
 class ZeROTensorParallelMuon(TensorParallelMuon):
@@ -43,21 +44,20 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             "allgather" assembles every matrix on every rank (each rank repeats all
             Newton-Schulz work; kept as the reference).
         owner_choice: how owner mode picks each matrix's owner. "time" (default): for the
-            shortest estimated step, Newton-Schulz time and bytes over the bandwidth counted
-            (plan.choose_owners_by_time), with rates measured here at construction
-            (measured_cost: each shape's Newton-Schulz call as the step makes it, and one
-            all-to-all; the median of every rank's samples); "bytes": fewest bytes first,
-            Newton-Schulz FLOPs balanced within `byte_slack` (plan.choose_owners; what "time"
-            falls back to where it would not stay faster with Newton-Schulz or bytes dearer by
-            the measured figures' spread). At fp32 `highest` owners change no result bit, only
-            where work runs (docs/design.md: what they mean at bf16).
+            shortest estimated step (plan.choose_owners_by_time), with rates measured here at
+            construction (measured_cost); "bytes": fewest bytes first, Newton-Schulz FLOPs
+            balanced within `byte_slack` (plan.choose_owners; what "time" falls back to where
+            it would not stay faster by more than the measured figures' spread). At fp32
+            `highest` owners change no result bit, only where work runs (docs/design.md).
+        max_team_size: owner mode may split a tall or square matrix whose Newton-Schulz alone
+            exceeds its share over a team of up to this many ranks, orthogonalized together in
+            TensorParallelMuon's "distributed" form (--muon-max-team-size; plan/teams.py,
+            core/team_newton_schulz.py); 1 (the default): every matrix whole on one owner.
         byte_slack: the cap on the bytes owner mode moves beyond the layout's minimum, as a
-            fraction of it (None, the default: no cap under "time", where bytes are priced at
-            the measured bandwidth; plan.BYTE_SLACK under "bytes").
+            fraction of it (None, the default: none under "time"; plan.BYTE_SLACK under "bytes").
         max_exchange_bytes: the most the owner step's working memory may hold at once on a rank
-            (--muon-max-exchange-bytes): the update rows, exchange buffers, assembled matrices,
-            results and Newton-Schulz of the two exchanges in flight (one is gathered while the
-            previous one computes), as plan.working_memory counts them. Same-shape matrices are
+            (--muon-max-exchange-bytes): everything two exchanges in flight hold, as
+            plan.working_memory counts it. Same-shape matrices are
             orthogonalized together and batches exchanged together (one collective per
             direction) within it; a matrix needing more than half goes alone in its batch,
             and rank 0 says so. None (the default): per rank, what Muon's state saves it
@@ -94,9 +94,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                  max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
                  param_names: dict | None = None, check_interval: int = 0,
                  use_syrk: bool = False, second_moment: SecondMoment | None = None,
-                 offload_fraction: float = 0.0, **kwargs: Any) -> None:
+                 offload_fraction: float = 0.0, max_team_size: int = 1, **kwargs: Any) -> None:
         check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
-                       offload_fraction, kwargs)
+                       offload_fraction, max_team_size, kwargs)
         check_hooks(type(self))
         upstream_runs_syrk = use_syrk and syrk.tensor_parallel_muon_takes_syrk()
         super().__init__(params, **kwargs, **({"use_syrk": True} if upstream_runs_syrk else {}))
@@ -105,7 +105,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.dp_group = dp_group
         self.dist_mode = dist_mode
         self.owner_choice = owner_choice
-        self.check_interval = check_interval
+        self.check_interval, self.max_team_size = check_interval, max_team_size
         self.iteration = 0
         self.log_checks = True  # False: the caller logs `last_check`
         self.last_check: CheckResult | None = None
@@ -113,8 +113,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._group_index = {p: index for index, group in enumerate(self.param_groups)
                              for p in group["params"]}
         check_params(self)
-        self._set_newton_schulz(tensor_parallel_muon_settings(kwargs), use_syrk,
-                                upstream_runs_syrk)
+        self.newton_schulz_settings = tensor_parallel_muon_settings(kwargs)
+        self._set_newton_schulz(self.newton_schulz_settings, use_syrk, upstream_runs_syrk)
         # What this rank carries out each step, per exchange group (the bench and tests read it;
         # the factory re-packs it with another Muon part's headroom), the rows of each param it
         # holds, and where same-shape matrices run batched.
@@ -134,8 +134,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             syrk.route_newton_schulz_through_it(self, settings, upstream_runs_syrk)
 
     def held_rows(self, p: DTensor) -> tuple[int, int, int]:
-        """(start, stop, rows): this rank's shard of `p` holds rows [start, stop) of its
-        TP-local matrix of `rows` rows (3-D stacks: of their rows)."""
+        """(start, stop, rows): this rank holds rows [start, stop) of `p`'s TP-local rows."""
         return self._held_rows[p]
 
     def device(self) -> torch.device:
@@ -249,6 +248,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         flight (exchange.run_overlapped). `local_rows(i)`: this rank's rows of matrix i's update,
         asked for when its exchange starts, after `ahead(the next exchange's routes)`."""
         def orthogonalize(owned, fulls):
+            if plan.matrices[owned[0]].team:
+                return orthogonalized_by_team(self, plan, owned, fulls)
             return self.orthogonalize_owned([plan.param_of(i) for i in owned], fulls,
                                             plan.matrices[owned[0]].batch_key)
 

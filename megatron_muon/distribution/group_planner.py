@@ -19,11 +19,12 @@ from ..compat import tensor_parallel, upstream
 from ..plan import (Matrix, OwnedBatches, RowLayout, StepCost, alone_working, batch_bytes,
                     batch_matrices, cost_key, orthogonalization_key, owned_batches, owner_bytes,
                     packed_plan, per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices,
-                    state_saved)
+                    state_saved, with_teams)
 from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_dims, data_parallel_layout,
                            num_experts, shard_index, tp_local_rows)
 from .exchange import OwnerRoutes, all_gather_ints
 from .measured_cost import measure, seconds_beyond_noise
+from .teams import create_team_groups
 
 # Measured batched Newton-Schulz must take at most this share of the per-matrix calls' time to be
 # chosen at fp32 `highest`: a near tie is noise (on this project's CPU 256x1024 batched by 2 took
@@ -37,14 +38,18 @@ class GroupPlan:
     expert of a stacked expert weight; where this rank's rows of each sit in its param's local
     shard; their owners, this rank's routes through the exchanges that carry their batches, each
     rank's working-memory budget they were planned within (`budgets`: plan.rank_budgets), and
-    the measured StepCost the owners were chosen by (None: byte-first, or no owners)."""
+    the measured StepCost the owners were chosen by (None: byte-first, or no owners); a matrix
+    split over a team is its blocks (plan.teams), `team_groups` the process groups of the teams
+    this rank is a member of."""
 
     def __init__(self, params: list[DTensor], matrices: list[Matrix],
                  pieces: list[tuple[int, int, int]], owners: list[int],
                  exchanges: list[list[list[int]]], group: dist.ProcessGroup | None,
-                 budgets: list[int], cost: StepCost | None = None) -> None:
+                 budgets: list[int], cost: StepCost | None = None,
+                 team_groups: dict | None = None) -> None:
         self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
         self.group, self.budgets, self.cost = group, budgets, cost
+        self.team_groups = team_groups or {}
         self.rank = dist.get_rank(group)
         self.routes = [OwnerRoutes(matrices, owners, batches, self.rank) for batches in exchanges]
 
@@ -91,6 +96,8 @@ class GroupPlanner:
         (the state offloaded: device memory first): each rank's saving in the group."""
         self._drafts = [self._draft_group(params, group, byte_slack, max_exchange_bytes)
                         for (group, _), params in self._exchange_groups().items()]
+        if self.muon.max_team_size > 1:
+            create_team_groups(self._drafts)
         self._max_exchange_bytes = max_exchange_bytes
         self._with_headroom = headroom and max_exchange_bytes is None
         self.headroom = 0
@@ -185,14 +192,16 @@ class GroupPlanner:
                      max_exchange_bytes: int | None) -> "_Draft":
         layouts = self._learn_layouts(params, group)
         rank = dist.get_rank(group)
-        matrices, pieces = [], []
+        whole = []  # (param index, first row in it, matrix)
         for index, (p, layout) in enumerate(zip(params, layouts)):
             self.held_rows[p] = (*layout.row_range(rank), layout.num_rows)
             cols = p.to_local().shape[-1]
-            for start, matrix in split_matrices(layout, num_experts(p), cols,
-                                                self._batch_key(p), self._row_blocks(p)):
-                matrices.append(self._with_tp_gather(self._with_second_moment(matrix), p))
-                pieces.append((index, *layout.local_range(rank, start, start + matrix.shape[0])))
+            whole.extend((index, start, self._with_tp_gather(self._with_second_moment(matrix), p))
+                         for start, matrix in split_matrices(layout, num_experts(p), cols,
+                                                             self._batch_key(p),
+                                                             self._row_blocks(p)))
+        matrices, pieces = _split_over_teams(whole, layouts, rank, group.size(),
+                                             self.muon.max_team_size)
         representatives = {}  # a matrix and its param of each cost key, in plan order
         for matrix, (index, _, _) in zip(matrices, pieces):
             representatives.setdefault(cost_key(matrix), (matrix, params[index]))
@@ -320,6 +329,19 @@ class GroupPlanner:
         return torch.equal(batched, single)
 
 
+def _split_over_teams(whole: list[tuple[int, int, Matrix]], layouts: list[RowLayout], rank: int,
+                      ranks: int, max_team: int) -> tuple[list[Matrix], list[tuple[int, int, int]]]:
+    """The group's matrices, `whole` ((param index, first row in the param, matrix)) with those a
+    team takes split into its blocks (plan.with_teams), and where this rank's rows of each sit in
+    its param's local shard ((param index, first, end): GroupPlan.pieces)."""
+    matrices, pieces = [], []
+    for j, start, matrix in with_teams([matrix for _, _, matrix in whole], ranks, max_team):
+        index, first = whole[j][0], whole[j][1] + start
+        matrices.append(matrix)
+        pieces.append((index, *layouts[index].local_range(rank, first, first + matrix.shape[0])))
+    return matrices, pieces
+
+
 @dataclasses.dataclass(frozen=True)
 class _Draft:
     """One exchange group's plan before its exchanges are packed: its budgets wait for its
@@ -330,6 +352,8 @@ class _Draft:
     owned: OwnedBatches
     group: Any
     cost: StepCost | None
+    # {team: its process group} of the teams this rank is a member of (distribution.teams)
+    team_groups: dict = dataclasses.field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -347,4 +371,4 @@ class _Draft:
         plan = packed_plan(self.matrices, self.owned, self.params[0].element_size(),
                            max_exchange_bytes, headroom, saved)
         return GroupPlan(self.params, self.matrices, self.pieces, plan.owners, plan.exchanges,
-                         self.group, plan.budgets, self.cost)
+                         self.group, plan.budgets, self.cost, self.team_groups)

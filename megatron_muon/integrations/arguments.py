@@ -89,6 +89,13 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        'Smaller: more, smaller exchanges and Newton-Schulz batches; a matrix '
                        'that alone needs more than half goes alone in its batch and the start-up '
                        'log names the largest.')
+    group.add_argument('--muon-max-team-size', type=_positive, default=1,
+                       help='"owner" mode may split a tall or square matrix whose Newton-Schulz '
+                       'alone exceeds its share of the step over a team of up to this many ranks, '
+                       'which orthogonalize it together in megatron-core\'s "distributed" TP '
+                       'form (the Gram matrix summed over the team each iteration: equal to '
+                       'single-device Muon up to the order of those sums). Default 1: every '
+                       'matrix whole on one owner, bit-identical to single-device Muon.')
     if not any('--muon-use-syrk' in action.option_strings
                for action in upstream.parser_actions(parser)):  # megatron-core main defines it
         group.add_argument('--muon-use-syrk', action='store_true',

@@ -85,6 +85,11 @@ class MuonOptimizerConfig(OptimizerConfig):
     """Newton-Schulz through emerging-optimizers' Triton SYRK kernel (--muon-use-syrk;
     ZeROTensorParallelMuon's use_syrk): CUDA, bf16 (muon_fp32_matmul_prec "medium")."""
 
+    muon_max_team_size: int = 1
+    """A tall or square matrix whose Newton-Schulz alone exceeds its share may be split over a
+    team of up to this many ranks (--muon-max-team-size; ZeROTensorParallelMuon's
+    max_team_size); 1: every matrix whole on one owner."""
+
     def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False,
                 pg_collection=None):
         chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
@@ -95,7 +100,7 @@ class MuonOptimizerConfig(OptimizerConfig):
             muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps,
             muon_check_interval=self.muon_check_interval,
             muon_max_exchange_bytes=self.muon_max_exchange_bytes,
-            muon_use_syrk=self.muon_use_syrk)
+            muon_use_syrk=self.muon_use_syrk, muon_max_team_size=self.muon_max_team_size)
 
 
 class ChecksummedCheckpointManager(DefaultCheckpointManager):

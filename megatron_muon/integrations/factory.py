@@ -29,13 +29,15 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
                            pg_collection=None, dump_param_to_param_group_map=None,
                            muon_dist_mode="owner", muon_max_consecutive_skipped_steps=10,
                            muon_check_interval=0, muon_owner_choice="time",
-                           muon_max_exchange_bytes=MAX_EXCHANGE_BYTES, muon_use_syrk=False):
+                           muon_max_exchange_bytes=MAX_EXCHANGE_BYTES, muon_use_syrk=False,
+                           muon_max_team_size=1):
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` (ZeROTensorParallelMuon)
     and `optimizer='adaptive_muon'` (ZeROTensorParallelAdaptiveMuon) on Megatron-FSDP chunks.
 
-    `muon_dist_mode`, `muon_owner_choice`, `muon_check_interval`, `muon_max_exchange_bytes` and
-    `muon_use_syrk` are ZeROTensorParallelMuon's `dist_mode` ("owner" or "allgather"),
-    `owner_choice` ("time" or "bytes"), `check_interval`, `max_exchange_bytes` and `use_syrk`
+    `muon_dist_mode`, `muon_owner_choice`, `muon_check_interval`, `muon_max_exchange_bytes`,
+    `muon_max_team_size` and `muon_use_syrk` are ZeROTensorParallelMuon's `dist_mode` ("owner"
+    or "allgather"), `owner_choice` ("time" or "bytes"), `check_interval`,
+    `max_exchange_bytes`, `max_team_size` and `use_syrk`
     (also turned on by `OptimizerConfig.muon_use_syrk`, where megatron-core has it, as main does);
     `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on skipped steps."""
     upstream_fixes.apply()  # for every optimizer, where the installed upstream needs them
@@ -60,6 +62,7 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
                          dict(dist_mode=muon_dist_mode, owner_choice=muon_owner_choice,
                               check_interval=muon_check_interval,
                               max_exchange_bytes=muon_max_exchange_bytes, use_syrk=muon_use_syrk,
+                              max_team_size=muon_max_team_size,
                               offload_fraction=_offload_fraction(config)))
     if config.optimizer_cpu_offload:
         _say_what_is_offloaded(parts, config.optimizer_offload_fraction)

@@ -155,6 +155,7 @@ def _get_megatron_optimizer(*args, **kwargs):
         muon_check_interval=getattr(flags, 'muon_check_interval', 0),
         muon_max_exchange_bytes=getattr(flags, 'muon_max_exchange_bytes', MAX_EXCHANGE_BYTES),
         muon_use_syrk=getattr(flags, 'muon_use_syrk', False),
+        muon_max_team_size=getattr(flags, 'muon_max_team_size', 1),
         **kwargs)
 
 

@@ -29,14 +29,16 @@ def newton_schulz_bytes(matrix: Matrix, element_bytes: int) -> int:
     measured 3mn + m^2 at fp32 on CPU, test_memory checks the bound). Where the matrix is
     all-gathered first (`tp_gather`: newton_schulz_tp's duplicated mode, over one rank too),
     Newton-Schulz runs on the whole matrix, beside the gathered shards and their concatenation,
-    each as large as it."""
+    each as large as it. A team's block (plan/teams.py): its rows beside the whole matrix's
+    Gram side (Matrix.gram_side)."""
     shape = list(matrix.shape)
     gathered = 0
     if matrix.tp_gather:
         dim, shards = matrix.tp_gather
         shape[dim] *= shards
         gathered = 2 * math.prod(shape)
-    m, n = sorted(shape)
+    m = matrix.gram_side if matrix.team else min(shape)
+    n = math.prod(shape) // m
     return (3 * m * n + 2 * m * m + gathered) * element_bytes
 
 
@@ -50,12 +52,14 @@ def owner_bytes(matrix: Matrix, element_bytes: int) -> int:
 def batch_matrices(matrices: Sequence[Matrix], max_bytes: int, element_bytes: int) -> list[list[int]]:
     """Matrices of one batch key (same shape, same orthogonalization) in batches whose owner_bytes
     add up to at most `max_bytes` (at least one matrix each, whoever owns them), in
-    first-appearance order."""
+    first-appearance order; the blocks of a team (plan/teams.py) in one batch, whatever their
+    bytes: its members orthogonalize it together, in one exchange."""
     by_key: dict[tuple, list[list[int]]] = {}
     for i, matrix in enumerate(matrices):
-        key = (matrix.shape, matrix.batch_key)
+        key = (matrix.team.team,) if matrix.team else (matrix.shape, matrix.batch_key)
         batches = by_key.setdefault(key, [[]])
-        if batches[-1] and (len(batches[-1]) + 1) * owner_bytes(matrix, element_bytes) > max_bytes:
+        if (batches[-1] and not matrix.team
+                and (len(batches[-1]) + 1) * owner_bytes(matrix, element_bytes) > max_bytes):
             batches.append([])
         batches[-1].append(i)
     return [batch for batches in by_key.values() for batch in batches]

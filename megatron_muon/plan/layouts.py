@@ -152,6 +152,18 @@ def ns_flops(rows: int, cols: int, steps: int) -> int:
 
 
 @dataclass(frozen=True)
+class TeamBlock:
+    """Where a block of a matrix split over a team (plan/teams.py) sits: the team (the index of
+    the whole matrix among its group's matrices), the whole matrix's rows, and the block's first
+    row in it. The blocks of a team hold all of its columns; the whole matrix is tall or square,
+    so its columns are Newton-Schulz's smaller side."""
+
+    team: int
+    rows: int
+    first_row: int
+
+
+@dataclass(frozen=True)
 class Matrix:
     """One matrix to orthogonalize: how its rows are spread, its width, which matrices it may
     share a batched Newton-Schulz with (same shape and same orthogonalization), and, when it is
@@ -170,10 +182,17 @@ class Matrix:
     returned_state_cols: int = 0
     moment2_cols: int = 0
     tp_gather: tuple[int, int] | None = None
+    team: TeamBlock | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.layout.num_rows, self.cols
+
+    @property
+    def gram_side(self) -> int:
+        """The side of the Gram matrix X X^T its Newton-Schulz forms: the smaller side, or for a
+        team's block the whole matrix's (its columns)."""
+        return self.cols if self.team else min(self.shape)
 
     @property
     def gather_width(self) -> int:
@@ -186,6 +205,12 @@ class Matrix:
         return self.cols + self.returned_state_cols
 
     def ns_flops(self, steps: int) -> int:
+        """Its Newton-Schulz FLOPs; a team's block: one member's part of the distributed form
+        (newton_schulz_tp's "distributed" mode), its rows' share of X X^T and B X, and all of
+        A A, which every member repeats: k(4 c^2 r + 2 c^3), c the columns, r the block's rows."""
+        if self.team:
+            c, r = self.cols, self.shape[0]
+            return steps * (4 * c * c * r + 2 * c ** 3)
         return sum(ns_flops(rows, self.cols, steps) for rows in self.row_blocks or (self.shape[0],))
 
     def bytes_to_owner(self, owner: int, element_bytes: int) -> int:

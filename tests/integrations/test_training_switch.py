@@ -72,13 +72,14 @@ def _switch(rank, world_size, checkout):
     megatron.training.global_vars.set_args(_validate(
         "--optimizer", "muon", "--muon-dist-mode", "allgather", "--muon-owner-choice", "bytes",
         "--muon-max-consecutive-skipped-steps", "3", "--muon-check-interval", "5",
-        "--muon-max-exchange-bytes", "65536", "--muon-use-syrk"))
+        "--muon-max-exchange-bytes", "65536", "--muon-use-syrk", "--muon-max-team-size", "8"))
     with mock.patch.object(megatron_lm.factory, "get_megatron_optimizer") as factory:
         megatron.training.training.get_megatron_optimizer("config", ["chunk"])
     factory.assert_called_once_with("config", ["chunk"], muon_dist_mode="allgather",
                                     muon_owner_choice="bytes",
                                     muon_max_consecutive_skipped_steps=3, muon_check_interval=5,
-                                    muon_max_exchange_bytes=65536, muon_use_syrk=True)
+                                    muon_max_exchange_bytes=65536, muon_use_syrk=True,
+                                    muon_max_team_size=8)
     assert _validate("--optimizer", "adam").optimizer == "adam"
     _refused("does not support: --fp16", "--optimizer", "muon", "--fp16")
     _refused("without --overlap-grad-reduce", "--optimizer", "muon",
@@ -114,7 +115,8 @@ def _switch(rank, world_size, checkout):
              "transformer_engine")
     for flags in (["--muon-dist-mode", "everywhere"],  # argparse: invalid choice
                   ["--muon-max-consecutive-skipped-steps", "-1"],  # argparse: -1 (at least 0)
-                  ["--muon-max-exchange-bytes", "0"]):  # argparse: 0 (must be positive)
+                  ["--muon-max-exchange-bytes", "0"],  # argparse: 0 (must be positive)
+                  ["--muon-max-team-size", "0"]):
         with pytest.raises(SystemExit):
             _validate("--optimizer", "muon", *flags)
     # What we do not support is still refused by Megatron, as before.

@@ -1,0 +1,169 @@
+"""Teams (--muon-max-team-size): a tall matrix whose Newton-Schulz alone exceeds its share split
+over a team of ranks, orthogonalized in megatron-core's "distributed" form. The plan's choice on
+shapes alone; the team's Newton-Schulz against megatron-core's TensorParallelMuon in tp_mode
+"distributed" over a group of the same size (bit for bit) and against single-device Muon (within
+the fp32 reordering bound); a whole step on Megatron-FSDP with uneven and empty shards."""
+
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from emerging_optimizers import utils as eo_utils
+from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+from fsdp_models import (MUON_KWARGS, batch, full_tensor, make_models, muon_param_groups,
+                         reference_optimizers, split_params)
+from megatron_muon import ZeROTensorParallelMuon
+from megatron_muon.core.settings import tensor_parallel_muon_settings
+from megatron_muon.core.team_newton_schulz import team_orthogonalize
+from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, team_blocks, team_sizes,
+                                with_teams)
+from tolerances import ATOL, muon_drift, reordering_error
+
+STEPS = 4
+
+
+def _matrix(rows, cols, shards=4, **fields):
+    q, r = divmod(rows, shards)
+    layout = RowLayout(tuple([q + 1] * r + [q] * (shards - r)))
+    return Matrix(layout, cols, fields.pop("batch_key", (None, False)), **fields)
+
+
+def test_a_dominant_tall_matrix_goes_to_the_smallest_team_within_the_share():
+    big, small = _matrix(4096, 256), _matrix(256, 256)
+    matrices = [big] + [small] * 6
+    share = sum(m.ns_flops(1) for m in matrices) / 4
+    sizes = team_sizes(matrices, ranks=4, max_team=4)
+    assert sizes[1:] == [1] * 6  # within the share alone
+    k = sizes[0]
+    assert k > 1 and team_blocks(big, k, 0)[0][1].ns_flops(1) <= share
+    assert team_blocks(big, k - 1, 0)[0][1].ns_flops(1) > share or k == 2
+    assert team_sizes(matrices, ranks=4, max_team=1) == [1] * 7  # the flag keeps them whole
+
+
+def test_only_tall_plain_matrices_are_split():
+    ranks = 4
+    for matrix in (_matrix(256, 4096),  # wide: its long side is its columns
+                   _matrix(4096, 256, batch_key=None),  # QKV split or TP Newton-Schulz
+                   _matrix(4096, 256, state_cols=1)):  # a second moment beside it
+        assert team_sizes([matrix, _matrix(8, 8)], ranks, ranks) == [1, 1]
+
+
+def test_blocks_cover_the_matrix_and_batch_together():
+    big = _matrix(1001, 64, shards=8)
+    planned = with_teams([big, _matrix(64, 64, shards=8), big], ranks=8, max_team=3)
+    firsts = [(index, start, m.shape[0]) for index, start, m in planned if index == 0]
+    assert [start for _, start, _ in firsts] == [0, 334, 668] and sum(r for *_, r in firsts) == 1001
+    matrices = [m for _, _, m in planned]
+    # Every team one batch, whatever the bytes allow; its blocks' layouts are the matrix's rows.
+    teams = [b for b in batch_matrices(matrices, 1, 4) if matrices[b[0]].team]
+    assert sorted(len(b) for b in teams) == [3, 3]
+    assert {matrices[b[0]].team.team for b in teams} == {0, 2}
+    held = [sum(matrices[i].layout.held(r) for i in teams[0]) for r in range(8)]
+    assert held == list(big.layout.rows)
+    # A member's part: its rows' share of X X^T and B X, and the whole A A.
+    assert sum(matrices[i].ns_flops(1) for i in teams[0]) == big.ns_flops(1) + 2 * 2 * 64 ** 3
+
+
+def _team_newton_schulz_as_megatron_core_distributed(rank, world_size):
+    full = torch.randn(8 * world_size, 6, generator=torch.Generator().manual_seed(1))
+    block = full.chunk(world_size)[rank]
+    group = dist.new_group(list(range(world_size)))
+    p = torch.nn.Parameter(block.clone())
+    p.partition_dim = 0
+    reference = TensorParallelMuon([p], pg_collection=SimpleNamespace(tp=group, gtp_remat=None),
+                                   tp_mode="distributed", fp32_matmul_prec="highest")
+    settings = tensor_parallel_muon_settings({})
+    with eo_utils.fp32_matmul_precision("highest"):
+        expected = reference.orthogonalize(p, block)
+        ours = team_orthogonalize(block, tuple(full.shape), group, settings)
+        assert torch.equal(ours, expected)
+        # Single-device Muon's rows, within what reordering the Gram's fp32 sums changes.
+        whole = reference.scaled_orthogonalize_fn(full, None, None).chunk(world_size)[rank]
+        bound = muon_drift([1.0], full.shape, reordering_error(full.shape[0])) + ATOL
+        assert (ours - whole).abs().max() <= bound
+        # Broken: without the team's all-reduce each member orthogonalizes its rows alone; with
+        # another member's block it returns that block's rows.
+        with mock.patch.object(dist, "all_reduce"):
+            alone = team_orthogonalize(block, tuple(full.shape), group, settings)
+        assert (alone - expected).abs().max() > bound
+        swapped = full.chunk(world_size)[world_size - 1 - rank]
+        assert not torch.equal(team_orthogonalize(swapped, tuple(full.shape), group, settings),
+                               expected)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_team_newton_schulz_is_megatron_cores_distributed_form(distributed, world_size):
+    distributed(_team_newton_schulz_as_megatron_core_distributed, world_size)
+
+
+def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice):
+    ref, fsdp = make_models(strategy, world_size, unit_modules=True)
+    ref_opts = reference_optimizers(ref)
+    ref_params = dict(ref.named_parameters())
+    matrices, vectors = split_params(fsdp)
+    muon = ZeROTensorParallelMuon(muon_param_groups(matrices), max_team_size=world_size,
+                                  owner_choice=owner_choice, **MUON_KWARGS)
+    (plan,) = muon.plans
+    teamed = {plan.param_of(i) for i, m in enumerate(plan.matrices) if m.team}
+    names = {id(p): n.removeprefix("module.") for n, p in fsdp.named_parameters()}
+    assert {names[id(p)] for p in teamed} == {"up.weight"}, names  # 40 x 16: 69% of the FLOPs
+    # By bytes each block goes to the rank holding most of its rows: a team of several. By
+    # time the blocks of so small a matrix may all go to one rank, which then runs it whole.
+    members = len({o for i, o in enumerate(plan.owners) if plan.matrices[i].team})
+    assert members > 1 or owner_choice == "time"
+    assert len(plan.team_groups) == (members > 1 and rank in {
+        o for i, o in enumerate(plan.owners) if plan.matrices[i].team})
+    opts = [muon, torch.optim.Adam(vectors, lr=0.01, foreach=False)]
+    lrs = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        torch.nn.functional.mse_loss(fsdp(x), y).backward()
+        if not fsdp.model_auto_sync:
+            fsdp.finish_grad_sync()
+        for p in matrices + vectors:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            ref_params[names[id(p)]].grad = full_tensor(grad, p)
+        for opt in ref_opts + opts:
+            opt.step()
+        fsdp.install_optimized_model_weights()
+        fsdp.zero_grad_buffer()
+        for opt in ref_opts + opts:
+            opt.zero_grad()
+        lrs.append(muon.group_of(next(iter(teamed)))["lr"])
+        for p in matrices + vectors:
+            diff = (full_tensor(p, p) - ref_params[names[id(p)]]).abs().max().item()
+            if p in teamed and members > 1:  # the Gram's sums in another order: their bound
+                bound = muon_drift(lrs, p.shape, reordering_error(p.shape[0])) + ATOL
+                assert diff <= bound, (step, diff, bound)
+
+            else:  # every other matrix whole on its owner, as before: bit for bit
+                assert diff == 0, (names[id(p)], step, diff)
+
+
+@pytest.mark.parametrize("world_size, strategy, owner_choice", [
+    (2, "optim_grads_params", "bytes"), (2, "optim_grads_params", "time"), (4, "optim", "bytes"),
+    (4, "optim_grads_params", "bytes")])
+def test_a_step_with_a_team_matches_single_device_muon(distributed, world_size, strategy,
+                                                       owner_choice):
+    distributed(_teams_step_as_single_device_muon, world_size, strategy, owner_choice)
+
+
+def _refused_beside(rank, world_size):
+    ref, fsdp = make_models("optim_grads_params", world_size, unit_modules=True)
+    matrices, _ = split_params(fsdp)
+    before = [p.to_local().clone() for p in matrices]
+    for settings, flag in (({"dist_mode": "allgather"}, "--muon-dist-mode allgather"),
+                           ({"check_interval": 2}, "--muon-check-interval")):
+        with pytest.raises(ValueError, match=f"--muon-max-team-size 2 does not run with {flag}"):
+            ZeROTensorParallelMuon(muon_param_groups(matrices), max_team_size=2, **settings,
+                                   **MUON_KWARGS)
+    with pytest.raises(ValueError, match=r"max_team_size \(--muon-max-team-size\) must be"):
+        ZeROTensorParallelMuon(muon_param_groups(matrices), max_team_size=0, **MUON_KWARGS)
+    assert all(torch.equal(a, p.to_local()) for a, p in zip(before, matrices))
+
+
+def test_teams_are_refused_beside_what_they_do_not_run_with_yet(distributed):
+    distributed(_refused_beside, 2)
