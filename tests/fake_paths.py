@@ -2,32 +2,40 @@
 must not do is hand a collective a tensor off the ranks' device, or fail; the numbers are not
 checked here (the gloo suite does that)."""
 
+import dataclasses
+
 from fsdp_models import load_checkpoint, save_checkpoint
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.step.model_chunks import named_main_weights
-from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
+from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm_loss,
+                                         optimizer_config)
 
 # (name, sharding strategy, Muon dist mode, experts, HSDP replicas, minimum world size, the
 # optimizer state in host memory: its pinned host tensors must reach no collective, and a
-# checkpoint saves and loads them)
+# checkpoint saves and loads them; --muon-max-team-size: at W=4 a one-layer GPT's fc1, 8x as
+# tall as the model is wide, goes to a team)
 CASES = [
-    ("zero3-owner", "optim_grads_params", "owner", None, 1, 2, False),
-    ("zero3-allgather", "optim_grads_params", "allgather", None, 1, 2, False),
-    ("zero1-owner", "optim", "owner", None, 1, 2, False),
-    ("no_shard-owner", "no_shard", "owner", None, 1, 2, False),
-    ("experts", "optim_grads_params", "owner", 4, 1, 2, False),
-    ("hsdp", "optim_grads_params", "owner", None, 2, 4, False),
-    ("experts-offloaded", "optim_grads_params", "owner", 4, 1, 2, True),
+    ("zero3-owner", "optim_grads_params", "owner", None, 1, 2, False, 1),
+    ("zero3-allgather", "optim_grads_params", "allgather", None, 1, 2, False, 1),
+    ("zero1-owner", "optim", "owner", None, 1, 2, False, 1),
+    ("no_shard-owner", "no_shard", "owner", None, 1, 2, False, 1),
+    ("experts", "optim_grads_params", "owner", 4, 1, 2, False, 1),
+    ("hsdp", "optim_grads_params", "owner", None, 2, 4, False, 1),
+    ("experts-offloaded", "optim_grads_params", "owner", 4, 1, 2, True, 1),
+    ("zero3-teams", "optim_grads_params", "owner", None, 1, 4, False, 4),
 ]
 
 
-def _build(strategy, dist_mode, experts, replicas, offload):
+def _build(strategy, dist_mode, experts, replicas, offload, max_team):
     init_parallel_state(expert_parallel=2 if experts else 1, replicas=replicas)
     # MuonClip on, with a threshold the logits pass: its all-reduce runs in every step, and its
     # clip wherever the fake group's stand-in weights give a logit above 0.
-    model = fsdp_gpt(strategy=strategy, num_experts=experts, qk_clip=True, qk_clip_threshold=1e-6)
+    shape = TINY if max_team == 1 else dataclasses.replace(TINY, layers=1, ffn=8 * TINY.hidden)
+    model = fsdp_gpt(shape, strategy=strategy, num_experts=experts, qk_clip=True,
+                     qk_clip_threshold=1e-6)
     config = optimizer_config(optimizer_cpu_offload=offload, optimizer_offload_fraction=1.0)
-    return model, get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode)
+    return model, get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode,
+                                         muon_max_team_size=max_team)
 
 
 def _step(model, optimizer, rank, step):
@@ -45,10 +53,13 @@ def _step(model, optimizer, rank, step):
 
 def every_path(rank, world_size, guard, checkpoint_dir):
     """Construction, a step, and a checkpoint saved and loaded, for every case that fits."""
-    for name, strategy, dist_mode, experts, replicas, min_world, offload in CASES:
+    for name, strategy, dist_mode, experts, replicas, min_world, offload, max_team in CASES:
         if world_size < min_world:
             continue
-        model, optimizer = _build(strategy, dist_mode, experts, replicas, offload)
+        model, optimizer = _build(strategy, dist_mode, experts, replicas, offload, max_team)
+        split = [matrix.team for part in optimizer.chained_optimizers
+                 for plan in getattr(part.optimizer, "plans", ()) for matrix in plan.matrices]
+        assert (max_team > 1) == any(split), (name, split)
         device = next(model.parameters()).device
         assert device.type == guard.device_type, (name, device)
         before = dict(guard.calls)
@@ -59,6 +70,6 @@ def every_path(rank, world_size, guard, checkpoint_dir):
             assert exchanges > 0, name
         path = f"{checkpoint_dir}/{name}"
         save_checkpoint(model, optimizer, path)
-        model, optimizer = _build(strategy, dist_mode, experts, replicas, offload)
+        model, optimizer = _build(strategy, dist_mode, experts, replicas, offload, max_team)
         load_checkpoint(model, optimizer, path)
         assert _step(model, optimizer, rank, 1), f"{name}: the step after loading was skipped"

@@ -49,8 +49,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             balanced within `byte_slack` (plan.choose_owners; what "time" falls back to where
             it would not stay faster by more than the measured figures' spread). At fp32
             `highest` owners change no result bit, only where work runs (docs/design.md).
-        max_team_size: owner mode may split a tall or square matrix whose Newton-Schulz alone
-            exceeds its share over a team of up to this many ranks, orthogonalized together in
+        max_team_size: owner mode may split a matrix whose Newton-Schulz alone exceeds its
+            share over a team of up to this many ranks, orthogonalized together in
             TensorParallelMuon's "distributed" form (--muon-max-team-size; plan/teams.py,
             core/team_newton_schulz.py); 1 (the default): every matrix whole on one owner.
         byte_slack: the cap on the bytes owner mode moves beyond the layout's minimum, as a

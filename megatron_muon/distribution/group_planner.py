@@ -64,8 +64,11 @@ class GroupPlan:
 
     def rows_of(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """This rank's rows of matrix i within `local`, its param's local shard (or a tensor
-        shaped like it)."""
+        shaped like it); of a team's column block, their columns of it."""
         _, lo, hi = self.pieces[i]
+        team = self.matrices[i].team
+        if team and team.dim == 1:
+            return as_rows(local)[lo:hi, team.start:team.start + self.matrices[i].cols]
         return as_rows(local)[lo:hi]
 
     def grad_rows(self, i: int) -> torch.Tensor:

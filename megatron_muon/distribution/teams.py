@@ -5,16 +5,14 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from ..plan import team_members
 
-def team_members(draft: Any) -> dict[int, tuple[int, ...]]:
-    """{team: the global ranks owning its blocks} of a group's draft plan, for the teams whose
-    blocks more than one rank owns (a team whose blocks all landed on one rank holds its
-    matrix whole there and needs no group)."""
-    owners: dict[int, set[int]] = {}
-    for matrix, owner in zip(draft.matrices, draft.owned.owners):
-        if matrix.team:
-            owners.setdefault(matrix.team.team, set()).add(dist.get_global_rank(draft.group, owner))
-    return {team: tuple(sorted(ranks)) for team, ranks in owners.items() if len(ranks) > 1}
+
+def _global_members(draft: Any) -> dict[int, tuple[int, ...]]:
+    """{team: the global ranks owning its blocks} of a group's draft plan (plan.team_members:
+    the teams whose blocks more than one rank owns)."""
+    return {team: tuple(sorted(dist.get_global_rank(draft.group, rank) for rank in ranks))
+            for team, ranks in team_members(draft.matrices, draft.owned.owners).items()}
 
 
 def create_team_groups(drafts: Sequence[Any]) -> None:
@@ -25,7 +23,7 @@ def create_team_groups(drafts: Sequence[Any]) -> None:
     another TP rank's) create the same groups in the same order. At W ranks that is one
     collective and a new_group call per distinct team of the whole job, at construction only
     (NCCL makes a team's communicator at its first collective)."""
-    members = [team_members(draft) for draft in drafts]
+    members = [_global_members(draft) for draft in drafts]
     mine = sorted({ranks for teams in members for ranks in teams.values()})
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

@@ -90,7 +90,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        'that alone needs more than half goes alone in its batch and the start-up '
                        'log names the largest.')
     group.add_argument('--muon-max-team-size', type=_positive, default=1,
-                       help='"owner" mode may split a tall or square matrix whose Newton-Schulz '
+                       help='"owner" mode may split a matrix whose Newton-Schulz '
                        'alone exceeds its share of the step over a team of up to this many ranks, '
                        'which orthogonalize it together in megatron-core\'s "distributed" TP '
                        'form (the Gram matrix summed over the team each iteration: equal to '

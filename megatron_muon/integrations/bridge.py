@@ -86,7 +86,7 @@ class MuonOptimizerConfig(OptimizerConfig):
     ZeROTensorParallelMuon's use_syrk): CUDA, bf16 (muon_fp32_matmul_prec "medium")."""
 
     muon_max_team_size: int = 1
-    """A tall or square matrix whose Newton-Schulz alone exceeds its share may be split over a
+    """A matrix whose Newton-Schulz alone exceeds its share may be split over a
     team of up to this many ranks (--muon-max-team-size; ZeROTensorParallelMuon's
     max_team_size); 1: every matrix whole on one owner."""
 

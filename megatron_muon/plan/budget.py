@@ -37,8 +37,7 @@ def newton_schulz_bytes(matrix: Matrix, element_bytes: int) -> int:
         dim, shards = matrix.tp_gather
         shape[dim] *= shards
         gathered = 2 * math.prod(shape)
-    m = matrix.gram_side if matrix.team else min(shape)
-    n = math.prod(shape) // m
+    m, n = (matrix.gram_side, matrix.long_side) if matrix.team else sorted(shape)
     return (3 * m * n + 2 * m * m + gathered) * element_bytes
 
 

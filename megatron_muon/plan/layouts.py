@@ -151,16 +151,29 @@ def ns_flops(rows: int, cols: int, steps: int) -> int:
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
+def team_ns_flops(gram_side: int, long_side: int, steps: int) -> int:
+    """One team member's Newton-Schulz FLOPs in the distributed form (newton_schulz_tp's
+    "distributed" mode) on `long_side` of the whole matrix's long side: that share of X X^T and
+    B X, and all of A A, which every member repeats: k(4g^2 l + 2g^3), g the Gram side."""
+    return steps * (4 * gram_side * gram_side * long_side + 2 * gram_side ** 3)
+
+
 @dataclass(frozen=True)
 class TeamBlock:
     """Where a block of a matrix split over a team (plan/teams.py) sits: the team (the index of
-    the whole matrix among its group's matrices), the whole matrix's rows, and the block's first
-    row in it. The blocks of a team hold all of its columns; the whole matrix is tall or square,
-    so its columns are Newton-Schulz's smaller side."""
+    the whole matrix among its group's matrices), the whole matrix's shape, the block's first
+    row or column in it along `dim`, and the team's size (its blocks)."""
 
     team: int
-    rows: int
-    first_row: int
+    whole: tuple[int, int]
+    start: int
+    size: int
+
+    @property
+    def dim(self) -> int:
+        """The dim the blocks split, the whole matrix's long side (Newton-Schulz sums its Gram
+        matrix over it): rows of a tall or square matrix, columns of a wide one."""
+        return 0 if self.whole[0] >= self.whole[1] else 1
 
 
 @dataclass(frozen=True)
@@ -191,8 +204,13 @@ class Matrix:
     @property
     def gram_side(self) -> int:
         """The side of the Gram matrix X X^T its Newton-Schulz forms: the smaller side, or for a
-        team's block the whole matrix's (its columns)."""
-        return self.cols if self.team else min(self.shape)
+        team's block the whole matrix's."""
+        return min(self.team.whole if self.team else self.shape)
+
+    @property
+    def long_side(self) -> int:
+        """Its other side: the larger, or for a team's block its part of the whole's long side."""
+        return self.shape[self.team.dim] if self.team else max(self.shape)
 
     @property
     def gather_width(self) -> int:
@@ -205,12 +223,9 @@ class Matrix:
         return self.cols + self.returned_state_cols
 
     def ns_flops(self, steps: int) -> int:
-        """Its Newton-Schulz FLOPs; a team's block: one member's part of the distributed form
-        (newton_schulz_tp's "distributed" mode), its rows' share of X X^T and B X, and all of
-        A A, which every member repeats: k(4 c^2 r + 2 c^3), c the columns, r the block's rows."""
+        """Its Newton-Schulz FLOPs; a team's block: a member's on its rows (team_ns_flops)."""
         if self.team:
-            c, r = self.cols, self.shape[0]
-            return steps * (4 * c * c * r + 2 * c ** 3)
+            return team_ns_flops(self.gram_side, self.long_side, steps)
         return sum(ns_flops(rows, self.cols, steps) for rows in self.row_blocks or (self.shape[0],))
 
     def bytes_to_owner(self, owner: int, element_bytes: int) -> int:

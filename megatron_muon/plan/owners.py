@@ -13,9 +13,26 @@ from .traffic import layout_min_bytes, matrix_traffic, owner_traffic
 BYTE_SLACK = 0.05  # byte-first owners may move this fraction more than the layout's minimum
 
 
+def team_peers(matrices: Sequence[Matrix]) -> list[tuple[int, ...]]:
+    """For each matrix the other blocks of its team (plan/teams.py; none for a whole matrix):
+    every owner choice keeps a team's blocks on distinct ranks, so that it is split as planned."""
+    by_team: dict[int, list[int]] = {}
+    for i, matrix in enumerate(matrices):
+        if matrix.team:
+            by_team.setdefault(matrix.team.team, []).append(i)
+    return [tuple(j for j in by_team[m.team.team] if j != i) if m.team else ()
+            for i, m in enumerate(matrices)]
+
+
+def taken(peers: Sequence[int], owners: Sequence[int | None]) -> set[int]:
+    """The ranks already owning one of `peers` (a matrix's team_peers)."""
+    return {owners[j] for j in peers if owners[j] is not None}
+
+
 def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
                   byte_slack: float = 0.05) -> list[int]:
-    """One owner per matrix: fewest bytes first, Newton-Schulz load balanced second.
+    """One owner per matrix: fewest bytes first, Newton-Schulz load balanced second (a team's
+    blocks on distinct ranks: team_peers).
 
     1. Every matrix goes to a rank holding most of its rows (the layout minimum of bytes); where
        several do, longest-processing-time-first on Newton-Schulz FLOPs picks the least loaded.
@@ -30,10 +47,12 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
     flops = [matrix.ns_flops(steps=1) for matrix in matrices]  # k scales every matrix alike
     cost = [[m.bytes_to_owner(r, element_bytes) for r in range(world)] for m in matrices]
     load = [0] * world
-    owners = [0] * len(matrices)
+    owners: list = [None] * len(matrices)
+    peers = team_peers(matrices)
     for i in sorted(range(len(matrices)), key=lambda i: -flops[i]):
-        cheapest = min(cost[i])
-        owners[i] = min((r for r in range(world) if cost[i][r] == cheapest), key=lambda r: (load[r], r))
+        allowed = [r for r in range(world) if r not in taken(peers[i], owners)]
+        cheapest = min(cost[i][r] for r in allowed)
+        owners[i] = min((r for r in allowed if cost[i][r] == cheapest), key=lambda r: (load[r], r))
         load[owners[i]] += flops[i]
 
     budget = byte_slack * layout_min_bytes(matrices, element_bytes)
@@ -43,7 +62,8 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
                  for i in range(len(matrices)) if owners[i] == busiest and flops[i]
                  for r in range(world)
                  if r != busiest and load[r] + flops[i] < load[busiest]
-                 and cost[i][r] - cost[i][busiest] <= budget]
+                 and cost[i][r] - cost[i][busiest] <= budget
+                 and r not in taken(peers[i], owners)]
         if not moves:
             return owners
         _, _, i, r = min(moves)
@@ -55,11 +75,14 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
 
 def whole_matrix_owners(matrices: Sequence[Matrix]) -> list[int]:
     """megatron-core's LayerWiseDistributedOptimizer placement: whole matrices, largest first,
-    each to the rank holding the fewest elements so far; where the rows lie plays no part."""
+    each to the rank holding the fewest elements so far; where the rows lie plays no part (a
+    team's blocks on distinct ranks)."""
     world = matrices[0].layout.ranks if matrices else 0
-    load, owners = [0] * world, [0] * len(matrices)
+    load, owners = [0] * world, [None] * len(matrices)
+    peers = team_peers(matrices)
     for i in sorted(range(len(matrices)), key=lambda i: -math.prod(matrices[i].shape)):
-        owners[i] = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = min((r for r in range(world) if r not in taken(peers[i], owners)),
+                        key=lambda r: (load[r], r))
         load[owners[i]] += math.prod(matrices[i].shape)
     return owners
 
@@ -119,6 +142,7 @@ class _Loads:
         self.busy = [0.0] * self.world
         self.received, self.sent = [0] * self.world, [0] * self.world
         self.owners: list[int | None] = [None] * len(matrices)
+        self.peers = team_peers(matrices)
         self.extra_bytes = 0
 
     def seconds(self, rank: int, change=(0.0, 0, 0)) -> float:
@@ -181,7 +205,7 @@ class _Loads:
         layout = self.matrices[i].layout
         holders = (r for shard, _ in layout.nonempty_shards for r in layout.holders(shard))
         options = []
-        for r in sorted(set(least_busy).union(holders)):
+        for r in sorted(set(least_busy).union(holders) - taken(self.peers[i], self.owners)):
             if r == self.owners[i]:
                 continue
             extra = self.extra(i, r) - self.extra(i, self.owners[i])
@@ -202,7 +226,8 @@ def _lpt_by_time(matrices: Sequence[Matrix], element_bytes: int, cost: StepCost,
     for i in sorted(range(len(matrices)), key=lambda i: (-loads.single[i], i)):
         best = loads.best_owner(i, budget, loads.least_busy())
         loads.place(i, best[2] if best else min(
-            range(loads.world), key=lambda r: matrices[i].bytes_to_owner(r, element_bytes)))
+            set(range(loads.world)) - taken(loads.peers[i], loads.owners),
+            key=lambda r: (matrices[i].bytes_to_owner(r, element_bytes), r)))
     return loads.owners
 
 

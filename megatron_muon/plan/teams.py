@@ -1,5 +1,6 @@
 """Teams: a matrix whose Newton-Schulz alone is more than balance allows a rank, split over k
-ranks along its long side (its rows: only tall or square matrices for now) and orthogonalized
+ranks along its long side (rows of a tall or square matrix, columns of a wide one) and
+orthogonalized
 by them together in the distributed form megatron-core runs over tensor-parallel groups
 (newton_schulz_tp's "distributed" mode: each member's rows, the Gram matrix X X^T summed over
 the team every iteration). Which matrices, and k (team_sizes); the blocks that stand for a split
@@ -8,9 +9,10 @@ rest of the plan (owners, batches, exchanges) takes the blocks as it takes any m
 blocks in one batch. Shapes alone, as the rest of the plan."""
 
 import dataclasses
-from typing import Sequence
+from collections import Counter
+from typing import Callable, Sequence
 
-from .layouts import Matrix, TeamBlock
+from .layouts import Matrix, RowLayout, TeamBlock, team_ns_flops
 
 # A matrix is split only where alone it takes more than this times the balanced share (the
 # group's Newton-Schulz FLOPs over its ranks): the issue's bound on the busiest rank.
@@ -18,63 +20,164 @@ TEAM_ABOVE = 1.25
 
 
 def can_split(matrix: Matrix) -> bool:
-    """Whether a team may orthogonalize `matrix`: tall or square, orthogonalized whole and
-    plainly (no QKV row blocks, no TP Newton-Schulz: batch_key None says either), no second
+    """Whether a team may orthogonalize `matrix`: orthogonalized whole and plainly (no QKV row
+    blocks, no TP Newton-Schulz over several ranks: batch_key None says either), no second
     moment beside it."""
-    rows, cols = matrix.shape
     return (matrix.team is None and matrix.batch_key is not None and matrix.row_blocks is None
-            and matrix.tp_gather is None and not matrix.state_cols and not matrix.moment2_cols
-            and rows >= cols)
+            and (matrix.tp_gather or (0, 1))[1] == 1 and not matrix.state_cols
+            and not matrix.moment2_cols)
 
 
-def block_rows(rows: int, k: int) -> list[int]:
-    """The rows of each of k blocks: as even as they go, the first ones a row longer."""
-    q, r = divmod(rows, k)
+def block_sizes(length: int, k: int) -> list[int]:
+    """The length of each of k blocks: as even as they go, the first ones one longer."""
+    q, r = divmod(length, k)
     return [q + 1] * r + [q] * (k - r)
 
 
 def team_blocks(matrix: Matrix, k: int, team: int) -> list[tuple[int, Matrix]]:
-    """(first row, block) of `matrix` split over a team of k: k row blocks (block_rows), each
-    with its rows' layout, in the batch of its team alone."""
-    rows, blocks, start = matrix.shape[0], [], 0
-    for count in block_rows(rows, k):
-        blocks.append((start, dataclasses.replace(
-            matrix, layout=matrix.layout.piece(start, start + count), batch_key=("team", team),
-            team=TeamBlock(team, rows, start))))
-        start += count
+    """(first row in `matrix`, block) of `matrix` split over a team of k along its long side
+    (block_sizes): row blocks of a tall or square matrix, each with its rows' layout; column
+    blocks of a wide one, each with all its rows. Each in the batch of its team alone."""
+    blocks, start = [], 0
+    dim = 0 if matrix.shape[0] >= matrix.shape[1] else 1
+    for length in block_sizes(matrix.shape[dim], k):
+        if dim == 0:
+            shaped = dict(layout=matrix.layout.piece(start, start + length))
+        else:
+            shaped = dict(cols=length)
+        blocks.append((start if dim == 0 else 0, dataclasses.replace(
+            matrix, **shaped, batch_key=("team", team),
+            team=TeamBlock(team, matrix.shape, start, k))))
+        start += length
     return blocks
 
 
-def team_sizes(matrices: Sequence[Matrix], ranks: int, max_team: int) -> list[int]:
-    """Each matrix's team size (1: whole on one owner). A matrix that can be split (can_split)
-    and alone takes more than TEAM_ABOVE times the balanced share of the group's Newton-Schulz
-    FLOPs goes to the smallest team whose largest block is within the share, else to the team
-    whose largest block is least (the repeated A A sets a floor), at most `max_team`, the ranks
-    and its rows; to none where no team beats it whole. By FLOPs: each iteration's all-reduce of
-    the Gram matrix is not weighed yet."""
-    flops = [matrix.ns_flops(steps=1) for matrix in matrices]
-    share = sum(flops) / max(ranks, 1)
-    sizes = []
-    for matrix, alone in zip(matrices, flops):
-        options = range(2, min(max_team, ranks, matrix.shape[0]) + 1)
-        if not options or not can_split(matrix) or alone <= TEAM_ABOVE * share:
-            sizes.append(1)
-            continue
-        largest = {k: team_blocks(matrix, k, 0)[0][1].ns_flops(steps=1) for k in options}
-        within = [k for k in options if largest[k] <= share]
-        k = within[0] if within else min(options, key=lambda k: (largest[k], k))
-        sizes.append(k if largest[k] < alone else 1)
-    return sizes
+# What a member's part of a matrix split over k ranks costs (k = 1: the matrix whole), in any unit
+# shared by every matrix: `flops_cost` by default; the scale model adds the all-reduces' seconds.
+TeamCost = Callable[[Matrix, int], float]
 
 
-def with_teams(matrices: Sequence[Matrix], ranks: int,
-               max_team: int) -> list[tuple[int, int, Matrix]]:
+def flops_cost(matrix: Matrix, k: int) -> float:
+    """A member's Newton-Schulz FLOPs (one iteration's): the all-reduces not weighed."""
+    return matrix.ns_flops(steps=1)
+
+
+def team_sizes(matrices: Sequence[Matrix], ranks: int, max_team: int,
+               cost: TeamCost = flops_cost) -> list[int]:
+    """Each matrix's team size (1: whole on one owner), for the shortest step the ranks can
+    hold: the least T such that every matrix fits it, whole where it costs at most T alone, else
+    over the smallest team whose members each cost at most T (can_split; at most `max_team`,
+    the ranks and its rows), and such that the ranks hold it all: the members' and the whole
+    matrices' costs add up to at most ranks x T. T by bisection. Nothing is split where every
+    matrix alone costs at most TEAM_ABOVE times the balanced share (the group's cost over its
+    ranks, every matrix whole): the owner choice balances that well enough."""
+    options = {}  # (shape, how it is orthogonalized) -> the least cost a member has by team size
+    for matrix in matrices:
+        key = _cost_key(matrix)
+        if key not in options:
+            largest = min(max_team, ranks, matrix.shape[0]) if can_split(matrix) else 1
+            options[key] = [cost(matrix, 1)] + [cost(_largest_block(matrix, k), k)
+                                                for k in range(2, largest + 1)]
+    keys = [_cost_key(matrix) for matrix in matrices]
+    share = sum(options[key][0] for key in keys) / max(ranks, 1)
+    if max(options[key][0] for key in keys) <= TEAM_ABOVE * share:
+        return [1] * len(matrices)
+
+    counts = Counter(keys)
+
+    def sizes(limit: float) -> list[int] | None:
+        """The smallest team each matrix fits `limit` in, None where some matrix cannot or the
+        ranks cannot hold them all: their costs add up to more than ranks x limit, or more
+        parts cost over half the limit than there are ranks (no two of those share one)."""
+        found, total, large = {}, 0.0, 0
+        for key, count in counts.items():
+            k = next((k for k, member in enumerate(options[key], 1) if member <= limit), None)
+            if k is None:
+                return None
+            found[key] = k
+            total += count * k * options[key][k - 1]
+            large += count * k * (options[key][k - 1] > limit / 2)
+        fits = total <= ranks * limit and large <= ranks
+        return [found[key] for key in keys] if fits else None
+
+    low, high = share, max(options[key][0] for key in keys)  # all whole: within ranks x high
+    for _ in range(40):
+        middle = (low + high) / 2
+        if sizes(middle) is None:
+            low = middle
+        else:
+            high = middle
+    return sizes(high)
+
+
+def _cost_key(matrix: Matrix) -> tuple:
+    """What a matrix's cost, split or whole, depends on: its shape and how it is orthogonalized."""
+    return (matrix.shape, matrix.batch_key, matrix.row_blocks, matrix.tp_gather,
+            matrix.state_cols, matrix.returned_state_cols, matrix.moment2_cols)
+
+
+def _largest_block(matrix: Matrix, k: int) -> Matrix:
+    """The first (largest) of k blocks, its rows' layout aside (a cost needs its shape alone)."""
+    rows, cols = matrix.shape
+    if rows >= cols:
+        rows = block_sizes(rows, k)[0]
+    else:
+        cols = block_sizes(cols, k)[0]
+    return dataclasses.replace(matrix, layout=RowLayout((rows,)), cols=cols, batch_key=("team", 0),
+                               team=TeamBlock(0, matrix.shape, 0, k))
+
+
+def with_teams(matrices: Sequence[Matrix], ranks: int, max_team: int,
+               cost: TeamCost = flops_cost) -> list[tuple[int, int, Matrix]]:
     """(index in `matrices`, first row within it, matrix) of what the plan orthogonalizes: each
-    matrix whole, or its blocks where team_sizes splits it (the team named by its index)."""
+    matrix whole, or its blocks where team_sizes splits it (the team named by its index; a
+    column block's first row is 0)."""
     planned = []
-    for index, (matrix, k) in enumerate(zip(matrices, team_sizes(matrices, ranks, max_team))):
+    for index, (matrix, k) in enumerate(zip(matrices, team_sizes(matrices, ranks, max_team,
+                                                                  cost))):
         if k == 1:
             planned.append((index, 0, matrix))
         else:
             planned.extend((index, start, block) for start, block in team_blocks(matrix, k, index))
     return planned
+
+
+def team_members(matrices: Sequence[Matrix], owners: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """{team: the ranks owning its blocks, sorted} for the teams whose blocks more than one rank
+    owns (one whose blocks all landed on one rank runs its matrix whole there)."""
+    members: dict[int, set[int]] = {}
+    for matrix, owner in zip(matrices, owners):
+        if matrix.team:
+            members.setdefault(matrix.team.team, set()).add(owner)
+    return {team: tuple(sorted(ranks)) for team, ranks in members.items() if len(ranks) > 1}
+
+
+def newton_schulz_flops(matrices: Sequence[Matrix], owners: Sequence[int], steps: int,
+                        ranks: int) -> list[int]:
+    """Each rank's Newton-Schulz FLOPs as the step runs them: each matrix on its owner
+    (Matrix.ns_flops); a team's blocks one call per member, on all its rows of them (their
+    share of X X^T and B X, and one A A)."""
+    flops = [0] * ranks
+    calls: dict[tuple[int, int], list[Matrix]] = {}
+    for matrix, owner in zip(matrices, owners):
+        if matrix.team:
+            calls.setdefault((owner, matrix.team.team), []).append(matrix)
+        else:
+            flops[owner] += matrix.ns_flops(steps)
+    for (owner, _), blocks in calls.items():
+        flops[owner] += team_ns_flops(blocks[0].gram_side, sum(b.long_side for b in blocks), steps)
+    return flops
+
+
+def team_all_reduces(matrices: Sequence[Matrix], owners: Sequence[int],
+                     steps: int) -> dict[int, list[tuple[int, int]]]:
+    """{rank: (elements, team size) of each all-reduce it takes part in}: per team of several
+    members, newton_schulz_tp's norm (one element) and each iteration's Gram matrix (the whole
+    matrix's Gram side squared)."""
+    gram = {matrix.team.team: matrix.gram_side ** 2 for matrix in matrices if matrix.team}
+    found: dict[int, list[tuple[int, int]]] = {}
+    for team, members in team_members(matrices, owners).items():
+        for rank in members:
+            found.setdefault(rank, []).extend([(1, len(members))]
+                                              + [(gram[team], len(members))] * steps)
+    return found

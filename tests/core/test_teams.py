@@ -4,6 +4,7 @@ shapes alone; the team's Newton-Schulz against megatron-core's TensorParallelMuo
 "distributed" over a group of the same size (bit for bit) and against single-device Muon (within
 the fp32 reordering bound); a whole step on Megatron-FSDP with uneven and empty shards."""
 
+import copy
 from types import SimpleNamespace
 from unittest import mock
 
@@ -13,13 +14,14 @@ import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-from fsdp_models import (MUON_KWARGS, batch, full_tensor, make_models, muon_param_groups,
-                         reference_optimizers, split_params)
+from fsdp_models import (MUON_KWARGS, batch, full_tensor, fully_shard, make_models,
+                         muon_param_groups, reference_optimizers, split_params)
 from megatron_muon import ZeROTensorParallelMuon
 from megatron_muon.core.settings import tensor_parallel_muon_settings
 from megatron_muon.core.team_newton_schulz import team_orthogonalize
-from megatron_muon.plan import (Matrix, RowLayout, batch_matrices, team_blocks, team_sizes,
-                                with_teams)
+from megatron_muon.plan import (Matrix, RowLayout, StepCost, batch_matrices, choose_owners,
+                                choose_owners_by_time, team_blocks, team_sizes,
+                                whole_matrix_owners, with_teams)
 from tolerances import ATOL, muon_drift, reordering_error
 
 STEPS = 4
@@ -43,12 +45,18 @@ def test_a_dominant_tall_matrix_goes_to_the_smallest_team_within_the_share():
     assert team_sizes(matrices, ranks=4, max_team=1) == [1] * 7  # the flag keeps them whole
 
 
-def test_only_tall_plain_matrices_are_split():
+def test_only_plainly_orthogonalized_matrices_are_split():
     ranks = 4
-    for matrix in (_matrix(256, 4096),  # wide: its long side is its columns
-                   _matrix(4096, 256, batch_key=None),  # QKV split or TP Newton-Schulz
+    for matrix in (_matrix(4096, 256, batch_key=None),  # QKV split or TP Newton-Schulz
                    _matrix(4096, 256, state_cols=1)):  # a second moment beside it
         assert team_sizes([matrix, _matrix(8, 8)], ranks, ranks) == [1, 1]
+    # A wide matrix: its long side, its columns, in blocks; each block all of its rows.
+    wide = _matrix(256, 4096)
+    (k, _) = team_sizes([wide, _matrix(8, 8)], ranks, ranks)
+    blocks = team_blocks(wide, k, 0)
+    assert k > 1 and [start for start, _ in blocks] == [0] * k
+    assert [b.shape for _, b in blocks] == [(256, 4096 // k)] * k
+    assert all(b.layout == wide.layout and b.team.dim == 1 for _, b in blocks)
 
 
 def test_blocks_cover_the_matrix_and_batch_together():
@@ -67,40 +75,78 @@ def test_blocks_cover_the_matrix_and_batch_together():
     assert sum(matrices[i].ns_flops(1) for i in teams[0]) == big.ns_flops(1) + 2 * 2 * 64 ** 3
 
 
-def _team_newton_schulz_as_megatron_core_distributed(rank, world_size):
-    full = torch.randn(8 * world_size, 6, generator=torch.Generator().manual_seed(1))
-    block = full.chunk(world_size)[rank]
+def test_every_owner_choice_puts_a_teams_blocks_on_distinct_ranks():
+    """By bytes every column block of a wide matrix would go to the rank holding most of its
+    rows, all to one rank: the team would not be split."""
+    wide = Matrix(RowLayout((200,) + (8,) * 7), 4096, (None, False))
+    matrices = [m for _, _, m in with_teams([wide] + [_matrix(64, 64, shards=8)] * 8, 8, 8)]
+    k = sum(1 for m in matrices if m.team)
+    assert k > 1
+    cost = StepCost(lambda matrix, count: count * matrix.ns_flops(1) * 1e-12, 1e9)
+    batches = batch_matrices(matrices, 1 << 30, 4)
+    for owners in (choose_owners(matrices, 4), whole_matrix_owners(matrices),
+                   choose_owners_by_time(matrices, batches, 4, cost)):
+        assert len({o for m, o in zip(matrices, owners) if m.team}) == k, owners
+
+
+def _team_newton_schulz_as_megatron_core_distributed(rank, world_size, dim):
+    shape = [8 * world_size, 6][::1 if dim == 0 else -1]  # split along its long side
+    full = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    block = full.chunk(world_size, dim)[rank]
     group = dist.new_group(list(range(world_size)))
     p = torch.nn.Parameter(block.clone())
-    p.partition_dim = 0
+    p.partition_dim = dim
     reference = TensorParallelMuon([p], pg_collection=SimpleNamespace(tp=group, gtp_remat=None),
                                    tp_mode="distributed", fp32_matmul_prec="highest")
     settings = tensor_parallel_muon_settings({})
     with eo_utils.fp32_matmul_precision("highest"):
         expected = reference.orthogonalize(p, block)
-        ours = team_orthogonalize(block, tuple(full.shape), group, settings)
+        ours = team_orthogonalize(block, tuple(full.shape), dim, group, settings)
         assert torch.equal(ours, expected)
         # Single-device Muon's rows, within what reordering the Gram's fp32 sums changes.
-        whole = reference.scaled_orthogonalize_fn(full, None, None).chunk(world_size)[rank]
-        bound = muon_drift([1.0], full.shape, reordering_error(full.shape[0])) + ATOL
+        whole = reference.scaled_orthogonalize_fn(full, None, None).chunk(world_size, dim)[rank]
+        bound = muon_drift([1.0], full.shape, reordering_error(max(full.shape))) + ATOL
         assert (ours - whole).abs().max() <= bound
         # Broken: without the team's all-reduce each member orthogonalizes its rows alone; with
         # another member's block it returns that block's rows.
         with mock.patch.object(dist, "all_reduce"):
-            alone = team_orthogonalize(block, tuple(full.shape), group, settings)
+            alone = team_orthogonalize(block, tuple(full.shape), dim, group, settings)
         assert (alone - expected).abs().max() > bound
-        swapped = full.chunk(world_size)[world_size - 1 - rank]
-        assert not torch.equal(team_orthogonalize(swapped, tuple(full.shape), group, settings),
-                               expected)
+        swapped = full.chunk(world_size, dim)[world_size - 1 - rank]
+        assert not torch.equal(
+            team_orthogonalize(swapped, tuple(full.shape), dim, group, settings), expected)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_team_newton_schulz_is_megatron_cores_distributed_form(distributed, world_size):
-    distributed(_team_newton_schulz_as_megatron_core_distributed, world_size)
+@pytest.mark.parametrize("world_size, dim", [(2, 0), (4, 0), (2, 1), (4, 1)])
+def test_team_newton_schulz_is_megatron_cores_distributed_form(distributed, world_size, dim):
+    distributed(_team_newton_schulz_as_megatron_core_distributed, world_size, dim)
 
 
-def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice):
-    ref, fsdp = make_models(strategy, world_size, unit_modules=True)
+class WideNet(torch.nn.Module):
+    """A wide matrix (12 x 192, bias beside it: uneven shards) with 99% of the Newton-Schulz
+    FLOPs: a team splits its columns."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = torch.nn.Linear(192, 12)
+        self.head = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.wide(x.repeat(1, 12))))
+
+
+def _models(net, strategy, world_size):
+    """(reference, Megatron-FSDP copy, the matrix a team splits): fsdp_models' Net (its 40 x 16
+    `up`, 69% of the FLOPs: row blocks) or WideNet (column blocks)."""
+    if net == "tall":
+        return (*make_models(strategy, world_size, unit_modules=True), "up.weight")
+    torch.manual_seed(0)
+    ref = WideNet()
+    return ref, fully_shard(copy.deepcopy(ref), strategy, world_size, [torch.nn.Linear]), "wide.weight"
+
+
+def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, net):
+    ref, fsdp, split = _models(net, strategy, world_size)
     ref_opts = reference_optimizers(ref)
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
@@ -109,7 +155,7 @@ def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice):
     (plan,) = muon.plans
     teamed = {plan.param_of(i) for i, m in enumerate(plan.matrices) if m.team}
     names = {id(p): n.removeprefix("module.") for n, p in fsdp.named_parameters()}
-    assert {names[id(p)] for p in teamed} == {"up.weight"}, names  # 40 x 16: 69% of the FLOPs
+    assert {names[id(p)] for p in teamed} == {split}, names
     # By bytes each block goes to the rank holding most of its rows: a team of several. By
     # time the blocks of so small a matrix may all go to one rank, which then runs it whole.
     members = len({o for i, o in enumerate(plan.owners) if plan.matrices[i].team})
@@ -136,19 +182,21 @@ def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice):
         for p in matrices + vectors:
             diff = (full_tensor(p, p) - ref_params[names[id(p)]]).abs().max().item()
             if p in teamed and members > 1:  # the Gram's sums in another order: their bound
-                bound = muon_drift(lrs, p.shape, reordering_error(p.shape[0])) + ATOL
+                bound = muon_drift(lrs, p.shape, reordering_error(max(p.shape))) + ATOL
                 assert diff <= bound, (step, diff, bound)
 
             else:  # every other matrix whole on its owner, as before: bit for bit
                 assert diff == 0, (names[id(p)], step, diff)
 
 
-@pytest.mark.parametrize("world_size, strategy, owner_choice", [
-    (2, "optim_grads_params", "bytes"), (2, "optim_grads_params", "time"), (4, "optim", "bytes"),
-    (4, "optim_grads_params", "bytes")])
+@pytest.mark.parametrize("world_size, strategy, owner_choice, net", [
+    (2, "optim_grads_params", "bytes", "tall"), (2, "optim_grads_params", "time", "tall"),
+    (4, "optim", "bytes", "tall"), (4, "optim_grads_params", "bytes", "tall"),
+    (2, "optim_grads_params", "bytes", "wide"), (4, "optim_grads_params", "bytes", "wide"),
+    (4, "optim", "time", "wide")])
 def test_a_step_with_a_team_matches_single_device_muon(distributed, world_size, strategy,
-                                                       owner_choice):
-    distributed(_teams_step_as_single_device_muon, world_size, strategy, owner_choice)
+                                                       owner_choice, net):
+    distributed(_teams_step_as_single_device_muon, world_size, strategy, owner_choice, net)
 
 
 def _refused_beside(rank, world_size):
