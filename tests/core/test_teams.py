@@ -5,6 +5,8 @@ shapes alone; the team's Newton-Schulz against megatron-core's TensorParallelMuo
 the fp32 reordering bound); a whole step on Megatron-FSDP with uneven and empty shards."""
 
 import copy
+import dataclasses
+from collections import Counter
 from types import SimpleNamespace
 from unittest import mock
 
@@ -16,15 +18,24 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
 from fsdp_models import (MUON_KWARGS, batch, full_tensor, fully_shard, make_models,
                          muon_param_groups, reference_optimizers, split_params)
-from megatron_muon import ZeROTensorParallelMuon
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_muon import ZeROTensorParallelMuon, get_megatron_optimizer
 from megatron_muon.core.settings import tensor_parallel_muon_settings
 from megatron_muon.core.team_newton_schulz import team_orthogonalize
+from megatron_muon.distribution.exchange import Traffic, observed
 from megatron_muon.plan import (Matrix, RowLayout, StepCost, batch_matrices, choose_owners,
-                                choose_owners_by_time, team_blocks, team_sizes,
-                                whole_matrix_owners, with_teams)
+                                choose_owners_by_time, newton_schulz_flops, team_all_reduces,
+                                team_blocks, team_members, team_sizes, whole_matrix_owners,
+                                with_teams)
+from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm_loss,
+                                         optimizer_config)
 from tolerances import ATOL, muon_drift, reordering_error
 
 STEPS = 4
+# A one-layer GPT whose fc1 and fc2 (32x the model's width) teams split at W=4: by halves, the
+# four blocks and the rest fit four ranks (at 8x the whole matrices go to two ranks already).
+TEAM_GPT = dataclasses.replace(TINY, layers=1, ffn=32 * TINY.hidden)
 
 
 def _matrix(rows, cols, shards=4, **fields):
@@ -215,3 +226,60 @@ def _refused_beside(rank, world_size):
 
 def test_teams_are_refused_beside_what_they_do_not_run_with_yet(distributed):
     distributed(_refused_beside, 2)
+
+
+class _Calls(Traffic):
+    """Traffic, and each all-reduce's (elements, group size)."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.all_reduces: Counter = Counter()
+
+    def collective(self, call) -> None:
+        super().collective(call)
+        if call.name == "allreduce_" and call.group_size > 1:
+            self.all_reduces.update((t.numel(), call.group_size) for t in call.tensors)
+
+
+def _step_counts(model, optimizer, rank):
+    """(FLOPs of matrix products, collectives) of the second step (the first creates state)."""
+    for step in range(2):
+        optimizer.zero_grad()
+        lm_loss(model, step, rank, TEAM_GPT).backward()
+        model.finish_grad_sync()
+        with FlopCounterMode(display=False) as flops, observed(_Calls()) as calls:
+            assert optimizer.step()[0]
+    return flops.get_total_flops(), calls
+
+
+def _a_step_does_what_the_plan_counts(rank, world_size):
+    init_parallel_state()
+    counts = {}
+    for name, settings in (("teams", dict(muon_max_team_size=world_size)), ("adam", {})):
+        model = fsdp_gpt(TEAM_GPT)
+        optimizer = get_megatron_optimizer(
+            optimizer_config(**({"optimizer": "adam"} if name == "adam" else {})), [model],
+            **settings)
+        counts[name] = _step_counts(model, optimizer, rank)
+        if name == "teams":
+            (plan,) = [plan for muon in optimizer.muon_optimizers for plan in muon.plans]
+            assert len(team_members(plan.matrices, plan.owners)) == 2  # fc1 and fc2 split
+            steps = optimizer.muon_optimizers[0].newton_schulz_settings["num_ns_steps"]
+            flops = newton_schulz_flops(plan.matrices, plan.owners, steps, world_size)[rank]
+            all_reduces = Counter(team_all_reduces(plan.matrices, plan.owners, steps).get(rank, []))
+            all_to_alls = sum(route.moves for routes in plan.routes
+                              for route in (routes.gather, routes.scatter))
+            received = plan.bytes_received()
+    (ours, ours_calls), (adams, adam_calls) = counts["teams"], counts["adam"]
+    assert adams == 0 and ours == flops, (ours, flops)  # Newton-Schulz's products, to the FLOP
+    assert ours_calls.by_name == adam_calls.by_name + Counter(
+        alltoall_base_=all_to_alls, allreduce_=all_reduces.total())
+    assert ours_calls.all_reduces == adam_calls.all_reduces + all_reduces
+    assert ours_calls.received_bytes - adam_calls.received_bytes == received
+
+
+def test_a_step_with_teams_does_what_the_plan_counts(distributed):
+    """The FLOPs of its matrix products (torch's FlopCounterMode), its collectives and the
+    elements and group of each all-reduce, and the bytes it receives: on every rank of W=4, what
+    the plan (plan.newton_schulz_flops, plan.team_all_reduces, the routes) counts."""
+    distributed(_a_step_does_what_the_plan_counts, 4)
