@@ -61,6 +61,25 @@ def batch(step: int, rank: int):
     return torch.randn(6, 16, generator=g), torch.randn(6, 5, generator=g)
 
 
+def step_beside_reference(fsdp, params, names, ref_params, opts, step: int, rank: int) -> None:
+    """One training step of the Megatron-FSDP model (its `params`, stepped by `opts` with the
+    reference's optimizers) and of the unsharded reference (`ref_params` by name; `names`:
+    {id(param): its name there}), which sees exactly the gradient the sharded run reduced."""
+    x, y = batch(step, rank)
+    torch.nn.functional.mse_loss(fsdp(x), y).backward()
+    if not fsdp.model_auto_sync:
+        fsdp.finish_grad_sync()
+    for p in params:
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        ref_params[names[id(p)]].grad = full_tensor(grad, p)
+    for opt in opts:
+        opt.step()
+    fsdp.install_optimized_model_weights()
+    fsdp.zero_grad_buffer()
+    for opt in opts:
+        opt.zero_grad()
+
+
 def make_models(strategy: str, world_size: int, unit_modules: bool = True, outer: str | None = None,
                 main_params_dtype: torch.dtype | None = torch.float32):
     """(reference Net, Megatron-FSDP-wrapped copy) with identical initial weights; `outer`, if

@@ -10,7 +10,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, ONE_BATCH, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
                          matrices_per_newton_schulz_call, muon_param_groups,
-                         reference_optimizers, same_shape_linears, split_params)
+                         reference_optimizers, same_shape_linears, split_params,
+                         step_beside_reference)
 from megatron_muon import ZeROTensorParallelMuon
 from megatron_muon.core import second_moment
 from megatron_muon.compat import upstream
@@ -64,26 +65,12 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
             muon_param_groups(matrices), dist_mode=dist_mode, moment2_method=moment2_method,
             offload_fraction=offload_fraction, **MUON_KWARGS, **ADAPTIVE_KWARGS)
     opts = [muon, torch.optim.Adam(vectors, lr=0.01, foreach=False)]
-    names = {id(p): n for n, p in fsdp.named_parameters()}
+    names = {id(p): n.removeprefix("module.") for n, p in fsdp.named_parameters()}
 
     for step in range(STEPS):
-        x, y = batch(step, rank)
-        torch.nn.functional.mse_loss(fsdp(x), y).backward()
-        if not fsdp.model_auto_sync:
-            fsdp.finish_grad_sync()
-        # The reference sees exactly the gradient the sharded run reduced.
-        for p in matrices + vectors:
-            name = names[id(p)].removeprefix("module.")
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            ref_params[name].grad = full_tensor(grad, p)
-        for opt in ref_opts + opts:
-            opt.step()
-        fsdp.install_optimized_model_weights()
-        fsdp.zero_grad_buffer()
-        for opt in ref_opts + opts:
-            opt.zero_grad()
-
-        worst = max((full_tensor(p, p) - ref_params[names[id(p)].removeprefix("module.")]).abs().max().item()
+        step_beside_reference(fsdp, matrices + vectors, names, ref_params, ref_opts + opts, step,
+                              rank)
+        worst = max((full_tensor(p, p) - ref_params[names[id(p)]]).abs().max().item()
                     for p in matrices + vectors)
         assert worst == 0, f"{case} step {step}: max |diff| {worst}"
         _assert_offload_as_planned(muon, offload_fraction, case)
@@ -96,7 +83,7 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
             moment2 = opts[0].state[p]["moment2_buffer"]
             assert isinstance(moment2, DTensor) and moment2.placements == p.placements
             assert moment2.to_local().shape[0] == p.to_local().shape[0]
-            reference = ref_opts[0].state[ref_params[names[id(p)].removeprefix("module.")]]
+            reference = ref_opts[0].state[ref_params[names[id(p)]]]
             assert _as_reference_moment2(full_tensor(moment2, p), reference["moment2_buffer"])
     if rank == 0:
         print(f"{case}: max |diff| 0 after {STEPS} steps")

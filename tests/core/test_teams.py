@@ -16,8 +16,8 @@ import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-from fsdp_models import (MUON_KWARGS, batch, full_tensor, fully_shard, make_models,
-                         muon_param_groups, reference_optimizers, split_params)
+from fsdp_models import (MUON_KWARGS, full_tensor, fully_shard, make_models, muon_param_groups,
+                         reference_optimizers, split_params, step_beside_reference)
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_muon import ZeROTensorParallelMuon, get_megatron_optimizer
@@ -176,26 +176,14 @@ def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, 
     opts = [muon, torch.optim.Adam(vectors, lr=0.01, foreach=False)]
     lrs = []
     for step in range(STEPS):
-        x, y = batch(step, rank)
-        torch.nn.functional.mse_loss(fsdp(x), y).backward()
-        if not fsdp.model_auto_sync:
-            fsdp.finish_grad_sync()
-        for p in matrices + vectors:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            ref_params[names[id(p)]].grad = full_tensor(grad, p)
-        for opt in ref_opts + opts:
-            opt.step()
-        fsdp.install_optimized_model_weights()
-        fsdp.zero_grad_buffer()
-        for opt in ref_opts + opts:
-            opt.zero_grad()
+        step_beside_reference(fsdp, matrices + vectors, names, ref_params, ref_opts + opts, step,
+                              rank)
         lrs.append(muon.group_of(next(iter(teamed)))["lr"])
         for p in matrices + vectors:
             diff = (full_tensor(p, p) - ref_params[names[id(p)]]).abs().max().item()
             if p in teamed and members > 1:  # the Gram's sums in another order: their bound
                 bound = muon_drift(lrs, p.shape, reordering_error(max(p.shape))) + ATOL
                 assert diff <= bound, (step, diff, bound)
-
             else:  # every other matrix whole on its owner, as before: bit for bit
                 assert diff == 0, (names[id(p)], step, diff)
 
