@@ -39,7 +39,7 @@ from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schu
 from emerging_optimizers.utils import fp32_matmul_precision  # noqa: E402
 from fake_ranks import run_fake_ranks  # noqa: E402
 from test_memory import newton_schulz_held  # noqa: E402
-from tolerances import RTOL  # noqa: E402
+from tolerances import ATOL, RTOL, muon_drift, reordering_error  # noqa: E402
 
 from megatron_muon.tools.memory import AllocationTracker  # noqa: E402
 
@@ -193,6 +193,66 @@ def test_offloaded_state_leaves_the_gpu_between_steps_and_the_step_exact():
     rounding = 512 * 200
     assert without["between"] - offloaded["between"] >= without["state"] - rounding, found
     assert offloaded["peak"] <= without["peak"], found
+
+
+# Two processes on the one GPU over gloo (NCCL refuses two ranks on one GPU): a team's
+# Newton-Schulz (--muon-max-team-size) on CUDA tensors, row and column blocks, at fp32 and bf16;
+# rank 0 prints, for each, whether it is megatron-core's distributed form bit for bit, its fp32
+# distance from the whole matrix's, and its bf16 one from the whole's fp32 beside bf16's own
+# error there (|bf16 - fp32| of the whole matrix).
+TEAM_RUN = """
+import json, torch, torch.distributed as dist
+from types import SimpleNamespace
+from emerging_optimizers.utils import fp32_matmul_precision
+from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+from megatron_muon.core.settings import tensor_parallel_muon_settings
+from megatron_muon.core.team_newton_schulz import team_orthogonalize
+dist.init_process_group("gloo")
+rank, world, team = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+torch.cuda.set_device(0)
+found = {}
+for dim, shape in ((0, (4096, 1024)), (1, (1024, 4096))):
+    full = torch.randn(*shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    part = full.chunk(world, dim)[rank]
+    p = torch.nn.Parameter(part.clone())
+    p.partition_dim = dim
+    muon = TensorParallelMuon([p], pg_collection=SimpleNamespace(tp=team, gtp_remat=None),
+                              tp_mode="distributed")
+    results = {}
+    for precision in ("highest", "medium"):
+        with fp32_matmul_precision(precision):
+            ours = team_orthogonalize(part, shape, dim, team, tensor_parallel_muon_settings({}))
+            results[precision] = dict(
+                ours=ours, exact=torch.equal(ours, muon.orthogonalize(p, part)),
+                whole=muon.scaled_orthogonalize_fn(full, None, None).chunk(world, dim)[rank])
+    found[dim] = dict(
+        device=results["medium"]["ours"].device.type,
+        exact={k: r["exact"] for k, r in results.items()},
+        fp32_gap=(results["highest"]["ours"] - results["highest"]["whole"]).abs().max().item(),
+        bf16_gap=(results["medium"]["ours"] - results["highest"]["whole"]).abs().max().item(),
+        bf16_error=(results["medium"]["whole"] - results["highest"]["whole"]).abs().max().item())
+if rank == 0:
+    print(json.dumps(found))
+"""
+
+
+def test_a_teams_newton_schulz_on_cuda_is_megatron_cores_distributed_form():
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "--no-python", sys.executable, "-c", TEAM_RUN],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    import json
+
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    print(found)
+    for dim, figures in found.items():
+        assert figures["device"] == "cuda" and all(figures["exact"].values()), (dim, figures)
+        shape = (4096, 1024)  # either way round: the bound is the same
+        bound = muon_drift([1.0], shape, reordering_error(max(shape))) + ATOL
+        assert figures["fp32_gap"] <= bound, (dim, figures)  # the Gram's fp32 sums reordered
+        # At bf16 (its Gram summed in bf16, as upstream's distributed mode sums it) as far from
+        # exact as bf16 Newton-Schulz on the whole matrix is, within a factor of two.
+        assert figures["bf16_gap"] <= 2 * figures["bf16_error"], (dim, figures)
 
 
 def demo_losses(name: str, iterations: int, processes: int = 1) -> list[float]:
