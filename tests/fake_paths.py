@@ -12,8 +12,8 @@ from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm
 
 # (name, sharding strategy, Muon dist mode, experts, HSDP replicas, minimum world size, the
 # optimizer state in host memory: its pinned host tensors must reach no collective, and a
-# checkpoint saves and loads them; --muon-max-team-size: at W=4 a one-layer GPT's fc1, 8x as
-# tall as the model is wide, goes to a team)
+# checkpoint saves and loads them; --muon-max-team-size: at W=4 a one-layer GPT's fc1 and fc2,
+# 32x the model's width, go to teams)
 CASES = [
     ("zero3-owner", "optim_grads_params", "owner", None, 1, 2, False, 1),
     ("zero3-allgather", "optim_grads_params", "allgather", None, 1, 2, False, 1),
@@ -30,7 +30,7 @@ def _build(strategy, dist_mode, experts, replicas, offload, max_team):
     init_parallel_state(expert_parallel=2 if experts else 1, replicas=replicas)
     # MuonClip on, with a threshold the logits pass: its all-reduce runs in every step, and its
     # clip wherever the fake group's stand-in weights give a logit above 0.
-    shape = TINY if max_team == 1 else dataclasses.replace(TINY, layers=1, ffn=8 * TINY.hidden)
+    shape = TINY if max_team == 1 else dataclasses.replace(TINY, layers=1, ffn=32 * TINY.hidden)
     model = fsdp_gpt(shape, strategy=strategy, num_experts=experts, qk_clip=True,
                      qk_clip_threshold=1e-6)
     config = optimizer_config(optimizer_cpu_offload=offload, optimizer_offload_fraction=1.0)

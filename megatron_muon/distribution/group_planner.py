@@ -19,7 +19,7 @@ from ..compat import tensor_parallel, upstream
 from ..plan import (Matrix, OwnedBatches, RowLayout, StepCost, alone_working, batch_bytes,
                     batch_matrices, cost_key, orthogonalization_key, owned_batches, owner_bytes,
                     packed_plan, per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices,
-                    state_saved, with_teams)
+                    state_saved, flops_cost, team_step_cost, with_teams)
 from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_dims, data_parallel_layout,
                            num_experts, shard_index, tp_local_rows)
 from .exchange import OwnerRoutes, all_gather_ints
@@ -175,10 +175,8 @@ class GroupPlanner:
         """{(process group, data-parallel layout): its params}: dense params over dp_cp, experts
         over expert data parallelism, each exchanged within its group."""
         by_group: dict[Any, list[DTensor]] = {}
-        for group in self.muon.param_groups:
-            for p in group["params"]:
-                key = (self._exchange_group(p), data_parallel_layout(p))
-                by_group.setdefault(key, []).append(p)
+        for p in (p for group in self.muon.param_groups for p in group["params"]):
+            by_group.setdefault((self._exchange_group(p), data_parallel_layout(p)), []).append(p)
         return by_group
 
     @staticmethod
@@ -203,10 +201,9 @@ class GroupPlanner:
                          for start, matrix in split_matrices(layout, num_experts(p), cols,
                                                              self._batch_key(p),
                                                              self._row_blocks(p)))
-        matrices, pieces = _split_over_teams(whole, layouts, rank, group.size(),
-                                             self.muon.max_team_size)
+        matrices = [matrix for _, _, matrix in whole]
         representatives = {}  # a matrix and its param of each cost key, in plan order
-        for matrix, (index, _, _) in zip(matrices, pieces):
+        for index, _, matrix in whole:
             representatives.setdefault(cost_key(matrix), (matrix, params[index]))
         batchable = self._batchable(matrices, representatives)
         element_bytes = params[0].element_size()
@@ -216,6 +213,8 @@ class GroupPlanner:
                                       batch_bytes(matrices, element_bytes, max_exchange_bytes))
         else:
             self.batched_newton_schulz.update((key[:2], True) for key in batchable)
+        matrices, pieces, cost = _split_over_teams(whole, layouts, rank, group.size(), self.muon,
+                                                   cost)
         # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
         # measured cost, so they pick the same owners: TP Newton-Schulz then meets its TP peers
         # on the same matrix.
@@ -332,17 +331,41 @@ class GroupPlanner:
         return torch.equal(batched, single)
 
 
+def _with_teams_cost(cost: StepCost | None, matrices: list[Matrix], muon: Any) -> tuple:
+    """(what teams are sized by, what owners by time weigh): by the measured rate of the group's
+    largest matrix, every matrix's FLOPs (whole or a member's part: measured calls of small
+    matrices are mostly fixed cost, which a split does not shrink) and a team's all-reduces at
+    the measured all-to-all bandwidth (their latency not measured: none counted), the Gram
+    matrix in bf16 below fp32 `highest` (plan.team_step_cost); owners weigh a team's block by
+    it, any other matrix by its measured call. Without a measured cost (owners by bytes): FLOPs,
+    and no StepCost."""
+    if cost is None or muon.max_team_size == 1:
+        return flops_cost, cost
+    largest = max(matrices, key=lambda matrix: matrix.ns_flops(steps=1))
+    per_flop = cost.call_seconds(largest, 1) / max(largest.ns_flops(steps=1), 1)
+    by_flops = StepCost(lambda matrix, count: count * matrix.ns_flops(steps=1) * per_flop,
+                        cost.bytes_per_second)
+    teams = [muon.newton_schulz_settings["num_ns_steps"],
+             4 if muon.fp32_matmul_prec == "highest" else 2, 0.0, per_flop]
+    sized = team_step_cost(by_flops, *teams)
+    return (lambda matrix, k: sized.call_seconds(matrix, 1)), team_step_cost(cost, *teams)
+
+
 def _split_over_teams(whole: list[tuple[int, int, Matrix]], layouts: list[RowLayout], rank: int,
-                      ranks: int, max_team: int) -> tuple[list[Matrix], list[tuple[int, int, int]]]:
-    """The group's matrices, `whole` ((param index, first row in the param, matrix)) with those a
-    team takes split into its blocks (plan.with_teams), and where this rank's rows of each sit in
-    its param's local shard ((param index, first, end): GroupPlan.pieces)."""
+                      ranks: int, muon: Any, measured: StepCost | None) -> tuple:
+    """(matrices, pieces, cost): the group's matrices, `whole` ((param index, first row in the
+    param, matrix)) with those a team takes split into its blocks (plan.with_teams, sized as
+    _with_teams_cost says from the `measured` cost);
+    where this rank's rows of each sit in its param's local shard ((param index, first, end):
+    GroupPlan.pieces); the cost owners by time weigh them by."""
+    sized, cost = _with_teams_cost(measured, [matrix for _, _, matrix in whole], muon)
     matrices, pieces = [], []
-    for j, start, matrix in with_teams([matrix for _, _, matrix in whole], ranks, max_team):
+    for j, start, matrix in with_teams([matrix for _, _, matrix in whole], ranks,
+                                       muon.max_team_size, sized):
         index, first = whole[j][0], whole[j][1] + start
         matrices.append(matrix)
         pieces.append((index, *layouts[index].local_range(rank, first, first + matrix.shape[0])))
-    return matrices, pieces
+    return matrices, pieces, cost
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from .layouts import Matrix, RowLayout, TeamBlock, team_ns_flops
+from .owners import StepCost
 
 # A matrix is split only where alone it takes more than this times the balanced share (the
 # group's Newton-Schulz FLOPs over its ranks): the issue's bound on the busiest rank.
@@ -125,6 +126,33 @@ def _largest_block(matrix: Matrix, k: int) -> Matrix:
         cols = block_sizes(cols, k)[0]
     return dataclasses.replace(matrix, layout=RowLayout((rows,)), cols=cols, batch_key=("team", 0),
                                team=TeamBlock(0, matrix.shape, 0, k))
+
+
+def all_reduce_seconds(block: Matrix, bytes_per_second: float, steps: int, gram_bytes: int,
+                       latency: float) -> float:
+    """A team member's all-reduces in one Newton-Schulz call of a team's `block`
+    (newton_schulz_tp's norm and each of its `steps` Gram matrices; ring: 2 (k - 1) / k of a
+    Gram matrix each way at `bytes_per_second`, `gram_bytes` an element), each with `latency`
+    seconds per rank of the team."""
+    k = block.team.size
+    gram = block.gram_side ** 2 * gram_bytes * 2 * (k - 1) / k
+    return steps * gram / bytes_per_second + (steps + 1) * k * latency
+
+
+def team_step_cost(cost: StepCost, steps: int, gram_bytes: int, latency: float,
+                   seconds_per_flop: float | None = None) -> StepCost:
+    """`cost` with a team's block's call counted whole: its Newton-Schulz (its FLOPs at
+    `seconds_per_flop`; None: `cost`'s own call seconds) and its all-reduces
+    (all_reduce_seconds), which the exchange's bytes do not count. Owners by time weigh teams'
+    blocks by it, and team_sizes (with k = its blocks) sizes teams by it."""
+    def call_seconds(matrix: Matrix, count: int) -> float:
+        if not matrix.team:
+            return cost.call_seconds(matrix, count)
+        ns = (cost.call_seconds(matrix, count) if seconds_per_flop is None
+              else count * matrix.ns_flops(steps=1) * seconds_per_flop)
+        return ns + all_reduce_seconds(matrix, cost.bytes_per_second, steps, gram_bytes, latency)
+
+    return StepCost(call_seconds, cost.bytes_per_second, cost.spread)
 
 
 def with_teams(matrices: Sequence[Matrix], ranks: int, max_team: int,
