@@ -134,7 +134,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             syrk.route_newton_schulz_through_it(self, settings, upstream_runs_syrk)
 
     def held_rows(self, p: DTensor) -> tuple[int, int, int]:
-        """(start, stop, rows): this rank holds rows [start, stop) of `p`'s TP-local rows."""
+        """(start, stop, rows): this rank holds rows [start, stop) of `p`'s `rows` TP-local rows."""
         return self._held_rows[p]
 
     def device(self) -> torch.device:

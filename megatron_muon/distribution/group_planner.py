@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor
 
 from ..compat import tensor_parallel, upstream
 from ..plan import (Matrix, OwnedBatches, RowLayout, StepCost, alone_working, batch_bytes,
-                    batch_matrices, cost_key, orthogonalization_key, owned_batches, owner_bytes,
-                    packed_plan, per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices,
-                    state_saved, flops_cost, team_step_cost, with_teams)
+                    batch_matrices, cost_key, flops_cost, orthogonalization_key, owned_batches,
+                    owner_bytes, packed_plan, per_exchange_bytes, qkv_row_blocks, row_layouts,
+                    split_matrices, state_saved, team_step_cost, with_teams)
 from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_dims, data_parallel_layout,
                            num_experts, shard_index, tp_local_rows)
 from .exchange import OwnerRoutes, all_gather_ints
@@ -355,9 +355,9 @@ def _split_over_teams(whole: list[tuple[int, int, Matrix]], layouts: list[RowLay
                       ranks: int, muon: Any, measured: StepCost | None) -> tuple:
     """(matrices, pieces, cost): the group's matrices, `whole` ((param index, first row in the
     param, matrix)) with those a team takes split into its blocks (plan.with_teams, sized as
-    _with_teams_cost says from the `measured` cost);
-    where this rank's rows of each sit in its param's local shard ((param index, first, end):
-    GroupPlan.pieces); the cost owners by time weigh them by."""
+    _with_teams_cost says from the `measured` cost); where this rank's rows of each sit in its
+    param's local shard ((param index, first, end): GroupPlan.pieces); the cost owners by time
+    weigh them by."""
     sized, cost = _with_teams_cost(measured, [matrix for _, _, matrix in whole], muon)
     matrices, pieces = [], []
     for j, start, matrix in with_teams([matrix for _, _, matrix in whole], ranks,

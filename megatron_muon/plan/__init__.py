@@ -2,9 +2,9 @@
 (benchmarks/scale_model.py). Which rows of each matrix each rank holds (layouts), what travels
 (traffic), who owns each matrix (owners), how much working memory an exchange holds and what
 budget it fits (budget), which matrices a team of ranks splits (teams), one exchange group's
-plan from them (owner_plan), and what offloading
-the state to host memory keeps there and streams (offload). No communication, no tensors:
-unit-tested without processes. Imports nothing else of megatron_muon."""
+plan from them (owner_plan), and what offloading the state to host memory keeps there and
+streams (offload). No communication, no tensors: unit-tested without processes. Imports nothing
+else of megatron_muon."""
 
 from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, alone_working, batch_bytes,
                      batch_matrices, exchange_batches, fewest_exchanges, largest_alone,

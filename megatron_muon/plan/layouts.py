@@ -185,7 +185,8 @@ class Matrix:
     each row to its owner, `returned_state_cols` of them back (a raw gradient's stay there), and
     holds `moment2_cols` elements per row. Under --muon-tp-mode duplicated a tensor-parallel
     matrix is all-gathered before Newton-Schulz: `tp_gather` is (the dim its TP shards tile,
-    their number), None where nothing is gathered."""
+    their number), None where nothing is gathered. A block of a matrix split over a team
+    (plan/teams.py) is a Matrix too, with its `team`."""
 
     layout: RowLayout
     cols: int
@@ -223,7 +224,7 @@ class Matrix:
         return self.cols + self.returned_state_cols
 
     def ns_flops(self, steps: int) -> int:
-        """Its Newton-Schulz FLOPs; a team's block: a member's on its rows (team_ns_flops)."""
+        """Its Newton-Schulz FLOPs; a team's block: a member's on its part (team_ns_flops)."""
         if self.team:
             return team_ns_flops(self.gram_side, self.long_side, steps)
         return sum(ns_flops(rows, self.cols, steps) for rows in self.row_blocks or (self.shape[0],))

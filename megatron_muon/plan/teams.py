@@ -1,9 +1,8 @@
 """Teams: a matrix whose Newton-Schulz alone is more than balance allows a rank, split over k
 ranks along its long side (rows of a tall or square matrix, columns of a wide one) and
-orthogonalized
-by them together in the distributed form megatron-core runs over tensor-parallel groups
-(newton_schulz_tp's "distributed" mode: each member's rows, the Gram matrix X X^T summed over
-the team every iteration). Which matrices, and k (team_sizes); the blocks that stand for a split
+orthogonalized by them together in the distributed form megatron-core runs over
+tensor-parallel groups (newton_schulz_tp's "distributed" mode: each member's part, the Gram
+matrix X X^T summed over the team every iteration). Which matrices, and k (team_sizes); the blocks that stand for a split
 matrix in the plan (team_blocks: each a Matrix with its TeamBlock, owned by one member); the
 rest of the plan (owners, batches, exchanges) takes the blocks as it takes any matrix, a team's
 blocks in one batch. Shapes alone, as the rest of the plan."""
@@ -15,8 +14,9 @@ from typing import Callable, Sequence
 from .layouts import Matrix, RowLayout, TeamBlock, team_ns_flops
 from .owners import StepCost
 
-# A matrix is split only where alone it takes more than this times the balanced share (the
-# group's Newton-Schulz FLOPs over its ranks): the issue's bound on the busiest rank.
+# Nothing is split where every matrix alone costs at most this times the balanced share (the
+# group's cost over its ranks): the owner choice balances that well enough (issue 68 holds the
+# busiest rank to 1.25x the ideal).
 TEAM_ABOVE = 1.25
 
 
