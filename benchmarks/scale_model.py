@@ -36,9 +36,11 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ELEMENT_BYTES = 4  # fp32 main weights, momentum and updates
-# owner: ours (owners by estimated time); owner-by-bytes: byte-first owners (our choice before
-# owners by time, and its fallback); whole-matrix-per-rank: megatron-core's layer-wise placement.
-MODES = ("owner", "owner-by-bytes", "allgather", "whole-matrix-per-rank")
+# owner: ours (owners by estimated time); teams: ours with --muon-max-team-size (a matrix too
+# large for one rank's share split over a team, plan/teams.py); owner-by-bytes: byte-first owners
+# (our choice before owners by time, and its fallback); whole-matrix-per-rank: megatron-core's
+# layer-wise placement.
+MODES = ("owner", "teams", "owner-by-bytes", "allgather", "whole-matrix-per-rank")
 # --optimizer muon, and --optimizer adaptive_muon's --adaptive-muon-moment2-method values: each
 # planned as ZeROTensorParallelMuon plans it (the variants table, owner mode).
 VARIANTS = ("muon", "adamuon", "normuon", "namo")
@@ -282,6 +284,8 @@ def step_cost(rates: Rates, args):
         count * matrix.ns_flops(args.ns_steps)), args.bandwidth_gbps * 1e9)
 
 
+
+
 class Part:
     """One exchange group's Muon matrices (dense over dp_cp, or experts over expert data
     parallelism) planned as ZeROTensorParallelMuon plans them (its defaults, the rates standing
@@ -289,11 +293,14 @@ class Part:
     rank's budget (`pack`, as planned_parts calls it), how long one rank took to plan them, and
     the owners of the other placements."""
 
-    def __init__(self, matrices, world, cost):
-        from megatron_muon.plan import choose_owners, owned_batches, whole_matrix_owners
+    def __init__(self, matrices, world, cost, team_cost=None):
+        from megatron_muon.plan import (choose_owners, owned_batches, whole_matrix_owners,
+                                        with_teams)
 
-        self.matrices, self.world = matrices, world
         start = time.perf_counter()
+        if team_cost:  # --muon-max-team-size W: the plan sizes each team
+            matrices = [matrix for _, _, matrix in with_teams(matrices, world, world, team_cost)]
+        self.matrices, self.world = matrices, world
         self.owned = owned_batches(matrices, ELEMENT_BYTES, cost=cost)
         self.batches = self.owned.batches
         self.plan_seconds = time.perf_counter() - start
@@ -322,7 +329,7 @@ class Part:
 
 
 def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
-                  expert_rank: int | None = None) -> list[tuple[Part, Callable]]:
+                  expert_rank: int | None = None, team_cost=None) -> list[tuple[Part, Callable]]:
     """(Part, rank of dp_cp -> its rank in the part) for the dense matrices and the experts (rank
     r of dp_cp is rank r // EP of its expert data-parallel group: megatron-core's order, expert
     parallelism varying fastest), packed as the factory packs its dense and expert Muon parts
@@ -330,12 +337,14 @@ def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
     both. The experts part stands for the expert data-parallel group of expert-parallel rank
     `expert_rank` (dp_cp ranks r with r % EP == expert_rank), or where None for every group at
     once: each of its ranks the least saving of the dp_cp ranks it stands for. `expert_cost`:
-    the experts' StepCost where it is not `cost` (a run measures one per group)."""
+    the experts' StepCost where it is not `cost` (a run measures one per group). `team_cost`:
+    teams split what one rank's share cannot hold (Part), sized by it."""
     from megatron_muon.plan import alone_working, state_saved
 
-    parts = [(Part(dense, world, cost), lambda r: r)]
+    parts = [(Part(dense, world, cost, team_cost), lambda r: r)]
     if expert:
-        parts.append((Part(expert, world // ep, expert_cost or cost), lambda r: r // ep))
+        parts.append((Part(expert, world // ep, expert_cost or cost, team_cost),
+                      lambda r: r // ep))
     saving, need = [0] * world, [0] * world
     for part, rank_in_part in parts:
         saved = state_saved(part.matrices, ELEMENT_BYTES)
@@ -369,8 +378,8 @@ def part_step(part: Part, mode: str, cost, args) -> dict:
     """One part's figures in `mode`: per rank (rank_figures), the seconds of its slowest rank
     (its all-to-alls synchronize the part) with and without the SYRK kernel, its collectives
     and their latency."""
-    figures = rank_figures(part, mode, cost, args.ns_steps)
-    collectives, latency = collective_latency(part, mode, args.latency_us_per_rank)
+    figures = rank_figures(part, mode, cost, args.ns_steps, args.gram_bytes)
+    collectives, latency = collective_latency(part, mode, args.latency_us_per_rank, args.ns_steps)
     return dict(figures=figures, collectives=collectives, latency=latency,
                 seconds=max(f["ns_seconds"] + max(f["received"], f["sent"]) / cost.bytes_per_second
                             for f in figures),
@@ -390,19 +399,35 @@ def syrk_share(matrix) -> float:
     return sum(flops(m, n, True) for m, n in blocks) / sum(flops(m, n, False) for m, n in blocks)
 
 
-def collective_latency(part: Part, mode: str, us_per_rank: float) -> tuple[int, float]:
+def collective_latency(part: Part, mode: str, us_per_rank: float,
+                       ns_steps: int = 5) -> tuple[int, float]:
     """One step's collectives of `part` in `mode` and their latency, seconds: an all-gather per
-    matrix in allgather mode, else each exchange's gather and scatter all-to-alls; each costs
-    `us_per_rank` per rank of the part's group."""
-    count = len(part.matrices) if mode == "allgather" else 2 * len(part.exchanges)
-    return count, count * part.world * us_per_rank * 1e-6
+    matrix in allgather mode, else each exchange's gather and scatter all-to-alls, and the
+    all-reduces of the teams of the rank that takes the longest in them
+    (plan.team_all_reduces); each costs `us_per_rank` per rank of its group."""
+    from megatron_muon.plan import team_all_reduces
+
+    if mode == "allgather":
+        return len(part.matrices), len(part.matrices) * part.world * us_per_rank * 1e-6
+    count = 2 * len(part.exchanges)
+    teams = team_all_reduces(part.matrices, _owners(part, mode), ns_steps).values()
+    slowest = max(teams, default=[], key=lambda calls: sum(size for _, size in calls))
+    return (count + len(slowest),
+            (count * part.world + sum(size for _, size in slowest)) * us_per_rank * 1e-6)
 
 
-def rank_figures(part: Part, mode: str, cost, ns_steps: int) -> list[dict]:
-    """Per rank of `part`: Newton-Schulz FLOPs and seconds (and seconds with the SYRK kernel:
-    each owned matrix in its own call, at the plain call's rate on the FLOPs it keeps), bytes
-    received and sent."""
-    from megatron_muon.plan import newton_schulz_seconds, owner_traffic
+def _owners(part: Part, mode: str) -> list[int]:
+    """The owners `mode` plans: a team Part's owners are ours ("owner")."""
+    return part.owners["owner" if mode == "teams" else mode]
+
+
+def rank_figures(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int = 4) -> list[dict]:
+    """Per rank of `part`: Newton-Schulz FLOPs (a team member's: plan.newton_schulz_flops) and
+    seconds (and seconds with the SYRK kernel: each owned matrix in its own call, at the plain
+    call's rate on the FLOPs it keeps), bytes received and sent: the exchange's, and its teams'
+    all-reduces (ring: 2 (k - 1) / k of each Gram matrix, `gram_bytes` an element, each way)."""
+    from megatron_muon.plan import (newton_schulz_flops, newton_schulz_seconds, owner_traffic,
+                                    team_all_reduces)
 
     world, matrices = part.world, part.matrices
     flops = [m.ns_flops(ns_steps) for m in matrices]
@@ -414,14 +439,17 @@ def rank_figures(part: Part, mode: str, cost, ns_steps: int) -> list[dict]:
                     for m in matrices if len(m.layout.rows) > 1)
         received = sent = [moved] * world
     else:
-        owners = part.owners[mode]
-        ns_flops, syrk_seconds = [0] * world, [0.0] * world
-        for matrix, matrix_flops, owner in zip(matrices, flops, owners):
-            ns_flops[owner] += matrix_flops
+        owners = _owners(part, mode)
+        ns_flops, syrk_seconds = newton_schulz_flops(matrices, owners, ns_steps, world), [0.0] * world
+        for matrix, owner in zip(matrices, owners):
             syrk_seconds[owner] += cost.call_seconds(matrix, 1) * syrk_share(matrix)
         # an owner's matrices of one batch: one batched call (plan.newton_schulz_seconds)
         ns_seconds = newton_schulz_seconds(matrices, owners, part.batches, cost)
         received, sent = owner_traffic(matrices, owners, ELEMENT_BYTES)
+        for rank, calls in team_all_reduces(matrices, owners, ns_steps).items():
+            wire = sum(2 * (size - 1) * elements * gram_bytes // size for elements, size in calls)
+            received[rank] += wire
+            sent[rank] += wire
     return [dict(ns_flops=ns_flops[r], ns_seconds=ns_seconds[r], syrk_seconds=syrk_seconds[r],
                  received=received[r], sent=sent[r]) for r in range(world)]
 
@@ -429,6 +457,7 @@ def rank_figures(part: Part, mode: str, cost, ns_steps: int) -> list[dict]:
 def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     """One model at one data-parallel size: the plan's figures and the step-time estimates."""
     from megatron_muon.integrations.factory import is_scalar_param, is_expert_param
+    from megatron_muon.plan import team_step_cost
 
     ep = expert_parallel(name, world)
     start = time.perf_counter()
@@ -437,6 +466,13 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
     dense, expert = muon_matrices(model, rows, args.muon_tp_mode)
     cost = step_cost(rates, args)
     parts = planned_parts(dense, expert, world, ep, cost)
+    # Teams sized, and their blocks placed, with their all-reduces weighed (with their latency);
+    # reported below with Newton-Schulz at the rates and the all-reduces' bytes over the network
+    # (rank_figures) and their latency (collective_latency).
+    team_plan_cost = team_step_cost(cost, args.ns_steps, args.gram_bytes,
+                                    args.latency_us_per_rank * 1e-6)
+    team_parts = planned_parts(dense, expert, world, ep, team_plan_cost,
+                               team_cost=lambda matrix, k: team_plan_cost.call_seconds(matrix, 1))
 
     muon_elements, adam_elements, all_elements = [0] * world, [0] * world, [0] * world
     active = 0
@@ -470,16 +506,20 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
                   owners=sum(len(set(part.owners["owner"])) for part, _ in parts),
                   batches=sum(len(part.batches) for part, _ in parts),
                   exchanges=sum(len(part.exchanges) for part, _ in parts),
+                  teams=team_figures(team_parts),
                   adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3,
                   memory_gb=result_memory, modes={})
     elementwise = max((muon_elements[r] * rates.muon_elementwise_ns_per_element
                        + adam_elements[r] * rates.adam_ns_per_element) * 1e-9 for r in range(world))
+    # The ideal: every rank total / W of the Newton-Schulz FLOPs of the matrices whole.
+    ideal = sum(sum(m.ns_flops(args.ns_steps) for m in part.matrices) * world / part.world
+                for part, _ in parts) / world
     for mode in MODES:
         ranks = [dict(ns_flops=0, ns_seconds=0.0, syrk_seconds=0.0, received=0, sent=0)
                  for _ in range(world)]
         step = syrk_step = elementwise
         collectives, latency = 0, 0.0
-        for part, rank_in_part in parts:
+        for part, rank_in_part in (team_parts if mode == "teams" else parts):
             figures = part_step(part, mode, cost, args)
             collectives += figures["collectives"]
             latency += figures["latency"]
@@ -491,7 +531,8 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
         network = [max(f["received"], f["sent"]) / cost.bytes_per_second for f in ranks]
         result["modes"][mode] = dict(
             busiest_ns_gflop=max(f["ns_flops"] for f in ranks) / 1e9,
-            ideal_ns_gflop=sum(f["ns_flops"] for f in ranks) / world / 1e9,
+            ideal_ns_gflop=ideal / 1e9,
+            busiest_over_ideal=max(f["ns_flops"] for f in ranks) / ideal,
             max_received_mb=max(f["received"] for f in ranks) / 1e6,
             ns_ms=max(f["ns_seconds"] for f in ranks) * 1e3, network_ms=max(network) * 1e3,
             collectives=collectives, latency_ms=latency * 1e3,
@@ -506,6 +547,18 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
             cost), elementwise, adam_step, fwd_bwd, cost, args)
         for variant in VARIANTS}
     return result
+
+
+def team_figures(parts) -> dict:
+    """The teams a plan with --muon-max-team-size makes: how many matrices each part splits, the
+    largest team, and the process groups created at construction (one per distinct team, here
+    in one group of each part: every expert-parallel rank's group makes its own)."""
+    from megatron_muon.plan import team_members
+
+    members = [team_members(part.matrices, part.owners["owner"]) for part, _ in parts]
+    return dict(split=sum(len(teams) for teams in members),
+                largest=max([1] + [len(ranks) for teams in members for ranks in teams.values()]),
+                groups=sum(len(set(teams.values())) for teams in members))
 
 
 def variant_figures(parts, elementwise: float, adam_step: float, fwd_bwd: float, cost,
@@ -608,6 +661,13 @@ def assumptions(rates: Rates, args) -> list[str]:
         f"({args.latency_us_per_rank:g} us per rank of its group: an all-to-all's gather and "
         "scatter per exchange, an all-gather per matrix in allgather mode; nccl-tests' "
         "alltoall_perf at 128 ranks over sockets, NVIDIA/nccl-tests#78: an upper figure)",
+        "teams (--muon-max-team-size W, plan/teams.py): a matrix too large for the step split "
+        "over a team along its long side, sized and placed by seconds with its all-reduces "
+        "weighed (each member: its share of X X^T and B X, all of A A, newton_schulz_tp's norm "
+        f"and {args.ns_steps} Gram all-reduces, ring, {args.gram_bytes} bytes an element, each "
+        "with its k ranks' latency); the busiest rank's FLOPs count each member's repeated A A; "
+        "'ideal' is the whole matrices' FLOPs over W; the optimizer sizes them alike with its "
+        "measured rates (no latency)",
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "
         "no communication)",
         "--optimizer-cpu-offload (plan.offload_figures): Muon's state streamed to the device "
@@ -652,6 +712,7 @@ def print_table(results, notes):
     columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("tokens", 7, ">"),
                ("plan s", 7, ">"), ("owners", 7, ">"), ("batches", 8, ">"), ("exch", 5, ">"),
                ("mode", 22, "<"), ("busiest NS GF", 14, ">"), ("ideal GF", 10, ">"),
+               ("x ideal", 8, ">"),
                ("max in MB", 10, ">"), ("NS ms", 9, ">"), ("net ms", 9, ">"), ("coll", 5, ">"),
                ("lat ms", 8, ">"), ("step ms", 9, ">"), ("SYRK ms", 9, ">"),
                ("Adam ms", 9, ">"), ("fwd-bwd ms", 11, ">"), ("overhead", 9, ">"),
@@ -667,6 +728,7 @@ def print_table(results, notes):
                         f"{r['tokens_per_step'] / 1e6:.1f}M", f"{r['plan_seconds']:.2f}",
                         r["owners"], r["batches"], r["exchanges"], mode,
                         f"{m['busiest_ns_gflop']:.0f}", f"{m['ideal_ns_gflop']:.0f}",
+                        f"{m['busiest_over_ideal']:.2f}",
                         f"{m['max_received_mb']:.0f}", f"{m['ns_ms']:.4g}",
                         f"{m['network_ms']:.4g}", m["collectives"], f"{m['latency_ms']:.4g}",
                         f"{m['step_ms']:.4g}",
@@ -791,6 +853,7 @@ def main():
         if args.measure_rates:
             args.measure_rates.write_text(json.dumps(table, indent=1))
     rates = Rates(table)
+    args.gram_bytes = 2 if rates.newton_schulz_precision == "medium" else 4  # bf16 Gram matrices
 
     import torch.distributed as dist
 
@@ -809,8 +872,9 @@ def main():
             results.append(estimate(name, world, models[ep], rates, args))
             r = results[-1]
             print(f"planned {name} at W={world}: {r['muon_matrices']} matrices, Megatron-FSDP "
-                  f"layout {r['layout_seconds']:.2f} s, megatron_muon plan {r['plan_seconds']:.2f} s",
-                  flush=True)
+                  f"layout {r['layout_seconds']:.2f} s, megatron_muon plan {r['plan_seconds']:.2f} s"
+                  f"; with teams {r['teams']['split']} matrices split, the largest team "
+                  f"{r['teams']['largest']} ranks", flush=True)
     notes = assumptions(rates, args)
     print_table(results, notes)
     print_beside_nvidia(results, rates)
