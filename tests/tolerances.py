@@ -23,9 +23,8 @@ import sys
 
 import torch
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
-from emerging_optimizers.orthogonalized_optimizers.muon_utils import get_coefficient_iterator
 
-from megatron_muon.compat import upstream
+from megatron_muon.core.team_newton_schulz import newton_schulz_gain
 
 UNIT_ROUNDOFF = 2.0 ** -24  # fp32
 ATOL, RTOL = 1e-6, 1e-5
@@ -36,16 +35,12 @@ def reordering_error(terms: int) -> float:
     return terms * UNIT_ROUNDOFF
 
 
-def newton_schulz_gain(coefficient_type: str = "quintic", steps: int = 5) -> float:
-    """Newton-Schulz's largest amplification of a change of its normalized input: the slope at 0
-    of its composite polynomial (each step's a·x + b·x³ + c·x⁵, b < 0, is steepest there)."""
-    coefficients = get_coefficient_iterator(steps, upstream.COEFFICIENT_SETS[coefficient_type], mode="cycle")
-    return math.prod(a for a, _, _ in coefficients)
-
-
 def muon_drift(lrs, shape, rho: float, scale_mode: str = "spectral") -> float:
-    """Largest elementwise parameter difference after Muon steps with learning rates `lrs`."""
-    return sum(lrs) * get_muon_scale_factor(*shape[-2:], mode=scale_mode) * 2 * newton_schulz_gain() * rho
+    """Largest elementwise parameter difference after Muon steps with learning rates `lrs`:
+    Newton-Schulz's gain (the product's own, which the check interval bounds a team by) on
+    twice rho."""
+    gain = newton_schulz_gain("quintic", 5)
+    return sum(lrs) * get_muon_scale_factor(*shape[-2:], mode=scale_mode) * 2 * gain * rho
 
 
 def adam_step_bound(step: int, betas=(0.9, 0.999)) -> float:

@@ -3,7 +3,10 @@ check_interval): on a checked step every matrix's update is also computed as "al
 computes it (assembled on every rank and orthogonalized there), and each rank compares the
 owners' result for its rows with it before anything is applied. The bound: 0 with fp32
 `highest` Newton-Schulz; at a lower precision, where batched kernels may round differently
-(docs/design.md, "Library"), the reference's own distance from fp32 Newton-Schulz."""
+(docs/design.md, "Library"), the reference's own distance from fp32 Newton-Schulz. A matrix
+split over a team is compared with the whole matrix orthogonalized as one, within the fp32
+reordering of the team's sums (team_newton_schulz.reordering_bound), and at a lower precision
+within twice the reference's distance (the team's Gram matrix is summed at that precision)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +18,7 @@ from emerging_optimizers import utils as eo_utils
 from ..distribution.dtensor_rows import num_experts
 from ..distribution.group_planner import GroupPlan
 from .checks import CheckResult, MuonCheckError, agree_on_every_rank
+from .team_newton_schulz import reordering_bound
 
 # What the step does with a matrix's rows that come back: apply(plan, matrix, this rank's rows).
 ApplyUpdate = Callable[[GroupPlan, int, torch.Tensor], None]
@@ -77,6 +81,9 @@ class OwnerCheck:
                     diffs[i] = (results[plan, i] - reference).abs().max()
                     if fp32:
                         bounds[i] = (reference - fp32[i]).abs().max()
+                    if plan.matrices[i].team:  # its Gram sums reordered; bf16: the team's own
+                        bounds[i] = max(2 * bounds[i], reordering_bound(
+                            plan.matrices[i], muon.newton_schulz_settings))
             dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=plan.group)
             dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=plan.group)
             worst = max(worst, diffs.max().item() if len(diffs) else 0.0)

@@ -123,7 +123,7 @@ def _check_teams(muon) -> None:
         return
     beside = [flag for flag, on in (
         ("--muon-dist-mode allgather", muon.dist_mode != "owner"),
-        ("--muon-check-interval", muon.check_interval), ("--muon-use-syrk", muon.use_syrk),
+        ("--muon-use-syrk", muon.use_syrk),
         ("--optimizer adaptive_muon", muon.second_moment is not None)) if on]
     if beside:
         raise ValueError(f"ZeROTensorParallelMuon: --muon-max-team-size "

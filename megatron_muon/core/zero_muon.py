@@ -12,8 +12,9 @@ from torch.distributed.tensor import DTensor
 
 from ..compat import tensor_parallel
 from ..distribution.dtensor_rows import ParamAttributes
-from ..distribution.exchange import OwnerRoutes, all_gather_rows, owner_exchange, run_overlapped
+from ..distribution.exchange import OwnerRoutes, owner_exchange, run_overlapped
 from ..distribution.group_planner import GroupPlan, GroupPlanner
+from ..distribution.teams import whole_results
 from ..plan import MAX_EXCHANGE_BYTES
 from . import syrk
 from .checks import CheckResult
@@ -235,10 +236,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     def allgather_orthogonalize(self, plan: GroupPlan, local: dict[int, torch.Tensor],
                                 apply: ApplyUpdate) -> None:
-        for i, matrix in enumerate(plan.matrices):
-            full = all_gather_rows(local[i], matrix.layout, plan.group)
-            start, stop = matrix.layout.row_range(plan.rank)
-            apply(plan, i, self.orthogonalize_whole(plan.param_of(i), full)[start:stop])
+        for i, result in whole_results(plan, local, self.orthogonalize_whole):
+            start, stop = plan.matrices[i].layout.row_range(plan.rank)
+            apply(plan, i, result[start:stop])
 
     def owner_orthogonalize(self, plan: GroupPlan, local_rows: Callable[[int], torch.Tensor],
                             apply: ApplyUpdate,

@@ -1,11 +1,15 @@
 """The process groups of the teams that orthogonalize a split matrix together (plan/teams.py),
-created once, at construction."""
+created once, at construction; and every matrix assembled whole on every rank, a team's as the
+matrix its blocks make (the check interval's reference)."""
 
+from collections.abc import Callable, Iterator
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..plan import team_members
+from .exchange import all_gather_rows
 
 
 def _global_members(draft: Any) -> dict[int, tuple[int, ...]]:
@@ -36,3 +40,27 @@ def create_team_groups(drafts: Sequence[Any]) -> None:
     for draft, teams in zip(drafts, members):
         draft.team_groups.update({team: groups[ranks] for team, ranks in teams.items()
                                   if me in ranks})
+
+
+def whole_results(plan: Any, local: dict[int, torch.Tensor],
+                  orthogonalize: Callable[[Any, torch.Tensor], torch.Tensor],
+                  ) -> Iterator[tuple[int, torch.Tensor]]:
+    """(matrix, its whole result) of each matrix of `plan` (a GroupPlan) in plan order, as
+    "allgather" mode computes them: each assembled on every rank from every rank's `local` rows
+    of it (all_gather_rows) and `orthogonalize(param, whole)`d; a team's blocks once all have
+    come, the matrix they make orthogonalized as one, as on a single device, and cut into the
+    blocks again (the check interval's reference)."""
+    pending: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for i, matrix in enumerate(plan.matrices):
+        full = all_gather_rows(local[i], matrix.layout, plan.group)
+        team = matrix.team
+        if team is None:
+            yield i, orthogonalize(plan.param_of(i), full)
+            continue
+        blocks = pending.setdefault(team.team, [])
+        blocks.append((i, full))
+        if len(blocks) == team.size:
+            whole = orthogonalize(plan.param_of(i),
+                                  torch.cat([block for _, block in blocks], dim=team.dim))
+            parts = whole.split([block.shape[team.dim] for _, block in blocks], dim=team.dim)
+            yield from zip([j for j, _ in pending.pop(team.team)], parts)

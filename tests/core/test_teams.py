@@ -16,13 +16,15 @@ import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-from fsdp_models import (MUON_KWARGS, full_tensor, fully_shard, make_models, muon_param_groups,
+from fsdp_models import (MUON_KWARGS, batch, full_tensor, fully_shard, make_models, muon_param_groups,
                          reference_optimizers, split_params, step_beside_reference)
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_muon import ZeROTensorParallelMuon, get_megatron_optimizer
 from megatron_muon.core.settings import tensor_parallel_muon_settings
-from megatron_muon.core.team_newton_schulz import team_orthogonalize
+from megatron_muon.core.checks import MuonCheckError
+from megatron_muon.core.team_newton_schulz import (orthogonalized_by_team, reordering_bound,
+                                                   team_orthogonalize)
 from megatron_muon.distribution.exchange import Traffic, observed
 from megatron_muon.plan import (Matrix, RowLayout, StepCost, batch_matrices, choose_owners,
                                 choose_owners_by_time, newton_schulz_flops, team_all_reduces,
@@ -203,8 +205,7 @@ def _refused_beside(rank, world_size):
     ref, fsdp = make_models("optim_grads_params", world_size, unit_modules=True)
     matrices, _ = split_params(fsdp)
     before = [p.to_local().clone() for p in matrices]
-    for settings, flag in (({"dist_mode": "allgather"}, "--muon-dist-mode allgather"),
-                           ({"check_interval": 2}, "--muon-check-interval")):
+    for settings, flag in (({"dist_mode": "allgather"}, "--muon-dist-mode allgather"),):
         with pytest.raises(ValueError, match=f"--muon-max-team-size 2 does not run with {flag}"):
             ZeROTensorParallelMuon(muon_param_groups(matrices), max_team_size=2, **settings,
                                    **MUON_KWARGS)
@@ -272,3 +273,48 @@ def test_a_step_with_teams_does_what_the_plan_counts(distributed):
     elements and group of each all-reduce, and the bytes it receives: on every rank of W=4, what
     the plan (plan.newton_schulz_flops, plan.team_all_reduces, the routes) counts."""
     distributed(_a_step_does_what_the_plan_counts, 4)
+
+
+def _checked_with_teams(rank, world_size, corruption):
+    """The check interval every step beside an unchecked twin: it changes no update, and its
+    worst difference stays within the reordering bound; a corrupted team result is caught."""
+    runs = []
+    for check_interval in (1, 0):
+        _, fsdp = make_models("optim_grads_params", world_size, unit_modules=True)
+        matrices, _ = split_params(fsdp)
+        names = {p: n for n, p in fsdp.named_parameters()}
+        runs.append((fsdp, matrices, ZeROTensorParallelMuon(
+            muon_param_groups(matrices), max_team_size=world_size, owner_choice="bytes",
+            check_interval=check_interval, param_names=names, **MUON_KWARGS)))
+    (fsdp, matrices, checked), (_, twins, plain) = runs
+    (plan,) = checked.plans
+    team = next(m for m in plan.matrices if m.team)
+    bound = reordering_bound(team, checked.newton_schulz_settings)
+    for step in range(2):
+        x, y = batch(step, rank)
+        torch.nn.functional.mse_loss(fsdp(x), y).backward()
+        fsdp.finish_grad_sync()
+        for p, q in zip(matrices, twins):
+            q.grad = p.grad
+        if corruption:
+            def corrupted(muon, plan, owned, fulls):
+                results = orthogonalized_by_team(muon, plan, owned, fulls)
+                return [results[0] + corruption] + results[1:]
+
+            with mock.patch("megatron_muon.core.zero_muon.orthogonalized_by_team", corrupted):
+                with pytest.raises(MuonCheckError, match=r"module\.up\.weight: shape \(\d+, 16\)"):
+                    checked.step()
+            return
+        checked.step()
+        plain.step()
+        assert all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(matrices, twins))
+        assert checked.last_check.iteration == step + 1
+        assert 0 <= checked.last_check.worst <= bound, (checked.last_check, bound)
+        for optimizer in (checked, plain):
+            optimizer.zero_grad()
+        fsdp.zero_grad_buffer()
+
+
+@pytest.mark.parametrize("corruption", [0.0, 0.1])  # the bound here: 0.0149
+def test_the_check_interval_holds_a_team_to_the_whole_matrix(distributed, corruption):
+    distributed(_checked_with_teams, 4, corruption)
