@@ -34,8 +34,10 @@ def _build(strategy, dist_mode, experts, replicas, offload, max_team):
     model = fsdp_gpt(shape, strategy=strategy, num_experts=experts, qk_clip=True,
                      qk_clip_threshold=1e-6)
     config = optimizer_config(optimizer_cpu_offload=offload, optimizer_offload_fraction=1.0)
+    # Teams sized by FLOPs (owners by bytes), not by rates the fake group's collectives give.
     return model, get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode,
-                                         muon_max_team_size=max_team)
+                                         muon_max_team_size=max_team,
+                                         muon_owner_choice="bytes" if max_team > 1 else "time")
 
 
 def _step(model, optimizer, rank, step):

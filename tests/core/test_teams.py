@@ -245,7 +245,9 @@ def _step_counts(model, optimizer, rank):
 def _a_step_does_what_the_plan_counts(rank, world_size):
     init_parallel_state()
     counts = {}
-    for name, settings in (("teams", dict(muon_max_team_size=world_size)), ("adam", {})):
+    # Teams sized by FLOPs (owners by bytes): by time they follow this machine's measured rates.
+    teams = dict(muon_max_team_size=world_size, muon_owner_choice="bytes")
+    for name, settings in (("teams", teams), ("adam", {})):
         model = fsdp_gpt(TEAM_GPT)
         optimizer = get_megatron_optimizer(
             optimizer_config(**({"optimizer": "adam"} if name == "adam" else {})), [model],
