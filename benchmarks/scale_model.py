@@ -284,8 +284,6 @@ def step_cost(rates: Rates, args):
         count * matrix.ns_flops(args.ns_steps)), args.bandwidth_gbps * 1e9)
 
 
-
-
 class Part:
     """One exchange group's Muon matrices (dense over dp_cp, or experts over expert data
     parallelism) planned as ZeROTensorParallelMuon plans them (its defaults, the rates standing
