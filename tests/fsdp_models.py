@@ -17,6 +17,7 @@ from megatron.core.utils import unwrap_model
 from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from megatron_muon.compat import upstream, upstream_fixes
+from megatron_muon.plan import offload_figures
 from megatron_muon.step.model_chunks import find_megatron_fsdp
 from torch.distributed.tensor import DTensor, Shard
 
@@ -78,6 +79,25 @@ def step_beside_reference(fsdp, params, names, ref_params, opts, step: int, rank
     fsdp.zero_grad_buffer()
     for opt in opts:
         opt.zero_grad()
+
+
+def assert_offload_as_planned(muon, fraction, case):
+    """The step copied this rank's offloaded state to the device and back, as plan.offload counts
+    it, and never held more of it there at once than the plan's two exchanges."""
+    (planned,) = offload_figures([(plan.matrices, [routes.batches for routes in plan.routes],
+                                   [plan.rank]) for plan in muon.plans], 4, fraction)
+    host = muon.host_state
+    assert host.moved_to_device == host.moved_to_host == planned.host, (case, planned)
+    # Muon's owner step brings every exchange's momentum but each group's first one exchange
+    # ahead (an adaptive variant's state comes as it is read).
+    first = sum(offload_figures([(plan.matrices, [plan.routes[0].batches], [plan.rank])], 4,
+                                fraction)[0].host for plan in muon.plans if plan.routes)
+    muon_owner_step = muon.dist_mode == "owner" and muon.second_moment is None
+    ahead = (0 if not muon_owner_step else planned.host - first if fraction == 1.0
+             else host.moved_ahead)
+    assert host.moved_ahead == ahead, (case, host.moved_ahead, ahead)
+    assert (host.most_on_device > 0) == (planned.host > 0), (case, planned)
+    assert host.most_on_device <= planned.streamed, (case, host.most_on_device, planned)
 
 
 def make_models(strategy: str, world_size: int, unit_modules: bool = True, outer: str | None = None,

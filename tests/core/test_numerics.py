@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, ONE_BATCH, QKV_SPLIT, STRATEGIES, batch, full_tensor, make_models,
+from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, ONE_BATCH, QKV_SPLIT, STRATEGIES,
+                         assert_offload_as_planned, batch, full_tensor, make_models,
                          matrices_per_newton_schulz_call, muon_param_groups,
                          reference_optimizers, same_shape_linears, split_params,
                          step_beside_reference)
@@ -17,7 +18,6 @@ from megatron_muon.core import second_moment
 from megatron_muon.compat import upstream
 from megatron_muon.core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from megatron_muon.distribution.exchange import Traffic, observed
-from megatron_muon.plan import offload_figures
 
 STEPS = 6
 
@@ -73,7 +73,7 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
         worst = max((full_tensor(p, p) - ref_params[names[id(p)]]).abs().max().item()
                     for p in matrices + vectors)
         assert worst == 0, f"{case} step {step}: max |diff| {worst}"
-        _assert_offload_as_planned(muon, offload_fraction, case)
+        assert_offload_as_planned(muon, offload_fraction, case)
 
     for p in matrices:
         momentum = opts[0].state[p]["momentum_buffer"]
@@ -87,25 +87,6 @@ def _compare(rank, world_size, strategy, dist_mode, unit_modules, outer=None,
             assert _as_reference_moment2(full_tensor(moment2, p), reference["moment2_buffer"])
     if rank == 0:
         print(f"{case}: max |diff| 0 after {STEPS} steps")
-
-
-def _assert_offload_as_planned(muon, fraction, case):
-    """The step copied this rank's offloaded state to the device and back, as plan.offload counts
-    it, and never held more of it there at once than the plan's two exchanges."""
-    (planned,) = offload_figures([(plan.matrices, [routes.batches for routes in plan.routes],
-                                   [plan.rank]) for plan in muon.plans], 4, fraction)
-    host = muon.host_state
-    assert host.moved_to_device == host.moved_to_host == planned.host, (case, planned)
-    # Muon's owner step brings every exchange's momentum but each group's first one exchange
-    # ahead (an adaptive variant's state comes as it is read).
-    first = sum(offload_figures([(plan.matrices, [plan.routes[0].batches], [plan.rank])], 4,
-                                fraction)[0].host for plan in muon.plans if plan.routes)
-    muon_owner_step = muon.dist_mode == "owner" and muon.second_moment is None
-    ahead = (0 if not muon_owner_step else planned.host - first if fraction == 1.0
-             else host.moved_ahead)
-    assert host.moved_ahead == ahead, (case, host.moved_ahead, ahead)
-    assert (host.most_on_device > 0) == (planned.host > 0), (case, planned)
-    assert host.most_on_device <= planned.streamed, (case, host.most_on_device, planned)
 
 
 # The state in host memory between steps (core/state_offload.py: the step works on a copy of

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
-from fsdp_models import (MUON_KWARGS, batch, full_tensor, fully_shard, make_models, muon_param_groups,
-                         reference_optimizers, split_params, step_beside_reference)
+from fsdp_models import (MUON_KWARGS, assert_offload_as_planned, batch, full_tensor, fully_shard,
+                         make_models, muon_param_groups, reference_optimizers, split_params,
+                         step_beside_reference)
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_muon import ZeROTensorParallelMuon, get_megatron_optimizer
@@ -158,13 +159,15 @@ def _models(net, strategy, world_size):
     return ref, fully_shard(copy.deepcopy(ref), strategy, world_size, [torch.nn.Linear]), "wide.weight"
 
 
-def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, net):
+def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, net,
+                                      offload=0.0):
     ref, fsdp, split = _models(net, strategy, world_size)
     ref_opts = reference_optimizers(ref)
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
     muon = ZeROTensorParallelMuon(muon_param_groups(matrices), max_team_size=world_size,
-                                  owner_choice=owner_choice, **MUON_KWARGS)
+                                  owner_choice=owner_choice, offload_fraction=offload,
+                                  **MUON_KWARGS)
     (plan,) = muon.plans
     teamed = {plan.param_of(i) for i, m in enumerate(plan.matrices) if m.team}
     names = {id(p): n.removeprefix("module.") for n, p in fsdp.named_parameters()}
@@ -189,16 +192,21 @@ def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, 
                 assert diff <= bound, (step, diff, bound)
             else:  # every other matrix whole on its owner, as before: bit for bit
                 assert diff == 0, (names[id(p)], step, diff)
+        assert_offload_as_planned(muon, offload, f"teams {net} W={world_size} step {step}")
 
 
-@pytest.mark.parametrize("world_size, strategy, owner_choice, net", [
-    (2, "optim_grads_params", "bytes", "tall"), (2, "optim_grads_params", "time", "tall"),
-    (4, "optim", "bytes", "tall"), (4, "optim_grads_params", "bytes", "tall"),
-    (2, "optim_grads_params", "bytes", "wide"), (4, "optim_grads_params", "bytes", "wide"),
-    (4, "optim", "time", "wide")])
+# The last two: the momentum in host memory between steps (--optimizer-cpu-offload), a team's
+# rows (a column block's: strided) brought to the device and back.
+@pytest.mark.parametrize("world_size, strategy, owner_choice, net, offload", [
+    (2, "optim_grads_params", "bytes", "tall", 0.0), (2, "optim_grads_params", "time", "tall", 0.0),
+    (4, "optim", "bytes", "tall", 0.0), (4, "optim_grads_params", "bytes", "tall", 0.0),
+    (2, "optim_grads_params", "bytes", "wide", 0.0), (4, "optim_grads_params", "bytes", "wide", 0.0),
+    (4, "optim", "time", "wide", 0.0), (4, "optim_grads_params", "bytes", "tall", 1.0),
+    (2, "optim_grads_params", "bytes", "wide", 1.0)])
 def test_a_step_with_a_team_matches_single_device_muon(distributed, world_size, strategy,
-                                                       owner_choice, net):
-    distributed(_teams_step_as_single_device_muon, world_size, strategy, owner_choice, net)
+                                                       owner_choice, net, offload):
+    distributed(_teams_step_as_single_device_muon, world_size, strategy, owner_choice, net,
+                offload)
 
 
 def _refused_beside(rank, world_size):
