@@ -151,9 +151,11 @@ class WideNet(torch.nn.Module):
 
 def _models(net, strategy, world_size):
     """(reference, Megatron-FSDP copy, the matrix a team splits): fsdp_models' Net (its 40 x 16
-    `up`, 69% of the FLOPs: row blocks) or WideNet (column blocks)."""
-    if net == "tall":
-        return (*make_models(strategy, world_size, unit_modules=True), "up.weight")
+    `up`, 69% of the FLOPs: row blocks; "tall-hsdp": two replicas of it, HSDP) or WideNet (column
+    blocks)."""
+    if net.startswith("tall"):
+        outer = "no_shard" if net == "tall-hsdp" else None
+        return (*make_models(strategy, world_size, unit_modules=True, outer=outer), "up.weight")
     torch.manual_seed(0)
     ref = WideNet()
     return ref, fully_shard(copy.deepcopy(ref), strategy, world_size, [torch.nn.Linear]), "wide.weight"
@@ -195,14 +197,15 @@ def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, 
         assert_offload_as_planned(muon, offload, f"teams {net} W={world_size} step {step}")
 
 
-# The last two: the momentum in host memory between steps (--optimizer-cpu-offload), a team's
-# rows (a column block's: strided) brought to the device and back.
+# HSDP (2 replicas x 2 shards: the results go to both replicas); the last two: the momentum in
+# host memory between steps (--optimizer-cpu-offload), a team's rows (a column block's: strided)
+# brought to the device and back.
 @pytest.mark.parametrize("world_size, strategy, owner_choice, net, offload", [
     (2, "optim_grads_params", "bytes", "tall", 0.0), (2, "optim_grads_params", "time", "tall", 0.0),
     (4, "optim", "bytes", "tall", 0.0), (4, "optim_grads_params", "bytes", "tall", 0.0),
     (2, "optim_grads_params", "bytes", "wide", 0.0), (4, "optim_grads_params", "bytes", "wide", 0.0),
-    (4, "optim", "time", "wide", 0.0), (4, "optim_grads_params", "bytes", "tall", 1.0),
-    (2, "optim_grads_params", "bytes", "wide", 1.0)])
+    (4, "optim", "time", "wide", 0.0), (4, "optim_grads_params", "bytes", "tall-hsdp", 0.0),
+    (4, "optim_grads_params", "bytes", "tall", 1.0), (2, "optim_grads_params", "bytes", "wide", 1.0)])
 def test_a_step_with_a_team_matches_single_device_muon(distributed, world_size, strategy,
                                                        owner_choice, net, offload):
     distributed(_teams_step_as_single_device_muon, world_size, strategy, owner_choice, net,
