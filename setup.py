@@ -19,6 +19,9 @@ setup(
         # megatron-fsdp package does).
         "einops",
         "numpy",
+        # megatron-core's torch_dist checkpoint writer (dist_checkpointing's filesystem_async)
+        # imports it; megatron-core does not declare it, and without it Megatron DDP's --save fails.
+        "psutil",
     ],
     extras_require={
         # transformers: the tests build tiny Hugging Face models from their configs (no download).

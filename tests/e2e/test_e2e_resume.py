@@ -12,8 +12,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import demo_log
-from e2e_harness import (NO_DROPOUT, SMALL, STRATEGY_ITERATIONS, failure_of, train,
-                         training_log)
+from e2e_harness import (NO_DROPOUT, SMALL, STRATEGY_ITERATIONS, failure_of, torchrun_log,
+                         train, training_log)
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
 from tolerances import RTOL
 
@@ -169,3 +169,14 @@ def test_normuon_with_its_state_offloaded_trains_as_without_it():
     offloaded = training_log(*flags, *OFFLOAD, '--optimizer-offload-fraction', '0.5',
                              iterations=STRATEGY_ITERATIONS)
     assert_logged_as_uninterrupted(offloaded, without, resumed_at=1, last=4)
+
+
+def test_megatron_ddp_saves_torch_dist_from_the_installed_packages(tmp_path):
+    """The README's "the same on Megatron DDP" line with --save: megatron-core's torch_dist
+    writer (dist_checkpointing's filesystem_async) imports psutil, which megatron-core does not
+    declare; the install brings it (setup.py), so a fresh venv saves. Launched by torchrun: the
+    writer starts processes of its own, which the suite's forked ranks may not."""
+    torchrun_log(*SMALL, '--no-use-megatron-fsdp', '--ckpt-format', 'torch_dist', '--save',
+                 str(tmp_path), '--save-interval', '1', iterations=1)
+    assert (tmp_path / 'latest_checkpointed_iteration.txt').read_text().strip() == '1'
+    assert any((tmp_path / 'iter_0000001').glob('*.distcp'))
