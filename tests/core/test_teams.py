@@ -1,8 +1,10 @@
-"""Teams (--muon-max-team-size): a tall matrix whose Newton-Schulz alone exceeds its share split
-over a team of ranks, orthogonalized in megatron-core's "distributed" form. The plan's choice on
-shapes alone; the team's Newton-Schulz against megatron-core's TensorParallelMuon in tp_mode
-"distributed" over a group of the same size (bit for bit) and against single-device Muon (within
-the fp32 reordering bound); a whole step on Megatron-FSDP with uneven and empty shards."""
+"""Teams (--muon-max-team-size): a matrix whose Newton-Schulz alone exceeds its share split over
+a team of ranks along its long side (row blocks of a tall matrix, column blocks of a wide one),
+orthogonalized in megatron-core's "distributed" form. The plan's choice on shapes alone; the
+team's Newton-Schulz against megatron-core's TensorParallelMuon in tp_mode "distributed" over a
+group of the same size (bit for bit) and against single-device Muon (within the fp32 reordering
+bound); whole steps on Megatron-FSDP with uneven shards, HSDP and the state offloaded; what a
+step does against what the plan counts; the check interval on a team."""
 
 import copy
 import dataclasses
@@ -15,15 +17,14 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_models import (MUON_KWARGS, assert_offload_as_planned, batch, full_tensor, fully_shard,
                          make_models, muon_param_groups, reference_optimizers, split_params,
                          step_beside_reference)
-from torch.utils.flop_counter import FlopCounterMode
-
 from megatron_muon import ZeROTensorParallelMuon, get_megatron_optimizer
-from megatron_muon.core.settings import tensor_parallel_muon_settings
 from megatron_muon.core.checks import MuonCheckError
+from megatron_muon.core.settings import tensor_parallel_muon_settings
 from megatron_muon.core.team_newton_schulz import (orthogonalized_by_team, reordering_bound,
                                                    team_orthogonalize)
 from megatron_muon.distribution.exchange import Traffic, observed
