@@ -336,7 +336,8 @@ def _with_teams_cost(cost: StepCost | None, matrices: list[Matrix], muon: Any) -
     largest matrix, every matrix's FLOPs (whole or a member's part: measured calls of small
     matrices are mostly fixed cost, which a split does not shrink) and a team's all-reduces at
     the measured all-to-all bandwidth (their latency not measured: none counted), the Gram
-    matrix in bf16 below fp32 `highest` (plan.team_step_cost); owners weigh a team's block by
+    matrix in bf16 at `medium`, where newton_schulz casts to bf16, else fp32
+    (plan.team_step_cost); owners weigh a team's block by
     it, any other matrix by its measured call. Without a measured cost (owners by bytes): FLOPs,
     and no StepCost."""
     if cost is None or muon.max_team_size == 1:
@@ -346,7 +347,7 @@ def _with_teams_cost(cost: StepCost | None, matrices: list[Matrix], muon: Any) -
     by_flops = StepCost(lambda matrix, count: count * matrix.ns_flops(steps=1) * per_flop,
                         cost.bytes_per_second)
     teams = [muon.newton_schulz_settings["num_ns_steps"],
-             4 if muon.fp32_matmul_prec == "highest" else 2, 0.0, per_flop]
+             2 if muon.fp32_matmul_prec == "medium" else 4, 0.0, per_flop]
     sized = team_step_cost(by_flops, *teams)
     return (lambda matrix, k: sized.call_seconds(matrix, 1)), team_step_cost(cost, *teams)
 
