@@ -332,14 +332,12 @@ class GroupPlanner:
 
 
 def _with_teams_cost(cost: StepCost | None, matrices: list[Matrix], muon: Any) -> tuple:
-    """(what teams are sized by, what owners by time weigh): by the measured rate of the group's
-    largest matrix, every matrix's FLOPs (whole or a member's part: measured calls of small
-    matrices are mostly fixed cost, which a split does not shrink) and a team's all-reduces at
-    the measured all-to-all bandwidth (their latency not measured: none counted), the Gram
-    matrix in bf16 at `medium`, where newton_schulz casts to bf16, else fp32
-    (plan.team_step_cost); owners weigh a team's block by
-    it, any other matrix by its measured call. Without a measured cost (owners by bytes): FLOPs,
-    and no StepCost."""
+    """(what teams are sized by, what owners by time weigh): every matrix's FLOPs at the measured
+    rate of the group's largest (whole or a member's part: a small matrix's measured call is
+    mostly fixed cost, which a split does not shrink), a team's all-reduces at the measured
+    all-to-all bandwidth, no latency (the Gram matrix bf16 at `medium`, newton_schulz's cast,
+    else fp32: plan.team_step_cost); owners weigh a team's block by it, any other matrix by its
+    measured call. Without a measured cost (owners by bytes): FLOPs, and no StepCost."""
     if cost is None or muon.max_team_size == 1:
         return flops_cost, cost
     largest = max(matrices, key=lambda matrix: matrix.ns_flops(steps=1))
