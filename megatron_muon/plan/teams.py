@@ -2,10 +2,11 @@
 ranks along its long side (rows of a tall or square matrix, columns of a wide one) and
 orthogonalized by them together in the distributed form megatron-core runs over
 tensor-parallel groups (newton_schulz_tp's "distributed" mode: each member's part, the Gram
-matrix X X^T summed over the team every iteration). Which matrices, and k (team_sizes); the blocks that stand for a split
-matrix in the plan (team_blocks: each a Matrix with its TeamBlock, owned by one member); the
-rest of the plan (owners, batches, exchanges) takes the blocks as it takes any matrix, a team's
-blocks in one batch. Shapes alone, as the rest of the plan."""
+matrix X X^T summed over the team every iteration). Which matrices, and k (team_sizes); the
+blocks that stand for a split matrix in the plan (team_blocks: each a Matrix with its
+TeamBlock, owned by one member); the rest of the plan (owners, batches, exchanges) takes the
+blocks as it takes any matrix, a team's blocks in one batch. Shapes alone, as the rest of the
+plan."""
 
 import dataclasses
 from collections import Counter
@@ -68,7 +69,7 @@ def team_sizes(matrices: Sequence[Matrix], ranks: int, max_team: int,
     """Each matrix's team size (1: whole on one owner), for the shortest step the ranks can
     hold: the least T such that every matrix fits it, whole where it costs at most T alone, else
     over the smallest team whose members each cost at most T (can_split; at most `max_team`,
-    the ranks and its rows), and such that the ranks hold it all: the members' and the whole
+    the ranks and its long side), and such that the ranks hold it all: the members' and the whole
     matrices' costs add up to at most ranks x T. T by bisection. Nothing is split where every
     matrix alone costs at most TEAM_ABOVE times the balanced share (the group's cost over its
     ranks, every matrix whole): the owner choice balances that well enough."""
@@ -76,7 +77,7 @@ def team_sizes(matrices: Sequence[Matrix], ranks: int, max_team: int,
     for matrix in matrices:
         key = _cost_key(matrix)
         if key not in options:
-            largest = min(max_team, ranks, matrix.shape[0]) if can_split(matrix) else 1
+            largest = min(max_team, ranks, max(matrix.shape)) if can_split(matrix) else 1
             options[key] = [cost(matrix, 1)] + [cost(_largest_block(matrix, k), k)
                                                 for k in range(2, largest + 1)]
     keys = [_cost_key(matrix) for matrix in matrices]

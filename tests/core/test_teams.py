@@ -72,6 +72,8 @@ def test_only_plainly_orthogonalized_matrices_are_split():
     assert k > 1 and [start for start, _ in blocks] == [0] * k
     assert [b.shape for _, b in blocks] == [(256, 4096 // k)] * k
     assert all(b.layout == wide.layout and b.team.dim == 1 for _, b in blocks)
+    # A wide matrix of fewer rows than ranks still splits its columns over all of them.
+    assert team_sizes([_matrix(4, 4096, shards=8), _matrix(4, 4, shards=8)], 8, 8) == [8, 1]
 
 
 def test_blocks_cover_the_matrix_and_batch_together():
