@@ -423,9 +423,9 @@ def rank_figures(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int = 4
     """Per rank of `part`: Newton-Schulz FLOPs (a team member's: plan.newton_schulz_flops) and
     seconds (and seconds with the SYRK kernel: each owned matrix in its own call, at the plain
     call's rate on the FLOPs it keeps), bytes received and sent: the exchange's, and its teams'
-    all-reduces (ring: 2 (k - 1) / k of each Gram matrix, `gram_bytes` an element, each way)."""
+    all-reduces (plan.ring_bytes of each Gram matrix, `gram_bytes` an element, each way)."""
     from megatron_muon.plan import (newton_schulz_flops, newton_schulz_seconds, owner_traffic,
-                                    team_all_reduces)
+                                    ring_bytes, team_all_reduces)
 
     world, matrices = part.world, part.matrices
     flops = [m.ns_flops(ns_steps) for m in matrices]
@@ -445,7 +445,7 @@ def rank_figures(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int = 4
         ns_seconds = newton_schulz_seconds(matrices, owners, part.batches, cost)
         received, sent = owner_traffic(matrices, owners, ELEMENT_BYTES)
         for rank, calls in team_all_reduces(matrices, owners, ns_steps).items():
-            wire = sum(2 * (size - 1) * elements * gram_bytes // size for elements, size in calls)
+            wire = round(sum(ring_bytes(elements, size, gram_bytes) for elements, size in calls))
             received[rank] += wire
             sent[rank] += wire
     return [dict(ns_flops=ns_flops[r], ns_seconds=ns_seconds[r], syrk_seconds=syrk_seconds[r],

@@ -18,8 +18,8 @@ from .owner_plan import (OwnedBatches, OwnerPlan, owned_batches, owner_plan,
 from .owners import (BYTE_SLACK, StepCost, choose_owners, choose_owners_by_time, estimated_seconds,
                      newton_schulz_seconds, whole_matrix_owners)
 from .teams import (TEAM_ABOVE, TeamCost, all_reduce_seconds, block_sizes, can_split,
-                    flops_cost, newton_schulz_flops, team_all_reduces, team_blocks, team_members,
-                    team_sizes, team_step_cost, with_teams)
+                    flops_cost, newton_schulz_flops, ring_bytes, team_all_reduces, team_blocks,
+                    team_members, team_sizes, team_step_cost, with_teams)
 from .traffic import (gather_moves, gather_segments, gather_traffic, layout_min_bytes,
                       matrix_traffic, owner_traffic, scatter_moves, scatter_segments,
                       scatter_traffic)
@@ -27,7 +27,8 @@ from .traffic import (gather_moves, gather_segments, gather_traffic, layout_min_
 __all__ = ["BYTE_SLACK", "ExchangeMemory", "IN_FLIGHT", "MAX_EXCHANGE_BYTES", "Matrix",
            "OffloadFigures", "OwnedBatches", "OwnerPlan", "QKVRows", "RowLayout", "StepCost",
            "TEAM_ABOVE", "TeamBlock", "TeamCost", "all_reduce_seconds", "block_sizes",
-           "can_split", "flops_cost", "newton_schulz_flops", "team_all_reduces", "team_blocks",
+           "can_split", "flops_cost", "newton_schulz_flops", "ring_bytes", "team_all_reduces",
+           "team_blocks",
            "team_members", "team_sizes", "team_step_cost", "with_teams",
            "alone_working", "batch_bytes", "batch_matrices", "choose_owners",
            "choose_owners_by_time", "cost_key", "estimated_seconds", "exchange_batches",

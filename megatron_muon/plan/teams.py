@@ -41,7 +41,7 @@ def team_blocks(matrix: Matrix, k: int, team: int) -> list[tuple[int, Matrix]]:
     (block_sizes): row blocks of a tall or square matrix, each with its rows' layout; column
     blocks of a wide one, each with all its rows. Each in the batch of its team alone."""
     blocks, start = [], 0
-    dim = 0 if matrix.shape[0] >= matrix.shape[1] else 1
+    dim = TeamBlock(team, matrix.shape, 0, k).dim
     for length in block_sizes(matrix.shape[dim], k):
         if dim == 0:
             shaped = dict(layout=matrix.layout.piece(start, start + length))
@@ -120,23 +120,27 @@ def _cost_key(matrix: Matrix) -> tuple:
 
 def _largest_block(matrix: Matrix, k: int) -> Matrix:
     """The first (largest) of k blocks, its rows' layout aside (a cost needs its shape alone)."""
-    rows, cols = matrix.shape
-    if rows >= cols:
-        rows = block_sizes(rows, k)[0]
-    else:
-        cols = block_sizes(cols, k)[0]
-    return dataclasses.replace(matrix, layout=RowLayout((rows,)), cols=cols, batch_key=("team", 0),
-                               team=TeamBlock(0, matrix.shape, 0, k))
+    team = TeamBlock(0, matrix.shape, 0, k)
+    shape = list(matrix.shape)
+    shape[team.dim] = block_sizes(shape[team.dim], k)[0]
+    return dataclasses.replace(matrix, layout=RowLayout((shape[0],)), cols=shape[1],
+                               batch_key=("team", 0), team=team)
+
+
+def ring_bytes(elements: int, ranks: int, element_bytes: int) -> float:
+    """What each member of a ring all-reduce over `ranks` sends, and receives: 2 (k - 1) / k of
+    the tensor."""
+    return 2 * (ranks - 1) * elements * element_bytes / ranks
 
 
 def all_reduce_seconds(block: Matrix, bytes_per_second: float, steps: int, gram_bytes: int,
                        latency: float) -> float:
     """A team member's all-reduces in one Newton-Schulz call of a team's `block`
-    (newton_schulz_tp's norm and each of its `steps` Gram matrices; ring: 2 (k - 1) / k of a
-    Gram matrix each way at `bytes_per_second`, `gram_bytes` an element), each with `latency`
-    seconds per rank of the team."""
+    (newton_schulz_tp's norm and each of its `steps` Gram matrices, ring_bytes at
+    `bytes_per_second`, `gram_bytes` an element), each with `latency` seconds per rank of the
+    team."""
     k = block.team.size
-    gram = block.gram_side ** 2 * gram_bytes * 2 * (k - 1) / k
+    gram = ring_bytes(block.gram_side ** 2, k, gram_bytes)
     return steps * gram / bytes_per_second + (steps + 1) * k * latency
 
 
