@@ -50,7 +50,8 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
     owners: list = [None] * len(matrices)
     peers = team_peers(matrices)
     for i in sorted(range(len(matrices)), key=lambda i: -flops[i]):
-        allowed = [r for r in range(world) if r not in taken(peers[i], owners)]
+        blocked = taken(peers[i], owners)
+        allowed = [r for r in range(world) if r not in blocked]
         cheapest = min(cost[i][r] for r in allowed)
         owners[i] = min((r for r in allowed if cost[i][r] == cheapest), key=lambda r: (load[r], r))
         load[owners[i]] += flops[i]
@@ -60,10 +61,10 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
         busiest = max(range(world), key=lambda r: (load[r], -r))
         moves = [((cost[i][r] - cost[i][busiest]) / flops[i], -flops[i], i, r)
                  for i in range(len(matrices)) if owners[i] == busiest and flops[i]
+                 for blocked in [taken(peers[i], owners)]
                  for r in range(world)
                  if r != busiest and load[r] + flops[i] < load[busiest]
-                 and cost[i][r] - cost[i][busiest] <= budget
-                 and r not in taken(peers[i], owners)]
+                 and cost[i][r] - cost[i][busiest] <= budget and r not in blocked]
         if not moves:
             return owners
         _, _, i, r = min(moves)
@@ -81,8 +82,8 @@ def whole_matrix_owners(matrices: Sequence[Matrix]) -> list[int]:
     load, owners = [0] * world, [None] * len(matrices)
     peers = team_peers(matrices)
     for i in sorted(range(len(matrices)), key=lambda i: -math.prod(matrices[i].shape)):
-        owners[i] = min((r for r in range(world) if r not in taken(peers[i], owners)),
-                        key=lambda r: (load[r], r))
+        blocked = taken(peers[i], owners)
+        owners[i] = min((r for r in range(world) if r not in blocked), key=lambda r: (load[r], r))
         load[owners[i]] += math.prod(matrices[i].shape)
     return owners
 
