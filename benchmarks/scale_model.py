@@ -438,7 +438,8 @@ def rank_figures(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int = 4
         received = sent = [moved] * world
     else:
         owners = _owners(part, mode)
-        ns_flops, syrk_seconds = newton_schulz_flops(matrices, owners, ns_steps, world), [0.0] * world
+        ns_flops = newton_schulz_flops(matrices, owners, ns_steps, world)
+        syrk_seconds = [0.0] * world
         for matrix, owner in zip(matrices, owners):
             syrk_seconds[owner] += cost.call_seconds(matrix, 1) * syrk_share(matrix)
         # an owner's matrices of one batch: one batched call (plan.newton_schulz_seconds)
@@ -870,8 +871,8 @@ def main():
             results.append(estimate(name, world, models[ep], rates, args))
             r = results[-1]
             print(f"planned {name} at W={world}: {r['muon_matrices']} matrices, Megatron-FSDP "
-                  f"layout {r['layout_seconds']:.2f} s, megatron_muon plan {r['plan_seconds']:.2f} s"
-                  f"; with teams {r['teams']['split']} matrices split, the largest team "
+                  f"layout {r['layout_seconds']:.2f} s, megatron_muon plan "
+                  f"{r['plan_seconds']:.2f} s; with teams {r['teams']['split']} matrices split, the largest team "
                   f"{r['teams']['largest']} ranks", flush=True)
     notes = assumptions(rates, args)
     print_table(results, notes)

@@ -362,8 +362,8 @@ ROWS = [
            both="--num-layers 1 --ffn-hidden-size 1024",
            fsdp="--muon-max-team-size 4 --muon-owner-choice bytes",
            why="on Megatron-FSDP's side: the MLP's fc1 and fc2 (1024 x 32, 32 x 1024) split over "
-               "teams of ranks, orthogonalized in megatron-core's distributed form (docs/design.md, "
-               "Teams); one layer with a 1024-wide MLP on both sides"),
+               "teams of ranks, orthogonalized in megatron-core's distributed form "
+               "(docs/design.md, Teams); one layer with a 1024-wide MLP on both sides"),
     *_each("--qk-clip", ["dense W=2"], ["muon"], expect="limitation",
            limitation_shows="no reference",
            why="Megatron DDP's --qk-clip needs TransformerEngine >= 2.9 (validate_args), absent "

@@ -3,8 +3,9 @@ long side (rows of a tall or square matrix, columns of a wide one), and the team
 it together as megatron-core's TensorParallelMuon does a param partitioned along that dim in
 tp_mode "distributed": emerging_optimizers' newton_schulz_tp over the team's group (the norm and
 each iteration's Gram matrix X X^T summed over it), then get_muon_scale_factor of the whole
-matrix's shape times extra_scale_factor. With even blocks held in rank order it is that computation bit for bit;
-otherwise it differs from it by the order of those sums (docs/design.md, "Teams")."""
+matrix's shape times extra_scale_factor. With even blocks held in rank order it is that
+computation bit for bit; otherwise it differs from it by the order of those sums
+(docs/design.md, "Teams")."""
 
 import math
 from typing import Any

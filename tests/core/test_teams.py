@@ -161,7 +161,8 @@ def _models(net, strategy, world_size):
         return (*make_models(strategy, world_size, unit_modules=True, outer=outer), "up.weight")
     torch.manual_seed(0)
     ref = WideNet()
-    return ref, fully_shard(copy.deepcopy(ref), strategy, world_size, [torch.nn.Linear]), "wide.weight"
+    fsdp = fully_shard(copy.deepcopy(ref), strategy, world_size, [torch.nn.Linear])
+    return ref, fsdp, "wide.weight"
 
 
 def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, net,
@@ -204,11 +205,14 @@ def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, 
 # host memory between steps (--optimizer-cpu-offload), a team's rows (a column block's: strided)
 # brought to the device and back.
 @pytest.mark.parametrize("world_size, strategy, owner_choice, net, offload", [
-    (2, "optim_grads_params", "bytes", "tall", 0.0), (2, "optim_grads_params", "time", "tall", 0.0),
+    (2, "optim_grads_params", "bytes", "tall", 0.0),
+    (2, "optim_grads_params", "time", "tall", 0.0),
     (4, "optim", "bytes", "tall", 0.0), (4, "optim_grads_params", "bytes", "tall", 0.0),
-    (2, "optim_grads_params", "bytes", "wide", 0.0), (4, "optim_grads_params", "bytes", "wide", 0.0),
-    (4, "optim", "time", "wide", 0.0), (4, "optim_grads_params", "bytes", "tall-hsdp", 0.0),
-    (4, "optim_grads_params", "bytes", "tall", 1.0), (2, "optim_grads_params", "bytes", "wide", 1.0)])
+    (2, "optim_grads_params", "bytes", "wide", 0.0),
+    (4, "optim_grads_params", "bytes", "wide", 0.0), (4, "optim", "time", "wide", 0.0),
+    (4, "optim_grads_params", "bytes", "tall-hsdp", 0.0),
+    (4, "optim_grads_params", "bytes", "tall", 1.0),
+    (2, "optim_grads_params", "bytes", "wide", 1.0)])
 def test_a_step_with_a_team_matches_single_device_muon(distributed, world_size, strategy,
                                                        owner_choice, net, offload):
     distributed(_teams_step_as_single_device_muon, world_size, strategy, owner_choice, net,
