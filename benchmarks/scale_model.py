@@ -1,12 +1,14 @@
 """What Muon's optimizer step costs at scale, from the real planning code, with no model allocated.
 
     python benchmarks/scale_model.py [--models llama-8b llama-70b deepseek-v3 kimi-k2]
-        [--world-sizes 8 64 256 1024 2048] [--rates FILE.json | --measure-rates FILE.json]
+        [--world-sizes 8 64 256 1024 2048] [--tensor-parallel 1 2 4 8]
+        [--rates FILE.json | --measure-rates FILE.json]
         [--bandwidth-gbps 50] [--tokens-per-step N]
 
-For each model and data-parallel size W (dp_cp; the MoE's experts over expert parallelism
-EP = gcd(W, 64) and expert data parallelism W / EP), megatron-core builds the model on the meta
-device (shapes only), Megatron-FSDP's own bucketing (`_get_parameter_groups`,
+For each model, W ranks and TP size (the dense models' --tensor-parallel; data parallel dp_cp
+over W / TP; the MoE's experts over expert parallelism EP = gcd(W, 64) and expert data
+parallelism W / EP), megatron-core builds the model on the meta device (shapes only; one TP
+rank's part of each tensor-parallel weight), Megatron-FSDP's own bucketing (`_get_parameter_groups`,
 `build_data_parallel_buffer_index`) gives the rows each rank's shard holds, and megatron_muon's
 planning code (`row_layouts`' RowLayout, `choose_owners`, `batch_matrices`, the owner exchange's
 routes) plans the step as ZeROTensorParallelMuon does at construction. From the plan: owners,
@@ -94,13 +96,18 @@ HOST_LINKS_GBPS = {"PCIe": 55.0, "C2C": 450.0}
 LATENCY_US_PER_RANK = 2.5
 
 
+def is_dense(model: str) -> bool:
+    return "num_moe_experts" not in MODELS[model][0]
+
+
 def expert_parallel(model: str, world: int) -> int:
-    return math.gcd(world, MAX_EXPERT_PARALLEL) if "num_moe_experts" in MODELS[model][0] else 1
+    return 1 if is_dense(model) else math.gcd(world, MAX_EXPERT_PARALLEL)
 
 
-def meta_model(name: str, expert_parallel_size: int):
+def meta_model(name: str, expert_parallel_size: int, tensor_parallel: int = 1):
     """megatron-core's GPTModel (local spec, Llama-style: RMSNorm, SwiGLU, no biases, untied
-    output) on the meta device, with the experts one expert-parallel rank holds."""
+    output) on the meta device, with the experts one expert-parallel rank holds and each
+    tensor-parallel weight cut to one TP rank's part (tensor_parallel_part)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer import TransformerConfig
@@ -125,7 +132,23 @@ def meta_model(name: str, expert_parallel_size: int):
     for module in model.modules():
         if hasattr(module, "local_experts"):  # this expert-parallel rank's experts only
             module.local_experts = module.local_experts[: len(module.local_experts) // expert_parallel_size]
+    if tensor_parallel > 1:
+        for p in model.parameters():
+            p.data = torch.empty(tensor_parallel_part(p, tensor_parallel), device="meta")
     return model
+
+
+def tensor_parallel_part(p, tensor_parallel: int) -> tuple[int, ...]:
+    """The shape of one TP rank's part of `p`: megatron-core tags a tensor-parallel weight
+    (tensor_model_parallel) with the dim its TP ranks split (partition_dim: 0 for column-parallel
+    layers, QKV's query groups and fc1's gate and up together, and the vocabulary; 1 for
+    row-parallel ones), whatever the TP size it was built with."""
+    shape = list(p.shape)
+    if tensor_parallel > 1 and getattr(p, "tensor_model_parallel", False):
+        if shape[p.partition_dim] % tensor_parallel:
+            raise ValueError(f"{tuple(p.shape)} does not split over TP = {tensor_parallel}")
+        shape[p.partition_dim] //= tensor_parallel
+    return tuple(shape)
 
 
 def fsdp_rows(model, world: int, expert_world: int) -> dict:
@@ -163,11 +186,12 @@ def fsdp_rows(model, world: int, expert_world: int) -> dict:
     return rows
 
 
-def muon_matrices(model, rows: dict, tp_mode: str):
+def muon_matrices(model, rows: dict, tp_mode: str, tensor_parallel: int = 1):
     """(dense, expert) Muon matrices, each [Matrix], as megatron_muon's factory and
-    ZeROTensorParallelMuon make them at TP=1 under `--muon-tp-mode tp_mode` (QKV split into q, k,
-    v blocks; a stack of experts split into its matrices; in duplicated mode, a matrix with a
-    partition dim gathered over its one TP rank, as newton_schulz_tp does)."""
+    ZeROTensorParallelMuon make them under `--muon-tp-mode tp_mode` (QKV split into q, k, v
+    blocks; a stack of experts split into its matrices; in duplicated mode, a matrix with a
+    partition dim gathered over its TP ranks, as newton_schulz_tp does), `model` one TP rank's
+    part of a model over `tensor_parallel` ranks (the experts' TP size 1)."""
     from megatron_muon.compat.tensor_parallel import orthogonalized_partition_dim
     from megatron_muon.integrations.factory import is_expert_param, is_scalar_param, tag_params
     from megatron_muon.plan import RowLayout, orthogonalization_key, qkv_row_blocks, split_matrices
@@ -179,9 +203,10 @@ def muon_matrices(model, rows: dict, tp_mode: str):
             continue
         split_shapes = p.qkv_split_shapes if getattr(p, "is_qkv", False) else None
         blocks = qkv_row_blocks(p.shape[0], split_shapes) if split_shapes else None
-        key = orthogonalization_key(p, splits_qkv=bool(split_shapes), tp_size=1)
+        tp_size = 1 if is_expert_param(name, p) else tensor_parallel
+        key = orthogonalization_key(p, splits_qkv=bool(split_shapes), tp_size=tp_size)
         partition_dim = orthogonalized_partition_dim(tp_mode, p)
-        tp_gather = None if partition_dim is None else (partition_dim, 1)
+        tp_gather = None if partition_dim is None else (partition_dim, tp_size)
         (expert if is_expert_param(name, p) else dense).extend(
             dataclasses.replace(matrix, tp_gather=tp_gather)
             for _, matrix in split_matrices(RowLayout(tuple(rows[p])),
@@ -453,42 +478,47 @@ def rank_figures(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int = 4
                  received=received[r], sent=sent[r]) for r in range(world)]
 
 
-def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
-    """One model at one data-parallel size: the plan's figures and the step-time estimates."""
+def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: int = 1) -> dict:
+    """One model on `world` ranks, `tensor_parallel` of them a model's TP group (`model`: one TP
+    rank's part, meta_model), data parallel over the rest: the plan's figures and the step-time
+    estimates. Each rank of a TP group plans and steps its own TP-local matrices alike, so one
+    of them stands for all."""
     from megatron_muon.integrations.factory import is_scalar_param, is_expert_param
     from megatron_muon.plan import team_step_cost
 
-    ep = expert_parallel(name, world)
+    ranks = world // tensor_parallel  # dp_cp: data parallel, what the plan spreads over
+    ep = expert_parallel(name, ranks)
     start = time.perf_counter()
-    rows = fsdp_rows(model, world, world // ep)
+    rows = fsdp_rows(model, ranks, ranks // ep)
     layout_seconds = time.perf_counter() - start
-    dense, expert = muon_matrices(model, rows, args.muon_tp_mode)
+    dense, expert = muon_matrices(model, rows, args.muon_tp_mode, tensor_parallel)
     cost = step_cost(rates, args)
-    parts = planned_parts(dense, expert, world, ep, cost)
+    parts = planned_parts(dense, expert, ranks, ep, cost)
     # Teams sized, and their blocks placed, with their all-reduces weighed (with their latency);
     # reported below with Newton-Schulz at the rates and the all-reduces' bytes over the network
     # (rank_figures) and their latency (collective_latency).
     team_plan_cost = team_step_cost(cost, args.ns_steps, args.gram_bytes,
                                     args.latency_us_per_rank * 1e-6)
-    team_parts = planned_parts(dense, expert, world, ep, team_plan_cost,
+    team_parts = planned_parts(dense, expert, ranks, ep, team_plan_cost,
                                team_cost=lambda matrix, k: team_plan_cost.call_seconds(matrix, 1))
 
-    muon_elements, adam_elements, all_elements = [0] * world, [0] * world, [0] * world
+    muon_elements, adam_elements, all_elements = [0] * ranks, [0] * ranks, [0] * ranks
     active = 0
     settings = MODELS[name][0]
     for param_name, p in model.named_parameters():
         experts = is_expert_param(param_name, p)
         held, width = rows[p], p.shape[1:].numel()
         stepped_by = adam_elements if is_scalar_param(p) else muon_elements
-        for r in range(world):
+        for r in range(ranks):
             elements = held[r // ep if experts else r] * width
             all_elements[r] += elements
             stepped_by[r] += elements
         if param_name != "embedding.word_embeddings.weight":  # a lookup, not a matmul
-            active += p.numel() * (ep * settings["moe_router_topk"] / settings["num_moe_experts"]
-                                   if experts else 1)
+            tp_parts = tensor_parallel if getattr(p, "tensor_model_parallel", False) else 1
+            active += p.numel() * tp_parts * (
+                ep * settings["moe_router_topk"] / settings["num_moe_experts"] if experts else 1)
 
-    result_memory = memory_figures(parts, world, all_elements, muon_elements, adam_elements)
+    result_memory = memory_figures(parts, ranks, all_elements, muon_elements, adam_elements)
     adam_step = max(all_elements) * rates.adam_ns_per_element * 1e-9
     tokens = args.tokens_per_step or MODELS[name][2]
 
@@ -497,7 +527,8 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
             rates.matmul_tflops * 1e12 * args.fwd_bwd_efficiency)
 
     fwd_bwd, fwd_bwd_at_nvidia = fwd_bwd_seconds(tokens), fwd_bwd_seconds(NVIDIA["tokens_per_step"])
-    result = dict(model=name, world=world, expert_parallel=ep, active_params=active,
+    result = dict(model=name, world=world, tensor_parallel=tensor_parallel, data_parallel=ranks,
+                  expert_parallel=ep, active_params=active,
                   tokens_per_step=tokens, fwd_bwd_ms_at_nvidia_batch=fwd_bwd_at_nvidia * 1e3,
                   muon_matrices=sum(len(part.matrices) for part, _ in parts),
                   layout_seconds=layout_seconds,
@@ -509,13 +540,14 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
                   adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3,
                   memory_gb=result_memory, modes={})
     elementwise = max((muon_elements[r] * rates.muon_elementwise_ns_per_element
-                       + adam_elements[r] * rates.adam_ns_per_element) * 1e-9 for r in range(world))
-    # The ideal: every rank total / W of the Newton-Schulz FLOPs of the matrices whole.
-    ideal = sum(sum(m.ns_flops(args.ns_steps) for m in part.matrices) * world / part.world
-                for part, _ in parts) / world
+                       + adam_elements[r] * rates.adam_ns_per_element) * 1e-9 for r in range(ranks))
+    # The ideal: every rank total / W of the Newton-Schulz FLOPs of the matrices whole (a TP
+    # group's ranks each their own TP-local matrices' share: total / data parallel).
+    ideal = sum(sum(m.ns_flops(args.ns_steps) for m in part.matrices) * ranks / part.world
+                for part, _ in parts) / ranks
     for mode in MODES:
-        ranks = [dict(ns_flops=0, ns_seconds=0.0, syrk_seconds=0.0, received=0, sent=0)
-                 for _ in range(world)]
+        per_rank = [dict(ns_flops=0, ns_seconds=0.0, syrk_seconds=0.0, received=0, sent=0)
+                    for _ in range(ranks)]
         step = syrk_step = elementwise
         collectives, latency = 0, 0.0
         for part, rank_in_part in (team_parts if mode == "teams" else parts):
@@ -524,16 +556,16 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
             latency += figures["latency"]
             step += figures["seconds"]
             syrk_step += figures["syrk_seconds"]
-            for r in range(world):
+            for r in range(ranks):
                 for key, value in figures["figures"][rank_in_part(r)].items():
-                    ranks[r][key] += value
-        network = [max(f["received"], f["sent"]) / cost.bytes_per_second for f in ranks]
+                    per_rank[r][key] += value
+        network = [max(f["received"], f["sent"]) / cost.bytes_per_second for f in per_rank]
         result["modes"][mode] = dict(
-            busiest_ns_gflop=max(f["ns_flops"] for f in ranks) / 1e9,
+            busiest_ns_gflop=max(f["ns_flops"] for f in per_rank) / 1e9,
             ideal_ns_gflop=ideal / 1e9,
-            busiest_over_ideal=max(f["ns_flops"] for f in ranks) / ideal,
-            max_received_mb=max(f["received"] for f in ranks) / 1e6,
-            ns_ms=max(f["ns_seconds"] for f in ranks) * 1e3, network_ms=max(network) * 1e3,
+            busiest_over_ideal=max(f["ns_flops"] for f in per_rank) / ideal,
+            max_received_mb=max(f["received"] for f in per_rank) / 1e6,
+            ns_ms=max(f["ns_seconds"] for f in per_rank) * 1e3, network_ms=max(network) * 1e3,
             collectives=collectives, latency_ms=latency * 1e3,
             step_ms=step * 1e3, syrk_step_ms=syrk_step * 1e3,
             overhead=(step - adam_step) / (fwd_bwd + adam_step),
@@ -542,7 +574,7 @@ def estimate(name: str, world: int, model, rates: Rates, args) -> dict:
             overhead_at_nvidia_batch=(step - adam_step) / (fwd_bwd_at_nvidia + adam_step))
     result["variants"] = {
         variant: variant_figures(parts if variant == "muon" else planned_parts(
-            with_second_moment(dense, variant), with_second_moment(expert, variant), world, ep,
+            with_second_moment(dense, variant), with_second_moment(expert, variant), ranks, ep,
             cost), elementwise, adam_step, fwd_bwd, cost, args)
         for variant in VARIANTS}
     return result
@@ -646,7 +678,11 @@ def assumptions(rates: Rates, args) -> list[str]:
         f"ns/element; Muon elementwise {rates.muon_elementwise_ns_per_element:.4f} ns/element",
         f"network: {args.bandwidth_gbps:g} GB/s per rank, each way; a rank's bytes move at that "
         "rate, the larger of in and out (full duplex)",
-        "ZeRO-3 (optim_grads_params), TP = PP = CP = 1: W is the data-parallel size; the MoE's "
+        "ZeRO-3 (optim_grads_params), PP = CP = 1; W ranks, TP of them a tensor-parallel group "
+        "(each row's TP; the dense models at TP = " + ", ".join(map(str, args.tensor_parallel))
+        + ", the MoE models at TP = 1), data parallel over W / TP; a TP rank plans and steps its "
+        "TP-local matrices (megatron-core's partition dims) as its TP peers do theirs, not "
+        "batched (TP > 1); TP's own communication in forward-backward left out; the MoE's "
         f"experts over EP = gcd(W, {MAX_EXPERT_PARALLEL}), expert data parallelism W / EP",
         "fp32 main weights and updates (4 bytes/element); Newton-Schulz: "
         f"{args.ns_steps} steps, QKV split (Megatron's defaults), at --muon-fp32-matmul-prec "
@@ -708,7 +744,8 @@ def print_table(results, notes):
     print("\nAssumptions:")
     for note in notes:
         print(f"  - {note}")
-    columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("tokens", 7, ">"),
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("TP", 3, ">"), ("EP", 3, ">"),
+               ("tokens", 7, ">"),
                ("plan s", 7, ">"), ("owners", 7, ">"), ("batches", 8, ">"), ("exch", 5, ">"),
                ("mode", 22, "<"), ("busiest NS GF", 14, ">"), ("ideal GF", 10, ">"),
                ("x ideal", 8, ">"),
@@ -723,7 +760,7 @@ def print_table(results, notes):
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
         for mode, m in r["modes"].items():
-            print(line([r["model"], r["world"], r["expert_parallel"],
+            print(line([r["model"], r["world"], r["tensor_parallel"], r["expert_parallel"],
                         f"{r['tokens_per_step'] / 1e6:.1f}M", f"{r['plan_seconds']:.2f}",
                         r["owners"], r["batches"], r["exchanges"], mode,
                         f"{m['busiest_ns_gflop']:.0f}", f"{m['ideal_ns_gflop']:.0f}",
@@ -755,7 +792,8 @@ def print_beside_nvidia(results, rates: Rates):
 
 
 def print_variants_table(results):
-    columns = [("model", 12, "<"), ("W", 5, ">"), ("variant", 8, "<"), ("exch", 5, ">"),
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("TP", 3, ">"), ("variant", 8, "<"),
+               ("exch", 5, ">"),
                ("at least", 9, ">"), ("coll", 5, ">"), ("lat ms", 8, ">"), ("step ms", 9, ">"),
                ("work GB", 8, ">"), ("overhead + latency", 19, ">")]
     line = functools.partial(_line, columns=columns)
@@ -767,14 +805,15 @@ def print_variants_table(results):
     print(header + "\n" + "-" * len(header))
     for r in results:
         for variant, v in r["variants"].items():
-            print(line([r["model"], r["world"], variant, v["exchanges"], v["fewest_exchanges"],
+            print(line([r["model"], r["world"], r["tensor_parallel"], variant, v["exchanges"], v["fewest_exchanges"],
                         v["collectives"],
                         f"{v['latency_ms']:.4g}", f"{v['step_ms']:.4g}", f"{v['working_gb']:.2f}",
                         f"{v['overhead_with_latency']:.2%}"]))
 
 
 def print_memory_table(results):
-    columns = [("model", 12, "<"), ("W", 5, ">"), ("EP", 3, ">"), ("weights", 8, ">"),
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("TP", 3, ">"), ("EP", 3, ">"),
+               ("weights", 8, ">"),
                ("grads", 7, ">"), ("Adam state", 11, ">"), ("Muon state", 11, ">"),
                ("Muon work", 10, ">"), ("at 5% budget", 13, ">"), ("one alone", 10, ">"),
                ("Muon <= Adam if fwd-bwd adds", 29, ">"), ("offloaded: state", 17, ">"),
@@ -788,7 +827,8 @@ def print_memory_table(results):
     print(header + "\n" + "-" * len(header))
     for r in results:
         m = r["memory_gb"]
-        print(line([r["model"], r["world"], r["expert_parallel"]] + [f"{m[key]:.2f}" for key in (
+        print(line([r["model"], r["world"], r["tensor_parallel"], r["expert_parallel"]] + [
+            f"{m[key]:.2f}" for key in (
             "weights", "gradients", "adam_state", "muon_state", "muon_working",
             "muon_working_at_budget", "largest_alone", "break_even", "offloaded_state",
             "offload_each_way")] + [f"{m[f'offload_ms_{link}']:.1f}" for link in HOST_LINKS_GBPS]))
@@ -800,18 +840,24 @@ def plot(results, path, caption):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in results))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        rows = [r for r in results if r["model"] == model]
+    panels = list(dict.fromkeys((r["model"], r["tensor_parallel"]) for r in results))
+    columns = min(4, len(panels))
+    fig, axes = plt.subplots(-(-len(panels) // columns), columns,
+                             figsize=(5 * columns, 4.2 * -(-len(panels) // columns)),
+                             squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (model, tensor_parallel) in zip(axes.flat, panels):
+        rows = [r for r in results
+                if (r["model"], r["tensor_parallel"]) == (model, tensor_parallel)]
         for mode in MODES:
             ax.plot([r["world"] for r in rows], [100 * r["modes"][mode]["overhead"] for r in rows],
                     marker="o", label=mode)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("data-parallel ranks W")
+        ax.set_xlabel("ranks W (data parallel W / TP)")
         ax.set_ylabel("Muon's extra step time, % of Adam's training step")
-        ax.set_title(model)
+        ax.set_title(f"{model}, TP = {tensor_parallel}")
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(caption, fontsize=9)
@@ -827,6 +873,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[8, 64, 256, 1024, 2048])
+    parser.add_argument("--tensor-parallel", nargs="+", type=int, default=[1],
+                        help="TP sizes for the dense models (each W a multiple of it; the MoE "
+                        "models at TP = 1, their experts at expert TP = 1)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--rates", type=Path, help="a JSON of rates (e.g. measured on a GPU with "
                         "--measure-rates); default: measure them here first")
@@ -862,15 +911,17 @@ def main():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     init_parallel_state()
     results = []
-    for name in args.models:
+    for name, tensor_parallel in ((name, tp) for name in args.models
+                                  for tp in (args.tensor_parallel if is_dense(name) else [1])):
         models = {}
-        for world in args.world_sizes:
-            ep = expert_parallel(name, world)
+        for world in (w for w in args.world_sizes if w % tensor_parallel == 0):
+            ep = expert_parallel(name, world // tensor_parallel)
             if ep not in models:
-                models[ep] = meta_model(name, ep)
-            results.append(estimate(name, world, models[ep], rates, args))
+                models[ep] = meta_model(name, ep, tensor_parallel)
+            results.append(estimate(name, world, models[ep], rates, args, tensor_parallel))
             r = results[-1]
-            print(f"planned {name} at W={world}: {r['muon_matrices']} matrices, Megatron-FSDP "
+            print(f"planned {name} at W={world}, TP={tensor_parallel}: {r['muon_matrices']} "
+                  "matrices, Megatron-FSDP "
                   f"layout {r['layout_seconds']:.2f} s, megatron_muon plan "
                   f"{r['plan_seconds']:.2f} s; with teams {r['teams']['split']} matrices split, the largest team "
                   f"{r['teams']['largest']} ranks", flush=True)

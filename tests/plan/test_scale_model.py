@@ -3,6 +3,7 @@ rows it derives from Megatron-FSDP's bucketing are the rows each rank's main wei
 plan has the matrices and owners ZeROTensorParallelMuon chose."""
 
 import pytest
+import torch
 from megatron.core import parallel_state
 
 from benchmarks import scale_model
@@ -16,14 +17,24 @@ from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
 SHAPE = GPTShape(layers=2, hidden=48, ffn=96, heads=4, vocab=72, seq=16)
 
 
-def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice, tp_mode):
-    init_parallel_state(expert_parallel=expert_parallel)
+def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice, tp_mode,
+                                tensor_parallel):
+    init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)
     num_experts = 4 if expert_parallel > 1 else None
     model = fsdp_gpt(SHAPE, num_experts=num_experts)
     config = optimizer_config(**({"muon_tp_mode": tp_mode} if tp_mode else {}))
     optimizer = get_megatron_optimizer(config, [model], muon_owner_choice=owner_choice)
-    reference = gpt(SHAPE, num_experts=num_experts)  # the same shapes, never sharded
-    derived = scale_model.fsdp_rows(reference, world_size, world_size // expert_parallel)
+    reference = gpt(SHAPE, num_experts=num_experts)  # the same TP-local shapes, never sharded
+    main_weights = {name.removeprefix("module.module."): main_weight
+                    for name, main_weight in named_main_weights(model)}
+    for name, p in reference.named_parameters():
+        # The scale model's TP-local part of the whole (TP = 1) weight is megatron-core's.
+        whole = torch.empty(main_weights[name].shape, device="meta")
+        whole.__dict__.update({key: getattr(p, key) for key in ("tensor_model_parallel",
+                                                                 "partition_dim") if hasattr(p, key)})
+        assert scale_model.tensor_parallel_part(whole, tensor_parallel) == tuple(p.shape), name
+    data_parallel = world_size // tensor_parallel
+    derived = scale_model.fsdp_rows(reference, data_parallel, data_parallel // expert_parallel)
     by_name = {name: derived[p] for name, p in reference.named_parameters()}
     dense_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     expert_rank = parallel_state.get_expert_data_parallel_rank()
@@ -34,7 +45,8 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
         group_rank = expert_rank if ".experts." in name else dense_rank
         assert by_name[name][group_rank] == rows, (name, by_name[name], rank, rows)
 
-    dense, expert = scale_model.muon_matrices(reference, derived, config.muon_tp_mode)
+    dense, expert = scale_model.muon_matrices(reference, derived, config.muon_tp_mode,
+                                              tensor_parallel)
     muons = [part.optimizer for part in optimizer.chained_optimizers
              if isinstance(part.optimizer, ZeROTensorParallelMuon)]
     checked = []
@@ -52,7 +64,7 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
     # the headroom over both, as the factory packs them (where the model's matrices are the
     # run's in the same order: here every part).
     parts = scale_model.planned_parts(
-        dense, expert, world_size, expert_parallel, checked[0].cost, checked[-1].cost,
+        dense, expert, data_parallel, expert_parallel, checked[0].cost, checked[-1].cost,
         expert_rank=parallel_state.get_expert_model_parallel_rank())
     compared = 0
     for plan, (part, _) in zip(checked, parts):
@@ -63,13 +75,15 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
 
 
 # Each --muon-tp-mode that plans differently: duplicated gathers over the one TP rank; None is
-# the installed megatron-core's default (blockwise on 0.19, duplicated on 0.20).
-@pytest.mark.parametrize("world_size, expert_parallel, owner_choice, tp_mode",
-                         [(4, 1, "time", None), (4, 2, "time", "blockwise"),
-                          (4, 2, "bytes", "duplicated")])
+# the installed megatron-core's default (blockwise on 0.19, duplicated on 0.20), here at TP = 2
+# (the scale model's TP rows: TP-local matrices, none batched).
+@pytest.mark.parametrize("world_size, expert_parallel, owner_choice, tp_mode, tensor_parallel",
+                         [(4, 1, "time", None, 2), (4, 2, "time", "blockwise", 1),
+                          (4, 2, "bytes", "duplicated", 1)])
 def test_scale_model_plans_what_a_run_plans(distributed, world_size, expert_parallel, owner_choice,
-                                           tp_mode):
-    distributed(_plans_what_the_run_planned, world_size, expert_parallel, owner_choice, tp_mode)
+                                           tp_mode, tensor_parallel):
+    distributed(_plans_what_the_run_planned, world_size, expert_parallel, owner_choice, tp_mode,
+                tensor_parallel)
 
 
 @pytest.mark.parametrize("rows, cols, blocks, kept", [
