@@ -299,7 +299,8 @@ def step_headroom(matrices: Sequence[Matrix], owners: Sequence[int],
 def rank_budgets(matrices: Sequence[Matrix], owners: Sequence[int],
                  batches: Sequence[Sequence[int]], element_bytes: int,
                  max_exchange_bytes: int | None, headroom: int | None,
-                 saved: Sequence[int] | None = None) -> list[int]:
+                 saved: Sequence[int] | None = None,
+                 reserved: Sequence[int] | None = None) -> list[int]:
     """Each rank's working-memory budget, two exchanges in flight, never below what the rank's
     own batches need alone (alone_working): `max_exchange_bytes`; or by default what Muon's
     state saves the rank (`saved`: over every exchange group it steps, as they run one after
@@ -311,12 +312,19 @@ def rank_budgets(matrices: Sequence[Matrix], owners: Sequence[int],
     Megatron-FSDP cuts every bucket into equal shards, so ranks differ at rest by what Muon's
     state saves them: by default no rank's peak goes above Adam's state at rest plus the most
     one rank's batches need alone, and where every rank's saving holds its batches alone
-    (headroom 0), every rank's step stays within its saving."""
+    (headroom 0), every rank's step stays within its saving.
+
+    `reserved`: what each rank holds beside this group's exchanges, another group's working
+    memory where their exchanges run interleaved (interleaved_rounds), taken off its budget (its
+    batches alone still fit)."""
     alone = alone_working(matrices, owners, batches, element_bytes)
     if max_exchange_bytes is not None:
-        return [max(1, max_exchange_bytes, need) for need in alone]
-    saved = state_saved(matrices, element_bytes) if saved is None else saved
-    if headroom is None:
-        return [max(1, kept, need) for kept, need in zip(saved, alone)]
-    return [max(1, kept + max(headroom, need if need > kept else 0))
-            for kept, need in zip(saved, alone)]
+        budgets = [max_exchange_bytes] * len(alone)
+    elif headroom is None:
+        budgets = state_saved(matrices, element_bytes) if saved is None else list(saved)
+    else:
+        saved = state_saved(matrices, element_bytes) if saved is None else saved
+        budgets = [kept + max(headroom, need if need > kept else 0)
+                   for kept, need in zip(saved, alone)]
+    reserved = reserved or [0] * len(alone)
+    return [max(1, budget - held, need) for budget, held, need in zip(budgets, reserved, alone)]

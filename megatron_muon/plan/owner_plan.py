@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .budget import (MAX_EXCHANGE_BYTES, batch_bytes, batch_matrices, exchange_batches,
-                     rank_budgets, step_headroom)
+                     rank_budgets, step_headroom, working_memory)
 from .layouts import Matrix
 from .owners import BYTE_SLACK, StepCost, choose_owners, choose_owners_by_time
 
@@ -30,30 +30,51 @@ class OwnerPlan:
 
 def owned_batches(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float | None = None,
                   max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
-                  cost: StepCost | None = None) -> OwnedBatches:
+                  cost: StepCost | None = None,
+                  base: Sequence[float] | None = None) -> OwnedBatches:
     """Batches within batch_bytes, and owners by estimated time where `cost` is given
     (choose_owners_by_time; `byte_slack` caps the extra bytes, None: no cap), else fewest bytes
-    first (choose_owners, balancing within `byte_slack`, by default BYTE_SLACK)."""
+    first (choose_owners, balancing within `byte_slack`, by default BYTE_SLACK); each rank's
+    load starting at `base` (its seconds with `cost`, else its FLOPs of one iteration, in the
+    groups planned before this one, whose exchanges run interleaved with these; None: 0)."""
     batches = batch_matrices(matrices, batch_bytes(matrices, element_bytes, max_exchange_bytes),
                              element_bytes)
     if cost is None:
         owners = choose_owners(matrices, element_bytes,
-                               BYTE_SLACK if byte_slack is None else byte_slack)
+                               BYTE_SLACK if byte_slack is None else byte_slack, base)
     else:
-        owners = choose_owners_by_time(matrices, batches, element_bytes, cost, byte_slack)
+        owners = choose_owners_by_time(matrices, batches, element_bytes, cost, byte_slack, base)
     return OwnedBatches(owners, batches)
 
 
 def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,
                 max_exchange_bytes: int | None, headroom: int | None,
-                saved: Sequence[int] | None = None) -> OwnerPlan:
+                saved: Sequence[int] | None = None,
+                reserved: Sequence[int] | None = None) -> OwnerPlan:
     """`owned` packed into exchanges within each rank's budget (rank_budgets; `saved`: each
-    rank's saving over every group it steps, None: this group's)."""
+    rank's saving over every group it steps, None: this group's; `reserved`: what it holds
+    beside, of another group's exchanges interleaved with these)."""
     budgets = rank_budgets(matrices, owned.owners, owned.batches, element_bytes,
-                           max_exchange_bytes, headroom, saved)
+                           max_exchange_bytes, headroom, saved, reserved)
     return OwnerPlan(owned.owners, owned.batches,
                      exchange_batches(matrices, owned.batches, owned.owners, element_bytes,
                                       budgets), budgets)
+
+
+def packed_beside(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,
+                  max_exchange_bytes: int | None, headroom: int | None,
+                  saved: Sequence[int] | None,
+                  reserved: Sequence[int]) -> tuple[OwnerPlan, list[bool]]:
+    """`owned` packed to run interleaved with another group's exchanges, of which each rank holds
+    up to `reserved` (its working_memory there): within each rank's budget less that
+    (packed_plan); and for each rank whether both fit the budget it has without them (what the
+    groups one after the other are held to)."""
+    plan = packed_plan(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
+                       reserved)
+    apart = rank_budgets(matrices, owned.owners, owned.batches, element_bytes,
+                         max_exchange_bytes, headroom, saved)
+    held = working_memory(matrices, owned.owners, plan.exchanges, element_bytes)
+    return plan, [mine + beside <= budget for mine, beside, budget in zip(held, reserved, apart)]
 
 
 def owner_plan(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float | None = None,

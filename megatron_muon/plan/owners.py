@@ -29,10 +29,11 @@ def taken(peers: Sequence[int], owners: Sequence[int | None]) -> set[int]:
     return {owners[j] for j in peers if owners[j] is not None}
 
 
-def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
-                  byte_slack: float = 0.05) -> list[int]:
+def choose_owners(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float = 0.05,
+                  base: Sequence[float] | None = None) -> list[int]:
     """One owner per matrix: fewest bytes first, Newton-Schulz load balanced second (a team's
-    blocks on distinct ranks: team_peers).
+    blocks on distinct ranks: team_peers), each rank's load starting at `base` (its
+    Newton-Schulz FLOPs, one iteration's, in the groups planned before this one; None: 0).
 
     1. Every matrix goes to a rank holding most of its rows (the layout minimum of bytes); where
        several do, longest-processing-time-first on Newton-Schulz FLOPs picks the least loaded.
@@ -46,7 +47,7 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int,
     world = matrices[0].layout.ranks
     flops = [matrix.ns_flops(steps=1) for matrix in matrices]  # k scales every matrix alike
     cost = [[m.bytes_to_owner(r, element_bytes) for r in range(world)] for m in matrices]
-    load = [0] * world
+    load = list(base) if base else [0] * world
     owners: list = [None] * len(matrices)
     peers = team_peers(matrices)
     for i in sorted(range(len(matrices)), key=lambda i: -flops[i]):
@@ -118,12 +119,27 @@ def newton_schulz_seconds(matrices: Sequence[Matrix], owners: Sequence[int],
 
 def estimated_seconds(matrices: Sequence[Matrix], owners: Sequence[int],
                       batches: Sequence[Sequence[int]], element_bytes: int,
-                      cost: StepCost) -> list[float]:
+                      cost: StepCost, base: Sequence[float] | None = None) -> list[float]:
     """Each rank's estimated owner step: its Newton-Schulz seconds plus the larger of the bytes it
-    receives and sends over the bandwidth."""
+    receives and sends over the bandwidth, after `base` (its seconds in the groups planned
+    before this one, whose exchanges run interleaved with this one's; None: 0)."""
     received, sent = owner_traffic(matrices, owners, element_bytes)
-    return [seconds + max(into, out) / cost.bytes_per_second for seconds, into, out
-            in zip(newton_schulz_seconds(matrices, owners, batches, cost), received, sent)]
+    base = base or [0.0] * len(received)
+    return [before + seconds + max(into, out) / cost.bytes_per_second for before, seconds, into, out
+            in zip(base, newton_schulz_seconds(matrices, owners, batches, cost), received, sent)]
+
+
+def rank_loads(matrices: Sequence[Matrix], owners: Sequence[int], batches: Sequence[Sequence[int]],
+               element_bytes: int, cost: StepCost | None) -> list[float]:
+    """Each rank's load in a group's plan, as its owners were chosen by it: its estimated seconds
+    (estimated_seconds) with `cost`, else its Newton-Schulz FLOPs of one iteration
+    (choose_owners'). The `base` of a group whose exchanges run interleaved with these."""
+    if cost is not None:
+        return estimated_seconds(matrices, owners, batches, element_bytes, cost)
+    load = [0.0] * (matrices[0].layout.ranks if matrices else 0)
+    for matrix, owner in zip(matrices, owners):
+        load[owner] += matrix.ns_flops(steps=1)
+    return load
 
 
 class _Loads:
@@ -135,12 +151,13 @@ class _Loads:
     # of the least busy; a move off the busiest rank is sought among its this many slowest.
     CANDIDATES = 16
 
-    def __init__(self, matrices: Sequence[Matrix], element_bytes: int, cost: StepCost):
+    def __init__(self, matrices: Sequence[Matrix], element_bytes: int, cost: StepCost,
+                 base: Sequence[float] | None = None):
         self.matrices, self.element_bytes, self.cost = matrices, element_bytes, cost
         self.world = matrices[0].layout.ranks
         self.single = [cost.call_seconds(m, 1) for m in matrices]
         self.least_bytes = [m.least_bytes(element_bytes) for m in matrices]
-        self.busy = [0.0] * self.world
+        self.busy = list(base) if base else [0.0] * self.world
         self.received, self.sent = [0] * self.world, [0] * self.world
         self.owners: list[int | None] = [None] * len(matrices)
         self.peers = team_peers(matrices)
@@ -219,11 +236,11 @@ class _Loads:
 
 
 def _lpt_by_time(matrices: Sequence[Matrix], element_bytes: int, cost: StepCost,
-                 budget: float) -> list[int]:
+                 budget: float, base: Sequence[float] | None) -> list[int]:
     """Longest-processing-time-first on estimated seconds: each matrix, slowest first, to the
     rank whose choice leaves the ranks it moves bytes for least busy (_Loads.best_owner), extra
     bytes within `budget` (else where it moves the fewest bytes)."""
-    loads = _Loads(matrices, element_bytes, cost)
+    loads = _Loads(matrices, element_bytes, cost, base)
     for i in sorted(range(len(matrices)), key=lambda i: (-loads.single[i], i)):
         best = loads.best_owner(i, budget, loads.least_busy())
         loads.place(i, best[2] if best else min(
@@ -233,12 +250,12 @@ def _lpt_by_time(matrices: Sequence[Matrix], element_bytes: int, cost: StepCost,
 
 
 def _improved(matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int,
-              cost: StepCost, budget: float) -> list[int]:
+              cost: StepCost, budget: float, base: Sequence[float] | None) -> list[int]:
     """`owners` with matrices moved off the busiest rank while a move leaves the old and the new
     owner below that rank's seconds, extra bytes within `budget`; at most as many moves as
     matrices (moves are judged on the two owners alone, so a bound keeps replicas' shifts from
     cycling)."""
-    loads = _Loads(matrices, element_bytes, cost)
+    loads = _Loads(matrices, element_bytes, cost, base)
     for i, owner in enumerate(owners):
         loads.place(i, owner)
     owned: list[set[int]] = [set() for _ in range(loads.world)]
@@ -260,15 +277,17 @@ def _improved(matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: 
 
 
 def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]],
-                          element_bytes: int, cost: StepCost,
-                          byte_slack: float | None = None) -> list[int]:
+                          element_bytes: int, cost: StepCost, byte_slack: float | None = None,
+                          base: Sequence[float] | None = None) -> list[int]:
     """One owner per matrix, for the shortest estimated step (`estimated_seconds`' busiest
     rank), among: the byte-first owners (choose_owners), whole matrices spread by size
     (whole_matrix_owners), and the byte-first and longest-processing-time-first owners each
     improved by moves off the busiest rank (_improved); the byte-first owners stay unless the
     fastest stays faster with Newton-Schulz or bytes dearer by the rates' spread.
     Extra bytes over the layout's minimum stay within `byte_slack` times it (None: no cap; the
-    byte-first owners always qualify); ties go to fewer bytes."""
+    byte-first owners always qualify); ties go to fewer bytes. `base`: each rank's seconds in
+    the groups planned before this one, whose exchanges run interleaved with this one's (the
+    byte-first owners balance FLOPs and weigh none)."""
     if not matrices:
         return []
     minimum = layout_min_bytes(matrices, element_bytes)
@@ -276,14 +295,14 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     byte_first = choose_owners(matrices, element_bytes, BYTE_SLACK if byte_slack is None
                                else min(byte_slack, BYTE_SLACK))
     candidates = [byte_first, whole_matrix_owners(matrices)] + [
-        _improved(matrices, start, element_bytes, cost, budget)
-        for start in (byte_first, _lpt_by_time(matrices, element_bytes, cost, budget))]
+        _improved(matrices, start, element_bytes, cost, budget, base)
+        for start in (byte_first, _lpt_by_time(matrices, element_bytes, cost, budget, base))]
 
     def moved(owners):
         return sum(m.bytes_to_owner(o, element_bytes) for m, o in zip(matrices, owners))
 
     def makespan(owners, weighed=cost):
-        return max(estimated_seconds(matrices, owners, batches, element_bytes, weighed))
+        return max(estimated_seconds(matrices, owners, batches, element_bytes, weighed, base))
 
     # (estimated step, bytes, owners) of each candidate, each estimated once.
     scored = [(makespan(owners), moved(owners), owners) for owners in candidates]

@@ -3,11 +3,12 @@ import pytest
 from megatron_muon.distribution.exchange import OwnerRoutes
 import random
 
-from megatron_muon.plan import (ExchangeMemory, Matrix, RowLayout, StepCost, batch_matrices,
-                                choose_owners, choose_owners_by_time, estimated_seconds,
-                                exchange_batches, gather_segments, layout_min_bytes,
-                                newton_schulz_bytes, ns_flops, owner_bytes, owner_plan,
-                                owner_traffic, qkv_row_blocks, row_layouts, scatter_segments,
+from megatron_muon.plan import (ExchangeMemory, Matrix, OwnedBatches, RowLayout, StepCost,
+                                batch_matrices, choose_owners, choose_owners_by_time,
+                                estimated_seconds, exchange_batches, gather_segments,
+                                layout_min_bytes, newton_schulz_bytes, ns_flops, owner_bytes,
+                                owner_plan, owner_traffic, packed_beside, packed_plan,
+                                qkv_row_blocks, rank_loads, row_layouts, scatter_segments,
                                 whole_matrix_owners, working_memory)
 from megatron_muon.plan.budget import (alone_working, fewest_exchanges, rank_budgets, state_saved,
                                        step_headroom)
@@ -177,6 +178,41 @@ def test_ranks_can_own_nothing():
     matrices = [_matrix((5, 0, 0, 0)), _matrix((0, 3, 0, 0)), _matrix((4, 0, 0, 0))]
     owners = choose_owners(matrices, element_bytes=4)
     assert owners == [0, 1, 0]
+
+
+def test_owners_count_each_ranks_load_in_the_group_planned_beside():
+    """Four equal matrices, half of each on either rank: apart, two each; beside a group whose
+    exchanges keep rank 0 busy for three of them (`base`), rank 1 takes at least three, by bytes
+    (FLOPs balanced) and by time, and the estimated step counts the base."""
+    matrices = [_matrix((16, 16), cols=32) for _ in range(4)]
+    batches = batch_matrices(matrices, 1 << 30, 4)
+    cost = _flop_time(1e15)
+    per_matrix, seconds = matrices[0].ns_flops(steps=1), cost.call_seconds(matrices[0], 1)
+    assert sorted(choose_owners(matrices, 4, byte_slack=1.0)) == [0, 0, 1, 1]
+    assert sorted(choose_owners_by_time(matrices, batches, 4, cost)) == [0, 0, 1, 1]
+    by_bytes = choose_owners(matrices, 4, byte_slack=1.0, base=[3 * per_matrix, 0])
+    by_time = choose_owners_by_time(matrices, batches, 4, cost, base=[3 * seconds, 0.0])
+    assert by_bytes.count(1) >= 3 and by_time.count(1) >= 3
+    busiest = max(estimated_seconds(matrices, by_time, batches, 4, cost, [3 * seconds, 0.0]))
+    assert busiest == pytest.approx(4 * seconds, rel=1e-3)
+    assert rank_loads(matrices, by_bytes, batches, 4, None) == [
+        by_bytes.count(r) * per_matrix for r in range(2)]
+
+
+def test_packed_beside_another_groups_exchanges_fits_the_budget_apart_or_says_not():
+    """Packed to run interleaved with another group's exchanges, of which each rank holds
+    `reserved`: within each rank's budget less that, and each rank told whether both fit the
+    budget it has apart (else they run apart: distribution.interleaving)."""
+    matrices = [_matrix((2, 2)), _matrix((1, 1), cols=4), _matrix((2, 2), key="x")]
+    owned = OwnedBatches([0, 1, 0], [[0], [1], [2]])
+    apart = packed_plan(matrices, owned, 4, None, headroom=0, saved=[10 ** 6] * 2)
+    held = working_memory(matrices, owned.owners, apart.exchanges, 4)
+    plan, fits = packed_beside(matrices, owned, 4, None, 0, [10 ** 6] * 2, [10 ** 6 - held[0], 0])
+    assert fits == [True, True] and plan.budgets == [held[0], 10 ** 6]
+    assert working_memory(matrices, owned.owners, plan.exchanges, 4)[0] <= held[0]
+    plan, fits = packed_beside(matrices, owned, 4, None, 0, [10 ** 6] * 2, [10 ** 6, 0])
+    assert fits == [False, True]  # rank 0's own batches alone need more than it has left
+    assert plan.budgets[0] == alone_working(matrices, owned.owners, owned.batches, 4)[0]
 
 
 def test_batches_group_same_shape_and_key_and_respect_the_size_bound():
