@@ -32,7 +32,6 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -314,76 +313,169 @@ class Part:
     parallelism) planned as ZeROTensorParallelMuon plans them (its defaults, the rates standing
     for what it measures): owners and batches (`owned`), then exchanges packed within each
     rank's budget (`pack`, as planned_parts calls it), how long one rank took to plan them, and
-    the owners of the other placements."""
+    the owners of the other placements. `base`: {mode: each rank's load in the dense part}
+    (plan.rank_loads: seconds for "owner", FLOPs for "owner-by-bytes"), for an expert part
+    planned beside it (distribution.interleaving); None: planned alone."""
 
-    def __init__(self, matrices, world, cost, team_cost=None):
+    def __init__(self, matrices, world, cost, team_cost=None, base=None):
         from megatron_muon.plan import (choose_owners, owned_batches, whole_matrix_owners,
                                         with_teams)
 
         start = time.perf_counter()
         if team_cost:  # --muon-max-team-size W: the plan sizes each team
             matrices = [matrix for _, _, matrix in with_teams(matrices, world, world, team_cost)]
-        self.matrices, self.world = matrices, world
-        self.owned = owned_batches(matrices, ELEMENT_BYTES, cost=cost)
+        self.matrices, self.world, self.cost = matrices, world, cost
+        base = base or {}
+        self.owned = owned_batches(matrices, ELEMENT_BYTES, cost=cost, base=base.get("owner"))
         self.batches = self.owned.batches
         self.plan_seconds = time.perf_counter() - start
         self.owners = {"owner": self.owned.owners,
-                       "owner-by-bytes": choose_owners(matrices, ELEMENT_BYTES),
-                       "whole-matrix-per-rank": whole_matrix_owners(matrices)}
+                       "owner-by-bytes": choose_owners(matrices, ELEMENT_BYTES,
+                                                       base=base.get("owner-by-bytes"))}
+        if not base:  # megatron-core's placement: the parts apart
+            self.owners["whole-matrix-per-rank"] = whole_matrix_owners(matrices)
 
-    def pack(self, headroom: int, saved: list[int] | None = None) -> None:
+    def loads(self) -> dict:
+        """Each rank's load in this part as the owners of "owner" and "owner-by-bytes" weigh it
+        (plan.rank_loads): the `base` of a part planned beside it."""
+        from megatron_muon.plan import rank_loads
+
+        return {"owner": rank_loads(self.matrices, self.owned.owners, self.batches,
+                                    ELEMENT_BYTES, self.cost),
+                "owner-by-bytes": rank_loads(self.matrices, self.owners["owner-by-bytes"],
+                                             self.batches, ELEMENT_BYTES, None)}
+
+    def pack(self, headroom: int, saved: list[int] | None = None,
+             reserved: list[int] | None = None) -> None:
         """The exchanges at the default budget with `headroom` and each rank's `saved` (None:
-        its saving in this part), and, for the offloaded state, without them, as
-        ZeROTensorParallelMuon plans them then; with one rank's routes through every exchange,
-        as it builds them at construction."""
+        its saving in this part), `reserved` taken off where this part runs interleaved with
+        another (plan.packed_beside; `fits`: whether every rank holds both within its budget
+        apart), and, for the offloaded state, without them, as ZeROTensorParallelMuon plans them
+        then; with one rank's routes through every exchange, as it builds them at
+        construction."""
         from megatron_muon.distribution.exchange import OwnerRoutes
-        from megatron_muon.plan import fewest_exchanges, packed_plan
+        from megatron_muon.plan import packed_beside, packed_plan
 
         start = time.perf_counter()
-        plan = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None, headroom, saved)
-        self.exchanges = plan.exchanges
+        if reserved is None:
+            plan, self.fits = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None,
+                                          headroom, saved), True
+        else:
+            plan, fits = packed_beside(self.matrices, self.owned, ELEMENT_BYTES, None, headroom,
+                                       saved, reserved)
+            self.fits = all(fits)
+        self.exchanges, self.budgets = plan.exchanges, plan.budgets
+        self.__dict__.pop("fewest_exchanges", None)
         for batches in self.exchanges:
             OwnerRoutes(self.matrices, self.owned.owners, batches, 0)
         self.plan_seconds += time.perf_counter() - start
-        self.fewest_exchanges = fewest_exchanges(self.matrices, self.owned.owners, self.batches,
-                                                 ELEMENT_BYTES, plan.budgets)
-        self.offloaded_exchanges = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None,
-                                               None).exchanges
+
+    @functools.cached_property
+    def fewest_exchanges(self) -> int:
+        """The fewest exchanges its budgets allow (plan.fewest_exchanges)."""
+        from megatron_muon.plan import fewest_exchanges
+
+        return fewest_exchanges(self.matrices, self.owned.owners, self.batches, ELEMENT_BYTES,
+                                self.budgets)
+
+    @functools.cached_property
+    def offloaded_exchanges(self) -> list:
+        """The exchanges with the state offloaded (each rank's saving its budget)."""
+        from megatron_muon.plan import packed_plan
+
+        return packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None, None).exchanges
+
+
+class Planned(list):
+    """planned_parts' [(Part, rank of dp_cp -> its rank in the part)], the dense part first, the
+    experts' (one standing for every expert data-parallel group) planned apart; and `beside`:
+    {EP rank: its expert group's Part planned beside the dense part} where the parts run
+    interleaved (distribution.interleaving), else None."""
+
+    beside: dict | None = None
+    ep: int = 1
 
 
 def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
-                  expert_rank: int | None = None, team_cost=None) -> list[tuple[Part, Callable]]:
+                  expert_rank: int | None = None, team_cost=None,
+                  interleave: bool = True) -> Planned:
     """(Part, rank of dp_cp -> its rank in the part) for the dense matrices and the experts (rank
     r of dp_cp is rank r // EP of its expert data-parallel group: megatron-core's order, expert
     parallelism varying fastest), packed as the factory packs its dense and expert Muon parts
-    (_share_headroom): a rank's budget is its saving over both parts plus the headroom over
+    apart (share_headroom): a rank's budget is its saving over both parts plus the headroom over
     both. The experts part stands for the expert data-parallel group of expert-parallel rank
     `expert_rank` (dp_cp ranks r with r % EP == expert_rank), or where None for every group at
     once: each of its ranks the least saving of the dp_cp ranks it stands for. `expert_cost`:
     the experts' StepCost where it is not `cost` (a run measures one per group). `team_cost`:
-    teams split what one rank's share cannot hold (Part), sized by it."""
-    from megatron_muon.plan import alone_working, state_saved
-
-    parts = [(Part(dense, world, cost, team_cost), lambda r: r)]
+    teams split what one rank's share cannot hold (Part), sized by it. Then, `interleave`, as the
+    factory plans them together (distribution.interleave): `beside` (Planned)."""
+    parts = Planned([(Part(dense, world, cost, team_cost), lambda r: r)])
+    parts.ep = ep
     if expert:
         parts.append((Part(expert, world // ep, expert_cost or cost, team_cost),
                       lambda r: r // ep))
-    saving, need = [0] * world, [0] * world
-    for part, rank_in_part in parts:
-        saved = state_saved(part.matrices, ELEMENT_BYTES)
-        alone = alone_working(part.matrices, part.owned.owners, part.batches, ELEMENT_BYTES)
-        for r in range(world):
-            saving[r] += saved[rank_in_part(r)]
-            need[r] = max(need[r], alone[rank_in_part(r)])
-    headroom = max([0] + [n - s for n, s in zip(need, saving)])
-    for part, rank_in_part in parts:
-        in_part = [None] * part.world
-        for r in range(world):
-            if part is parts[0][0] or expert_rank is None or r % ep == expert_rank:
-                q = rank_in_part(r)
-                in_part[q] = saving[r] if in_part[q] is None else min(in_part[q], saving[r])
-        part.pack(headroom, in_part)
+    _pack(parts, world, ep, expert_rank)
+    if expert and interleave:
+        parts.beside = _beside(parts, expert, world, ep, expert_cost or cost, team_cost,
+                               expert_rank)
     return parts
+
+
+def _pack(parts, world: int, ep: int, expert_rank: int | None, groups=None) -> None:
+    """Pack `parts` as share_headroom does: each rank's budget its saving over the dense part
+    and its expert group's plus the headroom, the most any rank's batches alone need beyond its
+    saving in either part. Apart, the experts' part is `parts`' own, for the groups
+    `expert_rank` says (planned_parts). Or `groups`: {EP rank: its expert group's Part planned
+    beside the dense part}, interleaved: the dense part packed so, each group beside the dense
+    part's working memory on its ranks, its headroom (the group's most) covering that and its
+    own batches alone."""
+    from megatron_muon.plan import alone_working, state_saved, working_memory
+
+    dense = parts[0][0]
+    members = [(dense, lambda r: r)] + ([(part, lambda r, e=e: r // ep if r % ep == e else None)
+                                         for e, part in groups.items()] if groups else parts[1:])
+    saving, need, alone_of = [0] * world, [0] * world, {}
+    for part, rank_in_part in members:
+        saved = state_saved(part.matrices, ELEMENT_BYTES)
+        alone_of[id(part)] = alone_working(part.matrices, part.owned.owners, part.batches,
+                                           ELEMENT_BYTES)
+        for r in range(world):
+            if rank_in_part(r) is not None:
+                saving[r] += saved[rank_in_part(r)]
+                need[r] = max(need[r], alone_of[id(part)][rank_in_part(r)])
+    headroom = max([0] + [n - s for n, s in zip(need, saving)])
+    held = None
+    for part, rank_in_part in members:
+        ranks = [r for r in range(world) if rank_in_part(r) is not None]
+        if part is dense or not groups:
+            in_part = [None] * part.world
+            for r in ranks:
+                if part is dense or expert_rank is None or r % ep == expert_rank:
+                    q = rank_in_part(r)
+                    in_part[q] = saving[r] if in_part[q] is None else min(in_part[q], saving[r])
+            part.pack(headroom, in_part)
+            held = working_memory(dense.matrices, dense.owned.owners, dense.exchanges,
+                                  ELEMENT_BYTES)
+            continue
+        alone = alone_of[id(part)]
+        beside = max([headroom] + [held[r] + alone[rank_in_part(r)] - saving[r] for r in ranks])
+        part.pack(beside, [saving[r] for r in ranks], [held[r] for r in ranks])
+
+
+def _beside(parts, expert, world: int, ep: int, cost, team_cost, expert_rank: int | None):
+    """Each expert group's Part planned beside the dense part as distribution.interleave plans
+    it (owners counting its ranks' dense loads, packed beside the dense part's working memory),
+    or None where some rank cannot hold both (the parts then packed apart again, the experts'
+    for `expert_rank` as planned_parts says)."""
+    loads = parts[0][0].loads()
+    beside = {e: Part(expert, world // ep, cost, team_cost,
+                      base={mode: load[e::ep] for mode, load in loads.items()})
+              for e in range(ep)}
+    _pack(parts, world, ep, None, beside)
+    if parts[0][0].fits and all(part.fits for part in beside.values()):
+        return beside
+    _pack(parts, world, ep, expert_rank)
+    return None
 
 
 def with_second_moment(matrices, variant: str):
@@ -408,6 +500,56 @@ def part_step(part: Part, mode: str, cost, args) -> dict:
                             for f in figures),
                 syrk_seconds=max(f["syrk_seconds"] + max(f["received"], f["sent"])
                                  / cost.bytes_per_second for f in figures))
+
+
+# The modes whose owners a part planned beside the dense part changes (Part's `base`).
+JOINT_MODES = ("owner", "owner-by-bytes", "teams")
+
+
+def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
+    """`planned`'s step in `mode`: each rank's figures over the parts it steps (the dense part
+    and its expert group's), the step's seconds with and without the SYRK kernel, and the
+    collectives and their latency of the dense part and of one expert group (the groups run side
+    by side). The parts one after the other (each its slowest rank: its all-to-alls synchronize
+    it, the groups side by side), or, where they run interleaved (planned.beside, the owner
+    modes), both in rounds: each rank's parts together, its slowest rank's (exact where each
+    part is one exchange; with more, a round's scatters wait for its slowest rank in that round,
+    which this leaves out)."""
+    together = planned.beside is not None and mode in JOINT_MODES
+    dense = planned[0][0]
+    if together:
+        experts = planned.beside
+        expert_of = lambda r: (experts[r % planned.ep], r // planned.ep)  # noqa: E731
+    elif len(planned) > 1:
+        experts = {None: planned[1][0]}
+        expert_of = lambda r: (planned[1][0], planned[1][1](r))  # noqa: E731
+    else:
+        experts, expert_of = {}, None
+    figures = {id(part): part_step(part, mode, cost, args)
+               for part in [dense, *experts.values()]}
+    per_rank = []
+    for r in range(ranks):
+        sums = dict(figures[id(dense)]["figures"][r])
+        if expert_of:
+            part, q = expert_of(r)
+            for key, value in figures[id(part)]["figures"][q].items():
+                sums[key] += value
+        per_rank.append(sums)
+    parts = [figures[id(part)] for part in experts.values()]
+
+    def slowest(key):
+        if together:
+            return max(f[key] + max(f["received"], f["sent"]) / cost.bytes_per_second
+                       for f in per_rank)
+        return figures[id(dense)][key.replace("ns_", "")] + max(
+            [f[key.replace("ns_", "")] for f in parts], default=0.0)
+
+    return dict(per_rank=per_rank, together=together, seconds=slowest("ns_seconds"),
+                syrk_seconds=slowest("syrk_seconds"),
+                collectives=figures[id(dense)]["collectives"] + max(
+                    [f["collectives"] for f in parts], default=0),
+                latency=figures[id(dense)]["latency"] + max([f["latency"] for f in parts],
+                                                            default=0.0))
 
 
 def syrk_share(matrix) -> float:
@@ -532,10 +674,12 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
                   tokens_per_step=tokens, fwd_bwd_ms_at_nvidia_batch=fwd_bwd_at_nvidia * 1e3,
                   muon_matrices=sum(len(part.matrices) for part, _ in parts),
                   layout_seconds=layout_seconds,
-                  plan_seconds=sum(part.plan_seconds for part, _ in parts),
-                  owners=sum(len(set(part.owners["owner"])) for part, _ in parts),
+                  plan_seconds=sum(part.plan_seconds for part, _ in parts) + (
+                      representative(parts)[1].plan_seconds if parts.beside else 0.0),
+                  owners=sum(len(set(part.owners["owner"])) for part in representative(parts)),
                   batches=sum(len(part.batches) for part, _ in parts),
-                  exchanges=sum(len(part.exchanges) for part, _ in parts),
+                  exchanges=sum(len(part.exchanges) for part in representative(parts)),
+                  interleaved=parts.beside is not None,
                   teams=team_figures(team_parts),
                   adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3,
                   memory_gb=result_memory, modes={})
@@ -546,19 +690,10 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
     ideal = sum(sum(m.ns_flops(args.ns_steps) for m in part.matrices) * ranks / part.world
                 for part, _ in parts) / ranks
     for mode in MODES:
-        per_rank = [dict(ns_flops=0, ns_seconds=0.0, syrk_seconds=0.0, received=0, sent=0)
-                    for _ in range(ranks)]
-        step = syrk_step = elementwise
-        collectives, latency = 0, 0.0
-        for part, rank_in_part in (team_parts if mode == "teams" else parts):
-            figures = part_step(part, mode, cost, args)
-            collectives += figures["collectives"]
-            latency += figures["latency"]
-            step += figures["seconds"]
-            syrk_step += figures["syrk_seconds"]
-            for r in range(ranks):
-                for key, value in figures["figures"][rank_in_part(r)].items():
-                    per_rank[r][key] += value
+        planned = planned_step(team_parts if mode == "teams" else parts, mode, cost, args, ranks)
+        per_rank, collectives, latency = (planned[key] for key in ("per_rank", "collectives",
+                                                                   "latency"))
+        step, syrk_step = (elementwise + planned[key] for key in ("seconds", "syrk_seconds"))
         network = [max(f["received"], f["sent"]) / cost.bytes_per_second for f in per_rank]
         result["modes"][mode] = dict(
             busiest_ns_gflop=max(f["ns_flops"] for f in per_rank) / 1e9,
@@ -571,11 +706,12 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
             overhead=(step - adam_step) / (fwd_bwd + adam_step),
             overhead_with_latency=(step + latency - adam_step) / (fwd_bwd + adam_step),
             syrk_overhead=(syrk_step - adam_step) / (fwd_bwd + adam_step),
-            overhead_at_nvidia_batch=(step - adam_step) / (fwd_bwd_at_nvidia + adam_step))
+            overhead_at_nvidia_batch=(step - adam_step) / (fwd_bwd_at_nvidia + adam_step),
+            interleaved=planned["together"])
     result["variants"] = {
         variant: variant_figures(parts if variant == "muon" else planned_parts(
             with_second_moment(dense, variant), with_second_moment(expert, variant), ranks, ep,
-            cost), elementwise, adam_step, fwd_bwd, cost, args)
+            cost, interleave=False), elementwise, adam_step, fwd_bwd, cost, args, ranks)
         for variant in VARIANTS}
     return result
 
@@ -586,55 +722,75 @@ def team_figures(parts) -> dict:
     in one group of each part: every expert-parallel rank's group makes its own)."""
     from megatron_muon.plan import team_members
 
-    members = [team_members(part.matrices, part.owners["owner"]) for part, _ in parts]
+    members = [team_members(part.matrices, part.owners["owner"])
+               for part in representative(parts)]
     return dict(split=sum(len(teams) for teams in members),
                 largest=max([1] + [len(ranks) for teams in members for ranks in teams.values()]),
                 groups=sum(len(set(teams.values())) for teams in members))
 
 
-def variant_figures(parts, elementwise: float, adam_step: float, fwd_bwd: float, cost,
-                    args) -> dict:
+def variant_figures(parts: Planned, elementwise: float, adam_step: float, fwd_bwd: float, cost,
+                    args, ranks: int) -> dict:
     """Our step (owner mode) for one variant's plan: exchanges, collectives and their latency,
     the step, its overhead with latency, and the most working memory a rank holds (GB)."""
-    from megatron_muon.plan import working_memory
-
-    step, collectives, latency, working = elementwise, 0, 0.0, 0
-    for part, _ in parts:
-        figures = part_step(part, "owner", cost, args)
-        step += figures["seconds"]
-        collectives += figures["collectives"]
-        latency += figures["latency"]
-        working = max([working] + working_memory(part.matrices, part.owners["owner"],
-                                                 part.exchanges, ELEMENT_BYTES))
-    return dict(exchanges=sum(len(part.exchanges) for part, _ in parts),
-                fewest_exchanges=sum(part.fewest_exchanges for part, _ in parts),
+    planned = planned_step(parts, "owner", cost, args, ranks)
+    step, collectives, latency = (elementwise + planned["seconds"], planned["collectives"],
+                                  planned["latency"])
+    working = max(owner_working(parts))
+    shown = representative(parts)
+    return dict(exchanges=sum(len(part.exchanges) for part in shown),
+                fewest_exchanges=sum(part.fewest_exchanges for part in shown),
                 collectives=collectives,
                 latency_ms=latency * 1e3, step_ms=step * 1e3, working_gb=working / 1e9,
                 overhead_with_latency=(step + latency - adam_step) / (fwd_bwd + adam_step))
 
 
+def representative(parts: Planned) -> list:
+    """The dense part and one expert group's as the owner step runs them (planned beside the
+    dense part where parts.beside, else the part standing for every group)."""
+    if parts.beside:
+        return [parts[0][0], next(iter(parts.beside.values()))]
+    return [part for part, _ in parts]
+
+
+def owner_working(parts: Planned) -> list[int]:
+    """Each dp_cp rank's working memory in the owner step (plan.working_memory of each part it
+    steps): the parts' sum where they run interleaved (parts.beside), else their largest."""
+    from megatron_muon.plan import working_memory
+
+    def held(part):
+        return working_memory(part.matrices, part.owned.owners, part.exchanges, ELEMENT_BYTES)
+
+    dense = held(parts[0][0])
+    if parts.beside:
+        groups = {e: held(part) for e, part in parts.beside.items()}
+        return [d + groups[r % parts.ep][r // parts.ep] for r, d in enumerate(dense)]
+    return [max([d] + [held(part)[to_part(r)] for part, to_part in parts[1:]])
+            for r, d in enumerate(dense)]
+
+
 def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> dict:
     """GB per rank (the largest rank's of each figure): at rest, and Muon's working memory as
-    the plan counts it (plan.working_memory: two exchanges in flight) with the default budget and
-    with the one that keeps it under TRANSIENT_SHARE of an 80 GB GPU (the parts run one after
-    the other); the most one matrix exchanged alone holds, which no budget goes below; with
+    the plan counts it (plan.working_memory: two exchanges in flight) with the default budget
+    (owner_working: the parts' sum where they run interleaved) and with the one that keeps it
+    under TRANSIENT_SHARE of an 80 GB GPU (shown with the parts one after the other: interleaved,
+    they would hold both within it too); the most one matrix exchanged alone holds, which no
+    budget goes below; with
     --optimizer-cpu-offload, the most state on the device at once, the bytes copied each way per
     step and their time over each host link."""
     from megatron_muon.plan import (OwnedBatches, batch_bytes, batch_matrices, largest_alone,
                                     offload_figures, packed_plan, working_memory)
 
     budget = int(TRANSIENT_SHARE * GPU_BYTES)
-    working, at_budget, alone = [0] * world, [0] * world, 0
+    working, at_budget, alone = owner_working(parts), [0] * world, 0
     for part, rank_in_part in parts:
         owners = part.owners["owner"]
         batches = batch_matrices(part.matrices, batch_bytes(part.matrices, ELEMENT_BYTES, budget),
                                  ELEMENT_BYTES)
-        by_plan = working_memory(part.matrices, owners, part.exchanges, ELEMENT_BYTES)
         by_budget = working_memory(part.matrices, owners, packed_plan(
             part.matrices, OwnedBatches(owners, batches), ELEMENT_BYTES, budget, None).exchanges,
             ELEMENT_BYTES)
         for r in range(world):
-            working[r] = max(working[r], by_plan[rank_in_part(r)])
             at_budget[r] = max(at_budget[r], by_budget[rank_in_part(r)])
         alone = max(alone, largest_alone(part.matrices, owners, ELEMENT_BYTES))
     muon_state = [m * MUON_STATE_BYTES + a * ADAM_STATE_BYTES
@@ -691,7 +847,12 @@ def assumptions(rates: Rates, args) -> list[str]:
         "Muon step = the slowest rank's elementwise step, plus for each exchange group (dense "
         "matrices over dp_cp, experts over expert data parallelism) its slowest rank's "
         "Newton-Schulz + network (the group's all-to-alls synchronize it), nothing overlapped (an "
-        "upper bound: the exchange overlaps the next batch's gather with compute); 'lat ms' and "
+        "upper bound: the exchange overlaps the next batch's gather with compute); in our owner "
+        "modes the dense and expert parts are planned together and run interleaved "
+        "(distribution.interleaving: the expert groups' owners counting each rank's dense load, "
+        "the parts' exchanges in rounds), so there the slowest rank's both parts together "
+        "(exact for one exchange a part; the variants table plans the parts apart, an upper "
+        "bound); 'lat ms' and "
         "'+ latency': each collective's latency besides "
         f"({args.latency_us_per_rank:g} us per rank of its group: an all-to-all's gather and "
         "scatter per exchange, an all-gather per matrix in allgather mode; nccl-tests' "

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 
 from ..distribution.dtensor_rows import num_experts
-from ..distribution.group_planner import GroupPlan
+from ..distribution.exchange import run_overlapped
+from ..distribution.group_plan import GroupPlan
 from .checks import CheckResult, MuonCheckError, agree_on_every_rank
 from .team_newton_schulz import reordering_bound
 
@@ -40,8 +41,8 @@ class OwnerCheck:
         locals_ = [muon.all_update_rows(plan) for plan in muon.plans]
         results = {}
         for plan, local in zip(muon.plans, locals_):
-            muon.owner_orthogonalize(plan, local.__getitem__,
-                                     lambda plan, i, rows: results.update({(plan, i): rows}))
+            run_overlapped(muon.owner_exchanges(
+                plan, local.__getitem__, lambda plan, i, rows: results.update({(plan, i): rows})))
         self._compare(locals_, results, restore)
         for (plan, i), rows in results.items():
             apply(plan, i, rows)

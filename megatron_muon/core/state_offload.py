@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..distribution.group_planner import GroupPlan
+from ..distribution.group_plan import GroupPlan
 from ..plan import offloaded
 
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..compat.upstream_fixes import unscaled_orthogonalize_fn, whole_shape
 from ..distribution.dtensor_rows import ParamAttributes, num_experts, tp_local_rows
 from ..distribution.exchange import OwnerRoutes
-from ..distribution.group_planner import GroupPlan
+from ..distribution.group_plan import GroupPlan
 from .second_moment import SECOND_MOMENTS, Columns
 from .settings import tensor_parallel_muon_settings
 from .zero_muon import ZeROTensorParallelMuon

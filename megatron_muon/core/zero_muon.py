@@ -1,6 +1,6 @@
 """Muon on Megatron-FSDP's sharded main weights (ZeRO-1/2/3, HSDP), exact and TP-aware."""
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from ..compat import tensor_parallel
 from ..distribution.dtensor_rows import ParamAttributes
 from ..distribution.exchange import OwnerRoutes, owner_exchange, run_overlapped
-from ..distribution.group_planner import GroupPlan, GroupPlanner
+from ..distribution.group_plan import GroupPlan
+from ..distribution.group_planner import GroupPlanner
 from ..distribution.teams import whole_results
 from ..plan import MAX_EXCHANGE_BYTES
 from . import syrk
@@ -124,6 +125,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.plans: list[GroupPlan] = self.planner.plan(byte_slack, max_exchange_bytes,
                                                          headroom=not offload_fraction)
         self._held_rows = self.planner.held_rows
+        self.interleaved = None  # stepped with another part (distribution.interleaving)
         self._check = OwnerCheck(self)
         self.host_state = HostState(self.device(), offloaded_params(self.plans, offload_fraction))
 
@@ -198,10 +200,12 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             if checking:
                 self._check.step(apply)
                 return None
+            if self.interleaved is not None:  # run beside another part's (the factory's)
+                return self.interleaved.step(self)
             for plan in self.plans:
                 if self.dist_mode == "owner":
-                    self.owner_orthogonalize(plan, partial(self.update_rows, plan), apply,
-                                             partial(self.prefetch_state, plan))
+                    run_overlapped(self.owner_exchanges(plan, partial(self.update_rows, plan),
+                                                        apply, partial(self.prefetch_state, plan)))
                 else:
                     self.allgather_orthogonalize(plan, self.all_update_rows(plan), apply)
         return None
@@ -240,12 +244,12 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             start, stop = plan.matrices[i].layout.row_range(plan.rank)
             apply(plan, i, result[start:stop])
 
-    def owner_orthogonalize(self, plan: GroupPlan, local_rows: Callable[[int], torch.Tensor],
-                            apply: ApplyUpdate,
-                            ahead: Callable[[OwnerRoutes], None] | None = None) -> None:
-        """Each exchange's matrices gathered to their owners, orthogonalized there batch by
-        batch, the rows sent back and `apply(plan, matrix, this rank's rows)`, two exchanges in
-        flight (exchange.run_overlapped). `local_rows(i)`: this rank's rows of matrix i's update,
+    def owner_exchanges(self, plan: GroupPlan, local_rows: Callable[[int], torch.Tensor],
+                        apply: ApplyUpdate, ahead: Callable[[OwnerRoutes], None] | None = None
+                        ) -> Iterator[Iterator[None]]:
+        """The plan's exchanges, for exchange.run_overlapped: each one's matrices gathered to
+        their owners, orthogonalized there batch by batch, the rows sent back and `apply(plan,
+        matrix, this rank's rows)`. `local_rows(i)`: this rank's rows of matrix i's update,
         asked for when its exchange starts, after `ahead(the next exchange's routes)`."""
         def orthogonalize(owned, fulls):
             if plan.matrices[owned[0]].team:
@@ -253,14 +257,11 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             return self.orthogonalize_owned([plan.param_of(i) for i in owned], fulls,
                                             plan.matrices[owned[0]].batch_key)
 
-        def exchanges():
-            for k, routes in enumerate(plan.routes):
-                if ahead and k + 1 < len(plan.routes):
-                    ahead(plan.routes[k + 1])
-                yield owner_exchange(routes, plan.group, {i: local_rows(i) for i in routes.batch},
-                                     orthogonalize, lambda i, rows: apply(plan, i, rows))
-
-        run_overlapped(exchanges())
+        for k, routes in enumerate(plan.routes):
+            if ahead and k + 1 < len(plan.routes):
+                ahead(plan.routes[k + 1])
+            yield owner_exchange(routes, plan.group, {i: local_rows(i) for i in routes.batch},
+                                 orthogonalize, lambda i, rows: apply(plan, i, rows))
 
     def orthogonalize_whole(self, p: DTensor, full: torch.Tensor) -> torch.Tensor:
         """One matrix's update as "allgather" mode computes it, on its own (the check's

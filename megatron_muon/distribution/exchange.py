@@ -5,6 +5,7 @@ sends through torch.distributed)."""
 import contextlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
+from itertools import zip_longest
 from operator import attrgetter
 from typing import NamedTuple, Sequence
 
@@ -176,6 +177,30 @@ def _assembled(routes: OwnerRoutes, local: dict, received: torch.Tensor, work) -
     for (i, start, stop), piece in routes.received_pieces(routes.gather, received):
         full[i][start:stop] = piece
     return full
+
+
+def exchange_rounds(streams: Sequence[Iterable[Iterator[None]]]) -> Iterator[Iterator[None]]:
+    """Several groups' exchanges (each stream: one group's, in order, as owner_exchange makes
+    them) in rounds, for run_overlapped: round k is every stream's k-th exchange as one
+    (_exchange_round); a stream's exchange is made when its round is reached (its rows asked
+    for then, as run_overlapped takes it). Each group still has at most two exchanges in flight
+    (plan.working_memory counts them per group)."""
+    for exchanges in zip_longest(*streams):
+        present = [exchange for exchange in exchanges if exchange is not None]
+        yield present[0] if len(present) == 1 else _exchange_round(present)
+
+
+def _exchange_round(exchanges: Sequence[Iterator[None]]) -> Iterator[None]:
+    """Exchanges of different groups as one, yielding as owner_exchange does: every gather
+    issued; then each one's Newton-Schulz run and its scatter issued; then every scatter
+    awaited. No group's scatter is awaited before this rank has computed all of them, so a
+    rank owning a large matrix of one group and little of another waits for no one between."""
+    for _ in range(2):
+        for exchange in exchanges:
+            next(exchange, None)
+        yield
+    for exchange in exchanges:
+        deque(exchange, maxlen=0)
 
 
 def run_overlapped(exchanges: Iterable[Iterator[None]], in_flight: int = IN_FLIGHT) -> None:

@@ -16,13 +16,14 @@ from emerging_optimizers import utils as eo_utils
 from torch.distributed.tensor import DTensor
 
 from ..compat import tensor_parallel, upstream
-from ..plan import (Matrix, OwnedBatches, RowLayout, StepCost, alone_working, batch_bytes,
-                    batch_matrices, cost_key, flops_cost, orthogonalization_key, owned_batches,
-                    owner_bytes, packed_plan, per_exchange_bytes, qkv_row_blocks, row_layouts,
-                    split_matrices, state_saved, team_step_cost, with_teams)
+from ..plan import (Matrix, RowLayout, StepCost, batch_bytes, batch_matrices, cost_key,
+                    flops_cost, orthogonalization_key, owned_batches, owner_bytes,
+                    per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices,
+                    team_step_cost, with_teams)
 from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_dims, data_parallel_layout,
                            num_experts, shard_index, tp_local_rows)
-from .exchange import OwnerRoutes, all_gather_ints
+from .exchange import all_gather_ints
+from .group_plan import Draft, GroupPlan
 from .measured_cost import measure, seconds_beyond_noise
 from .teams import create_team_groups
 
@@ -33,128 +34,72 @@ from .teams import create_team_groups
 BATCHED_MUST_SAVE = 0.9
 
 
-class GroupPlan:
-    """The matrices of one exchange group, fixed at construction: one per param, or one per
-    expert of a stacked expert weight; where this rank's rows of each sit in its param's local
-    shard; their owners, this rank's routes through the exchanges that carry their batches, each
-    rank's working-memory budget they were planned within (`budgets`: plan.rank_budgets), and
-    the measured StepCost the owners were chosen by (None: byte-first, or no owners); a matrix
-    split over a team is its blocks (plan.teams), `team_groups` the process groups of the teams
-    this rank is a member of."""
-
-    def __init__(self, params: list[DTensor], matrices: list[Matrix],
-                 pieces: list[tuple[int, int, int]], owners: list[int],
-                 exchanges: list[list[list[int]]], group: dist.ProcessGroup | None,
-                 budgets: list[int], cost: StepCost | None = None,
-                 team_groups: dict | None = None) -> None:
-        self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
-        self.group, self.budgets, self.cost = group, budgets, cost
-        self.team_groups = team_groups or {}
-        self.rank = dist.get_rank(group)
-        self.routes = [OwnerRoutes(matrices, owners, batches, self.rank) for batches in exchanges]
-
-    def param_of(self, i: int) -> DTensor:
-        return self.params[self.pieces[i][0]]
-
-    def bytes_received(self) -> int:
-        """What this rank receives in one owner step (gather and scatter)."""
-        return sum(sum(route.recv_counts) * self.param_of(0).element_size()
-                   for routes in self.routes for route in (routes.gather, routes.scatter)
-                   if route.moves)
-
-    def rows_of(self, i: int, local: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of matrix i within `local`, its param's local shard (or a tensor
-        shaped like it); of a team's column block, their columns of it."""
-        _, lo, hi = self.pieces[i]
-        team = self.matrices[i].team
-        if team and team.dim == 1:
-            return as_rows(local)[lo:hi, team.start:team.start + self.matrices[i].cols]
-        return as_rows(local)[lo:hi]
-
-    def grad_rows(self, i: int) -> torch.Tensor:
-        """This rank's rows of matrix i's gradient (zeros where Megatron-FSDP leaves grad=None:
-        an empty shard)."""
-        p = self.param_of(i)
-        if p.grad is None:
-            return torch.zeros_like(self.rows_of(i, p.to_local()))
-        return self.rows_of(i, p.grad.to_local())
-
-
 class GroupPlanner:
     """Plans a ZeROTensorParallelMuon's exchange groups (`plan`), using what the optimizer
     knows: its settings, its TP groups and QKV split, and its orthogonalize, which the rates and
     the batching probe time and compare. Fills `held_rows` ({param: (start, stop, rows) of
     its TP-local matrix this rank holds}) and `batched_newton_schulz` ({(shape, batch key):
-    whether same-shape matrices run in one batched call})."""
+    whether same-shape matrices run in one batched call}). `reserved`: what this rank holds
+    of another part's exchanges, which run interleaved with this one's (distribution.interleaving),
+    None where they run apart."""
 
     def __init__(self, muon: Any) -> None:
         self.muon = muon
         self.held_rows: dict[DTensor, tuple[int, int, int]] = {}
         self.batched_newton_schulz: dict[tuple, bool] = {}
+        self.reserved: int | None = None
 
     def plan(self, byte_slack: float | None, max_exchange_bytes: int | None,
              headroom: bool = True) -> list[GroupPlan]:
         """Every exchange group's plan. Under the default budget, `headroom`: a rank's budget
         is its saving plus what the step must exceed a rank's saving anyway (packed); False
         (the state offloaded: device memory first): each rank's saving in the group."""
-        self._drafts = [self._draft_group(params, group, byte_slack, max_exchange_bytes)
+        self.drafts = [self._draft_group(params, group, byte_slack, max_exchange_bytes)
                         for (group, _), params in self._exchange_groups().items()]
         if self.muon.max_team_size > 1:
-            create_team_groups(self._drafts)
+            create_team_groups(self.drafts)
         self._max_exchange_bytes = max_exchange_bytes
         self._with_headroom = headroom and max_exchange_bytes is None
         self.headroom = 0
         plans = self.packed()
         if (dist.get_rank() == 0 and self.muon.dist_mode == "owner"
                 and max_exchange_bytes is not None):
-            self.say_which_go_alone(plans, max_exchange_bytes)
+            _say_which_go_alone(self.muon, plans, max_exchange_bytes)
         return plans
 
     def saving(self) -> int:
         """What Muon's state saves this rank against Adam's, over its groups (plan.state_saved)."""
-        return sum(draft.saved()[draft.rank] for draft in self._drafts)
+        return sum(draft.saved()[draft.rank] for draft in self.drafts)
 
     def need(self) -> int:
         """The most this rank's batches alone need in any of its groups (plan.alone_working)."""
-        return max([0] + [draft.alone()[draft.rank] for draft in self._drafts])
+        return max([0] + [draft.alone()[draft.rank] for draft in self.drafts])
 
     def packed(self, saving: int | None = None, need: int | None = None,
                least_headroom: int = 0) -> list[GroupPlan]:
         """The groups' plans: a rank's budget is its `saving` over every group it steps
-        (whichever Muon part steps them: they run one after the other; None: this planner's)
+        (whichever Muon part steps them, one after the other or interleaved; None: this
+        planner's)
         plus the headroom, the most any rank's `need` (None: this planner's) exceeds its
         saving (plan.rank_budgets), at least `least_headroom`. Each group gathers its ranks'
         savings and headroom (one collective) and passes the largest headroom on to the next
-        group; `headroom`: the last."""
-        if not self._with_headroom:
-            return [draft.packed(self._max_exchange_bytes, None) for draft in self._drafts]
+        group; `headroom`: the last. With `reserved`, each rank's budget less that (gathered
+        with them)."""
+        if not self._with_headroom and self.reserved is None:
+            return [draft.packed(self._max_exchange_bytes, None) for draft in self.drafts]
         saving = self.saving() if saving is None else saving
         need = self.need() if need is None else need
         self.headroom, plans = max(least_headroom, need - saving, 0), []
-        for draft in self._drafts:
-            table = all_gather_ints([saving, self.headroom], draft.group,
+        for draft in self.drafts:
+            table = all_gather_ints([saving, self.headroom, self.reserved or 0], draft.group,
                                     draft.params[0].to_local().device)
+            reserved = None if self.reserved is None else [row[2] for row in table]
+            if not self._with_headroom:
+                plans.append(draft.packed(self._max_exchange_bytes, None, None, reserved))
+                continue
             self.headroom = max(row[1] for row in table)
-            plans.append(draft.packed(None, self.headroom, [row[0] for row in table]))
+            plans.append(draft.packed(None, self.headroom, [row[0] for row in table], reserved))
         return plans
-
-    def say_which_go_alone(self, plans: list[GroupPlan], max_exchange_bytes: int) -> None:
-        """One line on rank 0: the matrices that alone need more than half of the working-memory
-        budget the user set (each goes alone in its batch), the largest named with its size.
-        Under the default budget (what Muon's state saves a rank, and what the step needs
-        anyway) the line would tell the user nothing to act on."""
-        needs = [(owner_bytes(matrix, plan.param_of(i).element_size()), plan, i)
-                 for plan in plans for i, matrix in enumerate(plan.matrices)]
-        alone = [need for need in needs if need[0] > per_exchange_bytes(max_exchange_bytes)]
-        if not alone:
-            return
-        largest, plan, i = max(alone, key=lambda item: item[0])
-        rows, cols = plan.matrices[i].shape
-        print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
-              f"--muon-max-exchange-bytes ({max_exchange_bytes / 2**20:.1f} MiB) and are "
-              f"orthogonalized alone; the largest, {self.muon.name_of(plan.param_of(i))} "
-              f"({rows}x{cols}, {rows * cols * plan.param_of(i).element_size() / 2**20:.1f} "
-              f"MiB), needs {largest / 2**20:.1f} MiB on its owner", flush=True)
 
     def _exchange_group(self, p: DTensor):
         dims = data_parallel_dims(p)
@@ -190,7 +135,7 @@ class GroupPlanner:
                            [tp_local_rows(p) for p in params])
 
     def _draft_group(self, params: list, group, byte_slack: float | None,
-                     max_exchange_bytes: int | None) -> "_Draft":
+                     max_exchange_bytes: int | None) -> Draft:
         layouts = self._learn_layouts(params, group)
         rank = dist.get_rank(group)
         whole = []  # (param index, first row in it, matrix)
@@ -219,7 +164,8 @@ class GroupPlanner:
         # measured cost, so they pick the same owners: TP Newton-Schulz then meets its TP peers
         # on the same matrix.
         owned = owned_batches(matrices, element_bytes, byte_slack, max_exchange_bytes, cost)
-        return _Draft(params, matrices, pieces, owned, group, cost)
+        return Draft(params, matrices, pieces, owned, group, cost,
+                     dict(byte_slack=byte_slack, max_exchange_bytes=max_exchange_bytes))
 
     @torch.no_grad()
     def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,
@@ -331,6 +277,25 @@ class GroupPlanner:
         return torch.equal(batched, single)
 
 
+def _say_which_go_alone(muon: Any, plans: list[GroupPlan], max_exchange_bytes: int) -> None:
+    """One line on rank 0: the matrices that alone need more than half of the working-memory
+    budget the user set (each goes alone in its batch), the largest named with its size.
+    Under the default budget (what Muon's state saves a rank, and what the step needs
+    anyway) the line would tell the user nothing to act on."""
+    needs = [(owner_bytes(matrix, plan.param_of(i).element_size()), plan, i)
+             for plan in plans for i, matrix in enumerate(plan.matrices)]
+    alone = [need for need in needs if need[0] > per_exchange_bytes(max_exchange_bytes)]
+    if not alone:
+        return
+    largest, plan, i = max(alone, key=lambda item: item[0])
+    rows, cols = plan.matrices[i].shape
+    print(f"megatron-muon: {len(alone)} Muon matrices each need more than half of "
+          f"--muon-max-exchange-bytes ({max_exchange_bytes / 2**20:.1f} MiB) and are "
+          f"orthogonalized alone; the largest, {muon.name_of(plan.param_of(i))} "
+          f"({rows}x{cols}, {rows * cols * plan.param_of(i).element_size() / 2**20:.1f} "
+          f"MiB), needs {largest / 2**20:.1f} MiB on its owner", flush=True)
+
+
 def _with_teams_cost(cost: StepCost | None, matrices: list[Matrix], muon: Any) -> tuple:
     """(what teams are sized by, what owners by time weigh): every matrix's FLOPs at the measured
     rate of the group's largest (whole or a member's part: a small matrix's measured call is
@@ -365,35 +330,3 @@ def _split_over_teams(whole: list[tuple[int, int, Matrix]], layouts: list[RowLay
         matrices.append(matrix)
         pieces.append((index, *layouts[index].local_range(rank, first, first + matrix.shape[0])))
     return matrices, pieces, cost
-
-
-@dataclasses.dataclass(frozen=True)
-class _Draft:
-    """One exchange group's plan before its exchanges are packed: its budgets wait for its
-    ranks' savings and headroom over every group they step."""
-    params: list
-    matrices: list[Matrix]
-    pieces: list[tuple[int, int, int]]
-    owned: OwnedBatches
-    group: Any
-    cost: StepCost | None
-    # {team: its process group} of the teams this rank is a member of (distribution.teams)
-    team_groups: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    def saved(self) -> list[int]:
-        return state_saved(self.matrices, self.params[0].element_size())
-
-    def alone(self) -> list[int]:
-        return alone_working(self.matrices, self.owned.owners, self.owned.batches,
-                             self.params[0].element_size())
-
-    def packed(self, max_exchange_bytes: int | None, headroom: int | None,
-               saved: list[int] | None = None) -> GroupPlan:
-        plan = packed_plan(self.matrices, self.owned, self.params[0].element_size(),
-                           max_exchange_bytes, headroom, saved)
-        return GroupPlan(self.params, self.matrices, self.pieces, plan.owners, plan.exchanges,
-                         self.group, plan.budgets, self.cost, self.team_groups)

@@ -14,6 +14,7 @@ from ..compat import upstream, upstream_fixes
 from ..core.state_offload import offload_between_steps
 from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from ..core.zero_muon import ZeROTensorParallelMuon
+from ..distribution.interleaving import interleave
 from ..plan import MAX_EXCHANGE_BYTES
 from ..step.chained import FSDPMuonChainedOptimizer
 from ..step.model_chunks import find_megatron_fsdp
@@ -256,20 +257,9 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
             part.tp_group = pg_collection.tp
             part.expert_tp_group = getattr(pg_collection, "expt_tp", pg_collection.tp)
             parts.append(part)
-    _share_headroom([part.optimizer for part in parts
-                     if isinstance(part.optimizer, ZeROTensorParallelMuon)])
+    # The dense part before the expert part, as Megatron's chain steps them; planned and stepped
+    # together where memory allows.
+    muons = [part.optimizer for part in parts if isinstance(part.optimizer, ZeROTensorParallelMuon)]
+    if len(muons) == 2:
+        interleave(*muons)
     return parts
-
-
-def _share_headroom(muons: list[ZeROTensorParallelMuon]) -> None:
-    """The dense and the expert Muon part step one after the other, so a rank's budget in
-    either is its saving over both plus the headroom over both (GroupPlanner.packed): both
-    re-pack their exchanges with them, dense first, at construction, before any state."""
-    if len(muons) < 2:
-        return
-    saving = sum(muon.planner.saving() for muon in muons)
-    need = max(muon.planner.need() for muon in muons)
-    headroom = 0
-    for muon in muons:
-        muon.plans = muon.planner.packed(saving, need, headroom)
-        headroom = muon.planner.headroom

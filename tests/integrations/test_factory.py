@@ -192,6 +192,10 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
     if flagship:
         _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts)
     parts = _parts(optimizer, ZeROTensorParallelMuon)
+    # With experts in owner mode and the state on the device, the dense and expert parts step
+    # in rounds (distribution.interleaving): equal to the reference too.
+    interleaved = experts and dist_mode == "owner" and offload_fraction is None
+    assert [part.interleaved is not None for part in parts] == [bool(interleaved)] * len(parts)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     names = {p: name for name, p in named_main_weights(model)}
     pairs, ref_groups = [], []

@@ -49,29 +49,28 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
                                               tensor_parallel)
     muons = [part.optimizer for part in optimizer.chained_optimizers
              if isinstance(part.optimizer, ZeROTensorParallelMuon)]
-    checked = []
-    for muon, matrices in zip(muons, [dense, expert] if expert else [dense]):
-        (plan,) = muon.plans
-        # The run's measured rates stand in for the scale model's (StepCost), or none: by bytes.
-        assert (plan.cost is None) == (owner_choice == "bytes")
-        part = scale_model.Part(matrices, plan.matrices[0].layout.ranks, plan.cost)
-        mode = "owner" if owner_choice == "time" else "owner-by-bytes"
+    assert len(muons) == (2 if expert else 1)
+    plans = [muon.plans[0] for muon in muons]
+    # The run's measured rates stand in for the scale model's (StepCost), or none: by bytes.
+    assert [plan.cost is None for plan in plans] == [owner_choice == "bytes"] * len(plans)
+    # Planned as the factory plans the parts: the expert part beside the dense part
+    # (distribution.interleaving) where every rank holds both, each rank's budget its saving
+    # over both parts plus the headroom over both.
+    parts = scale_model.planned_parts(
+        dense, expert, data_parallel, expert_parallel, plans[0].cost, plans[-1].cost,
+        expert_rank=parallel_state.get_expert_model_parallel_rank())
+    assert (parts.beside is not None) == (muons[0].interleaved is not None) == bool(expert)
+    modelled = [parts[0][0]] + ([] if not expert else [
+        parts.beside[parallel_state.get_expert_model_parallel_rank()] if parts.beside
+        else parts[1][0]])
+    mode = "owner" if owner_choice == "time" else "owner-by-bytes"
+    for plan, part in zip(plans, modelled):
         assert sorted(zip(plan.matrices, plan.owners), key=repr) == sorted(
             zip(part.matrices, part.owners[mode]), key=repr)
-        checked.append(plan)
-    assert len(muons) == (2 if expert else 1)
-    # The exchanges too, each rank's budget its saving over the dense and the expert part plus
-    # the headroom over both, as the factory packs them (where the model's matrices are the
-    # run's in the same order: here every part).
-    parts = scale_model.planned_parts(
-        dense, expert, data_parallel, expert_parallel, checked[0].cost, checked[-1].cost,
-        expert_rank=parallel_state.get_expert_model_parallel_rank())
-    compared = 0
-    for plan, (part, _) in zip(checked, parts):
-        if plan.matrices == part.matrices:
-            assert [route.batches for route in plan.routes] == part.exchanges
-            compared += 1
-    assert compared == len(checked)
+        # The exchanges too (where the model's matrices are the run's in the same order: here
+        # every part).
+        assert plan.matrices == part.matrices
+        assert [route.batches for route in plan.routes] == part.exchanges
 
 
 # Each --muon-tp-mode that plans differently: duplicated gathers over the one TP rank; None is

@@ -79,9 +79,10 @@ def _train_step(model, optimizer, step, rank):
     optimizer.step()
 
 
-def _tracked_muon_step(model, optimizer, step, rank) -> int:
-    """One train step; the most bytes the Muon part's step holds beyond those alive when it began."""
-    muon = _muon(optimizer)
+def _tracked_muon_step(model, optimizer, step, rank, muon=None) -> int:
+    """One train step; the most bytes the Muon part's step (`muon`'s, by default the first's)
+    holds beyond those alive when it began."""
+    muon = muon or _muon(optimizer)
     untracked = muon.step
     with AllocationTracker(CPU) as tracker:
         def step_tracked(*args, **kwargs):
@@ -180,6 +181,32 @@ def _within_budget(rank, world_size, tp_mode):
 def test_the_owner_step_holds_what_the_plan_counts_within_the_budget(distributed, world_size,
                                                                      tp_mode):
     distributed(_within_budget, world_size, tp_mode)
+
+
+def _interleaved_within_budget(rank, world_size):
+    """The dense and expert Muon parts stepped in rounds (distribution.interleaving) hold both
+    parts' exchanges at once: the expert part's step (which runs both) holds at most the two
+    parts' counts together (each plan.working_memory), and those stay within the rank's budget
+    (its saving over both parts plus the headroom, which covers both parts' batches alone side
+    by side)."""
+    init_parallel_state(expert_parallel=2)
+    model = fsdp_gpt(SHAPE, num_experts=4)
+    optimizer = get_megatron_optimizer(optimizer_config(), [model])
+    dense, expert = optimizer.muon_optimizers
+    assert dense.interleaved is expert.interleaved is not None
+    _train_step(model, optimizer, 0, rank)  # creates the momentum
+    measured = _tracked_muon_step(model, optimizer, 1, rank, expert)  # its step runs both
+    planned = _planned(dense) + _planned(expert)
+    late = _collective_buffers(dense) + _collective_buffers(expert)
+    assert 0 < measured <= planned + late, (measured, planned, late)
+    saving = dense.planner.saving() + expert.planner.saving()
+    need = dense.planner.need() + expert.planner.need()
+    budget = saving + max(expert.planner.headroom, need if need > saving else 0)
+    assert planned <= budget, (planned, budget)
+
+
+def test_dense_and_expert_parts_interleaved_hold_both_within_the_budget(distributed):
+    distributed(_interleaved_within_budget, 4)
 
 
 def _train_step_memory(rank, world_size):

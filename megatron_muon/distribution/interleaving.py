@@ -1,0 +1,115 @@
+"""Two Muon parts of one chain planned and stepped together: megatron_muon's factory builds a
+dense part (its matrices over dp_cp) and an expert part (over expert data parallelism), which
+Megatron's chain steps one after the other, so each part's step lasts as long as its busiest
+rank and a rank owning a large dense matrix may also own its full share of experts. Planned
+together, the expert part's owners count each rank's load in the dense part (plan.rank_loads as
+owned_batches' `base`), and the expert part's step runs both parts' exchanges in rounds
+(exchange.exchange_rounds): round k is both parts' k-th exchange, all gathers issued, then both
+parts' Newton-Schulz, then both scatters awaited, so a rank waits for no one between its dense
+and its expert matrices. Only where Newton-Schulz runs changes: every update is the one the
+parts compute apart (docs/design.md, "Dense and experts together").
+
+Where a rank cannot hold both parts' exchanges at once within the budget it has with the parts
+apart (the expert part packed beside the dense part's working memory: plan.packed_beside), no
+rank interleaves and the expert part is planned apart again (one flag over the world at
+construction decides, so that every rank issues its collectives in one order)."""
+
+from functools import partial
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..plan import rank_loads, working_memory
+from .exchange import exchange_rounds, run_overlapped
+from .teams import create_team_groups
+
+
+class Interleaved:
+    """`first`'s and `second`'s owner steps as one, run in `second`'s step (Megatron's chain
+    steps `first` before it; `first`'s step leaves its exchanges to it)."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.parts = (first, second)
+
+    def step(self, muon: Any) -> None:
+        if muon is self.parts[0]:
+            return
+        run_overlapped(exchange_rounds([
+            part.owner_exchanges(plan, partial(part.update_rows, plan), part.apply_update)
+            for part in self.parts for plan in part.plans]))
+
+
+def share_headroom(muons: Sequence[Any], interleaved: bool = False) -> None:
+    """The parts' exchanges packed with one budget per rank, in order, at construction, before
+    any state: its saving over all parts plus the headroom (GroupPlanner.packed), the most a
+    rank's batches alone need beyond its saving in any one part. `interleaved` (two parts): the
+    first packed so, the second beside the first's working memory on each rank
+    (GroupPlanner.reserved), its headroom covering that and its own batches alone: a rank holds
+    both within its budget, and the first part (the dense part, over every rank: its
+    all-to-alls' latency the dearer) is packed as apart."""
+    if len(muons) < 2:
+        return
+    saving = sum(muon.planner.saving() for muon in muons)
+    need = max(muon.planner.need() for muon in muons)
+    headroom = 0
+    for k, muon in enumerate(muons):
+        if interleaved and k == 1:
+            muon.planner.reserved = max(_working_here(plan) for plan in muons[0].plans)
+            need = muon.planner.reserved + muon.planner.need()
+        muon.plans = muon.planner.packed(saving, need, headroom)
+        headroom = muon.planner.headroom
+
+
+def interleave(first: Any, second: Any, allowed: bool = True) -> bool:
+    """Plan `second` beside `first` and step them together (Interleaved), else plan them apart
+    (share_headroom); whether they interleave. Owner mode, one exchange group each, no state
+    offloaded (its streaming counts each part's exchanges alone) and `allowed`; and every rank
+    holds both parts' exchanges within its budget (by default so: the headroom covers them;
+    under --muon-max-exchange-bytes where both fit it). Every rank calls it, at construction."""
+    if not (allowed and _can_interleave(first) and _can_interleave(second)):
+        share_headroom([first, second])
+        return False
+    apart = second.planner.drafts
+    here = _load_here(first)
+    second.planner.drafts = [draft.beside(_gathered(here, draft)) for draft in apart]
+    if second.max_team_size > 1:
+        create_team_groups(second.planner.drafts)
+    share_headroom([first, second], interleaved=True)
+    fits = torch.tensor([all(plan.fits_beside for plan in second.plans)],
+                        dtype=torch.int32, device=second.device())
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    if fits.item():
+        first.interleaved = second.interleaved = Interleaved(first, second)
+        return True
+    second.planner.drafts, second.planner.reserved = apart, None
+    share_headroom([first, second])
+    return False
+
+
+def _can_interleave(muon: Any) -> bool:
+    return (muon.dist_mode == "owner" and len(muon.plans) == 1
+            and not muon.host_state.params)
+
+
+def _load_here(muon: Any) -> float:
+    """This rank's load over `muon`'s groups, as their owners weighed it (plan.rank_loads)."""
+    return sum(rank_loads(draft.matrices, draft.owned.owners, draft.owned.batches,
+                          draft.params[0].element_size(), draft.cost)[draft.rank]
+               for draft in muon.planner.drafts)
+
+
+def _gathered(load: float, draft: Any) -> list[float]:
+    """Every rank of `draft`'s group's `load` (seconds where its owners are chosen by time,
+    else FLOPs), exactly (float64), one collective."""
+    device = draft.params[0].to_local().device
+    table = torch.empty(draft.group.size(), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(table, torch.tensor([load], dtype=torch.float64, device=device),
+                                group=draft.group)
+    return table.tolist()
+
+
+def _working_here(plan: Any) -> int:
+    """This rank's working memory in `plan`'s exchanges (plan.working_memory)."""
+    return working_memory(plan.matrices, plan.owners, [route.batches for route in plan.routes],
+                          plan.param_of(0).element_size())[plan.rank]

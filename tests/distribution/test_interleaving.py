@@ -1,0 +1,95 @@
+"""The factory's dense and expert Muon parts planned and stepped together
+(distribution.interleaving): the expert part's owners count each rank's dense load, and its step
+runs both parts' exchanges in rounds, so no scatter is awaited before a rank has computed both
+parts' matrices; where memory does not allow it, the parts run apart as before. The updates are
+megatron-core's either way (test_factory's reference cases run interleaved: asserted there)."""
+
+import torch
+import torch.distributed as dist
+
+from megatron_muon import get_megatron_optimizer
+from megatron_muon.distribution.exchange import Observer, observed
+from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
+
+ONE_EXCHANGE = 1 << 30  # a budget that holds every matrix of a part in one exchange
+
+
+def _step_events(model, optimizer, rank) -> list:
+    """What one step does, in order: all-to-alls (by group size), and each part's Newton-Schulz
+    and updates applied (by part, repeats merged)."""
+    events = []
+
+    def record(event):
+        if not events or events[-1] != event:
+            events.append(event)
+
+    class Order(Observer):
+        def collective(self, call):
+            if call.name == "alltoall_base_":
+                events.append(("all-to-all", call.group_size))
+
+    dense, expert = optimizer.muon_optimizers
+    for part, name in ((dense, "dense"), (expert, "expert")):
+        def orthogonalize(*args, owned=part.orthogonalize_owned, name=name):
+            record(("computed", name))
+            return owned(*args)
+
+        def apply(plan, i, rows, apply=part.apply_update, name=name):
+            record(("applied", name))
+            apply(plan, i, rows)
+        part.orthogonalize_owned, part.apply_update = orthogonalize, apply
+    optimizer.zero_grad()
+    lm_loss(model, 0, rank).backward()
+    model.finish_grad_sync()
+    with observed(Order()):
+        assert optimizer.step()[0]
+    return events
+
+
+def _parts_step_in_rounds(rank, world_size):
+    init_parallel_state(expert_parallel=2)
+    model = fsdp_gpt(num_experts=4)
+    # Owners by bytes: the plan, and so the events, the same in every run.
+    optimizer = get_megatron_optimizer(optimizer_config(), [model], muon_owner_choice="bytes",
+                                       muon_max_exchange_bytes=ONE_EXCHANGE)
+    dense, expert = optimizer.muon_optimizers
+    assert dense.interleaved is expert.interleaved is not None
+    assert expert.planner.reserved is not None  # packed beside the dense part's exchanges
+    assert [len(plan.routes) for plan in dense.plans + expert.plans] == [1, 1]
+    # One exchange each, as one round: the dense part's gather (over dp_cp, 4 ranks) first, and
+    # both parts' Newton-Schulz before either part's update is applied (apart, the dense part's
+    # updates come before the expert part's Newton-Schulz).
+    events = _step_events(model, optimizer, rank)
+    computed = [k for k, (kind, _) in enumerate(events) if kind == "computed"]
+    applied = [k for k, (kind, _) in enumerate(events) if kind == "applied"]
+    assert events[0] == ("all-to-all", 4), events
+    assert max(computed, default=-1) < min(applied), events
+    assert [events[k] for k in applied] == [("applied", "dense"), ("applied", "expert")], events
+    owners = torch.tensor([float(bool(computed))])
+    dist.all_reduce(owners)
+    assert owners.item() > 0  # some rank computes: the check above is not empty
+
+
+def _parts_step_apart_where_memory_forbids(rank, world_size):
+    init_parallel_state(expert_parallel=2)
+    model = fsdp_gpt(num_experts=4)
+    # A budget each batch alone exceeds: a rank cannot hold both parts' exchanges at once.
+    optimizer = get_megatron_optimizer(optimizer_config(), [model], muon_owner_choice="bytes",
+                                       muon_max_exchange_bytes=1)
+    dense, expert = optimizer.muon_optimizers
+    assert dense.interleaved is None and expert.interleaved is None
+    assert expert.planner.reserved is None
+    events = _step_events(model, optimizer, rank)
+    parts = [name for kind, name in events if kind != "all-to-all"]
+    assert parts == sorted(parts) and "dense" in parts, events  # the dense part's work first
+    dense_calls, expert_calls = ([k for k, event in enumerate(events) if event == ("all-to-all", n)]
+                                 for n in (4, 2))
+    assert dense_calls and max(dense_calls) < min(expert_calls, default=len(events))
+
+
+def test_the_dense_and_expert_parts_step_in_rounds(distributed):
+    distributed(_parts_step_in_rounds, 4)
+
+
+def test_the_parts_step_apart_where_a_rank_cannot_hold_both(distributed):
+    distributed(_parts_step_apart_where_memory_forbids, 4)
