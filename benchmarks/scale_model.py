@@ -394,6 +394,7 @@ class Planned(list):
 
     beside: dict | None = None
     ep: int = 1
+    headroom: int = 0  # the parts' apart (_pack)
 
 
 def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
@@ -424,11 +425,11 @@ def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
 def _pack(parts, world: int, ep: int, expert_rank: int | None, groups=None) -> None:
     """Pack `parts` as share_headroom does: each rank's budget its saving over the dense part
     and its expert group's plus the headroom, the most any rank's batches alone need beyond its
-    saving in either part. Apart, the experts' part is `parts`' own, for the groups
-    `expert_rank` says (planned_parts). Or `groups`: {EP rank: its expert group's Part planned
-    beside the dense part}, interleaved: the dense part packed so, each group beside the dense
-    part's working memory on its ranks, its headroom (the group's most) covering that and its
-    own batches alone."""
+    saving in either part (`parts.headroom`). Apart, the experts' part is `parts`' own, for the
+    groups `expert_rank` says (planned_parts). Or `groups`: {EP rank: its expert group's Part
+    planned beside the dense part}, interleaved: the dense part packed as apart, each group
+    beside the dense part's working memory on its ranks, its headroom (the group's most)
+    covering that and its own batches alone."""
     from megatron_muon.plan import alone_working, state_saved, working_memory
 
     dense = parts[0][0]
@@ -443,7 +444,8 @@ def _pack(parts, world: int, ep: int, expert_rank: int | None, groups=None) -> N
             if rank_in_part(r) is not None:
                 saving[r] += saved[rank_in_part(r)]
                 need[r] = max(need[r], alone_of[id(part)][rank_in_part(r)])
-    headroom = max([0] + [n - s for n, s in zip(need, saving)])
+    if not groups:
+        parts.headroom = max([0] + [n - s for n, s in zip(need, saving)])
     held = None
     for part, rank_in_part in members:
         ranks = [r for r in range(world) if rank_in_part(r) is not None]
@@ -453,12 +455,13 @@ def _pack(parts, world: int, ep: int, expert_rank: int | None, groups=None) -> N
                 if part is dense or expert_rank is None or r % ep == expert_rank:
                     q = rank_in_part(r)
                     in_part[q] = saving[r] if in_part[q] is None else min(in_part[q], saving[r])
-            part.pack(headroom, in_part)
+            part.pack(parts.headroom, in_part)
             held = working_memory(dense.matrices, dense.owned.owners, dense.exchanges,
                                   ELEMENT_BYTES)
             continue
         alone = alone_of[id(part)]
-        beside = max([headroom] + [held[r] + alone[rank_in_part(r)] - saving[r] for r in ranks])
+        beside = max([parts.headroom] + [held[r] + alone[rank_in_part(r)] - saving[r]
+                                          for r in ranks])
         part.pack(beside, [saving[r] for r in ranks], [held[r] for r in ranks])
 
 

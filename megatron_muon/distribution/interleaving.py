@@ -40,18 +40,20 @@ class Interleaved:
             for part in self.parts for plan in part.plans]))
 
 
-def share_headroom(muons: Sequence[Any], interleaved: bool = False) -> None:
+def share_headroom(muons: Sequence[Any], interleaved: bool = False,
+                   need: int | None = None) -> None:
     """The parts' exchanges packed with one budget per rank, in order, at construction, before
     any state: its saving over all parts plus the headroom (GroupPlanner.packed), the most a
-    rank's batches alone need beyond its saving in any one part. `interleaved` (two parts): the
-    first packed so, the second beside the first's working memory on each rank
+    rank's batches alone need beyond its saving in any one part (`need`: this rank's most, where
+    given). `interleaved` (two parts): the first packed so, the second beside the first's
+    working memory on each rank
     (GroupPlanner.reserved), its headroom covering that and its own batches alone: a rank holds
     both within its budget, and the first part (the dense part, over every rank: its
     all-to-alls' latency the dearer) is packed as apart."""
     if len(muons) < 2:
         return
     saving = sum(muon.planner.saving() for muon in muons)
-    need = max(muon.planner.need() for muon in muons)
+    need = max(muon.planner.need() for muon in muons) if need is None else need
     headroom = 0
     for k, muon in enumerate(muons):
         if interleaved and k == 1:
@@ -71,11 +73,12 @@ def interleave(first: Any, second: Any, allowed: bool = True) -> bool:
         share_headroom([first, second])
         return False
     apart = second.planner.drafts
+    need_apart = max(first.planner.need(), second.planner.need())  # the first packed as apart
     here = _load_here(first)
     second.planner.drafts = [draft.beside(_gathered(here, draft)) for draft in apart]
     if second.max_team_size > 1:
         create_team_groups(second.planner.drafts)
-    share_headroom([first, second], interleaved=True)
+    share_headroom([first, second], interleaved=True, need=need_apart)
     fits = torch.tensor([all(plan.fits_beside for plan in second.plans)],
                         dtype=torch.int32, device=second.device())
     dist.all_reduce(fits, op=dist.ReduceOp.MIN)
