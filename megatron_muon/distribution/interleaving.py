@@ -9,10 +9,10 @@ parts' Newton-Schulz, then both scatters awaited, so a rank waits for no one bet
 and its expert matrices. Only where Newton-Schulz runs changes: every update is the one the
 parts compute apart (docs/design.md, "Dense and experts together").
 
-Where a rank cannot hold both parts' exchanges at once within the budget it has with the parts
-apart (the expert part packed beside the dense part's working memory: plan.packed_beside), no
-rank interleaves and the expert part is planned apart again (one flag over the world at
-construction decides, so that every rank issues its collectives in one order)."""
+The dense part is packed as apart, the expert part beside its working memory (plan.packed_beside),
+its headroom covering both (share_headroom). Where a rank still cannot hold both (a budget the
+user set), no rank interleaves and the expert part is planned apart again: one flag over the
+world at construction decides, so that every rank issues its collectives in one order."""
 
 from functools import partial
 from typing import Any, Sequence
