@@ -969,7 +969,8 @@ def print_variants_table(results):
     print(header + "\n" + "-" * len(header))
     for r in results:
         for variant, v in r["variants"].items():
-            print(line([r["model"], r["world"], r["tensor_parallel"], variant, v["exchanges"], v["fewest_exchanges"],
+            print(line([r["model"], r["world"], r["tensor_parallel"], variant, v["exchanges"],
+                        v["fewest_exchanges"],
                         v["collectives"],
                         f"{v['latency_ms']:.4g}", f"{v['step_ms']:.4g}", f"{v['working_gb']:.2f}",
                         f"{v['overhead_with_latency']:.2%}"]))

@@ -39,9 +39,9 @@ class GroupPlanner:
     knows: its settings, its TP groups and QKV split, and its orthogonalize, which the rates and
     the batching probe time and compare. Fills `held_rows` ({param: (start, stop, rows) of
     its TP-local matrix this rank holds}) and `batched_newton_schulz` ({(shape, batch key):
-    whether same-shape matrices run in one batched call}). `reserved`: what this rank holds
-    of another part's exchanges, which run interleaved with this one's (distribution.interleaving),
-    None where they run apart."""
+    whether same-shape matrices run in one batched call}). `reserved`: what this rank holds of
+    another part's exchanges, which run interleaved with this one's
+    (distribution.interleaving), None where they run apart."""
 
     def __init__(self, muon: Any) -> None:
         self.muon = muon
@@ -55,7 +55,7 @@ class GroupPlanner:
         is its saving plus what the step must exceed a rank's saving anyway (packed); False
         (the state offloaded: device memory first): each rank's saving in the group."""
         self.drafts = [self._draft_group(params, group, byte_slack, max_exchange_bytes)
-                        for (group, _), params in self._exchange_groups().items()]
+                       for (group, _), params in self._exchange_groups().items()]
         if self.muon.max_team_size > 1:
             create_team_groups(self.drafts)
         self._max_exchange_bytes = max_exchange_bytes

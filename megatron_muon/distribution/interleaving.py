@@ -45,11 +45,10 @@ def share_headroom(muons: Sequence[Any], interleaved: bool = False,
     """The parts' exchanges packed with one budget per rank, in order, at construction, before
     any state: its saving over all parts plus the headroom (GroupPlanner.packed), the most a
     rank's batches alone need beyond its saving in any one part (`need`: this rank's most, where
-    given). `interleaved` (two parts): the first packed so, the second beside the first's
-    working memory on each rank
-    (GroupPlanner.reserved), its headroom covering that and its own batches alone: a rank holds
-    both within its budget, and the first part (the dense part, over every rank: its
-    all-to-alls' latency the dearer) is packed as apart."""
+    given). `interleaved` (two parts): the first packed so, as apart (the dense part: its
+    all-to-alls, over every rank, are the dearest in latency), the second beside the first's
+    working memory on each rank (GroupPlanner.reserved), its headroom covering that and its own
+    batches alone: a rank holds both within its budget."""
     if len(muons) < 2:
         return
     saving = sum(muon.planner.saving() for muon in muons)
@@ -63,13 +62,13 @@ def share_headroom(muons: Sequence[Any], interleaved: bool = False,
         headroom = muon.planner.headroom
 
 
-def interleave(first: Any, second: Any, allowed: bool = True) -> bool:
+def interleave(first: Any, second: Any) -> bool:
     """Plan `second` beside `first` and step them together (Interleaved), else plan them apart
     (share_headroom); whether they interleave. Owner mode, one exchange group each, no state
-    offloaded (its streaming counts each part's exchanges alone) and `allowed`; and every rank
-    holds both parts' exchanges within its budget (by default so: the headroom covers them;
-    under --muon-max-exchange-bytes where both fit it). Every rank calls it, at construction."""
-    if not (allowed and _can_interleave(first) and _can_interleave(second)):
+    offloaded (its streaming counts each part's exchanges alone), and every rank holds both
+    parts' exchanges within its budget (by default so: the headroom covers them; under
+    --muon-max-exchange-bytes where both fit it). Every rank calls it, at construction."""
+    if not (_can_interleave(first) and _can_interleave(second)):
         share_headroom([first, second])
         return False
     apart = second.planner.drafts

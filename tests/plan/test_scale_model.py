@@ -30,8 +30,8 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
     for name, p in reference.named_parameters():
         # The scale model's TP-local part of the whole (TP = 1) weight is megatron-core's.
         whole = torch.empty(main_weights[name].shape, device="meta")
-        whole.__dict__.update({key: getattr(p, key) for key in ("tensor_model_parallel",
-                                                                 "partition_dim") if hasattr(p, key)})
+        tags = ("tensor_model_parallel", "partition_dim")
+        whole.__dict__.update({key: getattr(p, key) for key in tags if hasattr(p, key)})
         assert scale_model.tensor_parallel_part(whole, tensor_parallel) == tuple(p.shape), name
     data_parallel = world_size // tensor_parallel
     derived = scale_model.fsdp_rows(reference, data_parallel, data_parallel // expert_parallel)
