@@ -540,15 +540,17 @@ def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
         per_rank.append(sums)
     parts = [figures[id(part)] for part in experts.values()]
 
-    def slowest(key):
+    def slowest(rank_key, part_key):
+        """Together: the slowest rank's `rank_key` seconds and network; apart: the dense part's
+        `part_key` (its slowest rank's) and the slowest expert group's."""
         if together:
-            return max(f[key] + max(f["received"], f["sent"]) / cost.bytes_per_second
+            return max(f[rank_key] + max(f["received"], f["sent"]) / cost.bytes_per_second
                        for f in per_rank)
-        return figures[id(dense)][key.replace("ns_", "")] + max(
-            [f[key.replace("ns_", "")] for f in parts], default=0.0)
+        return figures[id(dense)][part_key] + max([f[part_key] for f in parts], default=0.0)
 
-    return dict(per_rank=per_rank, together=together, seconds=slowest("ns_seconds"),
-                syrk_seconds=slowest("syrk_seconds"),
+    return dict(per_rank=per_rank, together=together,
+                seconds=slowest("ns_seconds", "seconds"),
+                syrk_seconds=slowest("syrk_seconds", "syrk_seconds"),
                 collectives=figures[id(dense)]["collectives"] + max(
                     [f["collectives"] for f in parts], default=0),
                 latency=figures[id(dense)]["latency"] + max([f["latency"] for f in parts],
@@ -1088,8 +1090,8 @@ def main():
             print(f"planned {name} at W={world}, TP={tensor_parallel}: {r['muon_matrices']} "
                   "matrices, Megatron-FSDP "
                   f"layout {r['layout_seconds']:.2f} s, megatron_muon plan "
-                  f"{r['plan_seconds']:.2f} s; with teams {r['teams']['split']} matrices split, the largest team "
-                  f"{r['teams']['largest']} ranks", flush=True)
+                  f"{r['plan_seconds']:.2f} s; with teams {r['teams']['split']} matrices split, "
+                  f"the largest team {r['teams']['largest']} ranks", flush=True)
     notes = assumptions(rates, args)
     print_table(results, notes)
     print_beside_nvidia(results, rates)

@@ -315,8 +315,8 @@ def rank_budgets(matrices: Sequence[Matrix], owners: Sequence[int],
     (headroom 0), every rank's step stays within its saving.
 
     `reserved`: what each rank holds beside this group's exchanges, another group's working
-    memory where their exchanges run interleaved (interleaved_rounds), taken off its budget (its
-    batches alone still fit)."""
+    memory where their exchanges run interleaved (distribution.interleaving), taken off its
+    budget (its batches alone still fit)."""
     alone = alone_working(matrices, owners, batches, element_bytes)
     if max_exchange_bytes is not None:
         budgets = [max_exchange_bytes] * len(alone)
