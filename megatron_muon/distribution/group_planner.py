@@ -27,17 +27,10 @@ from .group_plan import Draft, GroupPlan
 from .measured_cost import measure, seconds_beyond_noise
 from .teams import create_team_groups
 
-# Measured batched Newton-Schulz must take at most this share of the per-matrix calls' time to be
-# chosen at fp32 `highest`: a near tie is noise (on this project's CPU 256x1024 batched by 2 took
-# 1.02x the per-matrix calls' time in one measurement, and was measured faster in another), and
-# per-matrix calls are megatron-core's own.
-BATCHED_MUST_SAVE = 0.9
-
-
 class GroupPlanner:
     """Plans a ZeROTensorParallelMuon's exchange groups (`plan`), using what the optimizer
-    knows: its settings, its TP groups and QKV split, and its orthogonalize, which the rates and
-    the batching probe time and compare. Fills `held_rows` ({param: (start, stop, rows) of
+    knows: its settings, its TP groups and QKV split, and its orthogonalize, which the rates
+    time. Fills `held_rows` ({param: (start, stop, rows) of
     its TP-local matrix this rank holds}) and `batched_newton_schulz` ({(shape, batch key):
     whether same-shape matrices run in one batched call}). `reserved`: what this rank holds of
     another part's exchanges, which run interleaved with this one's
@@ -156,8 +149,7 @@ class GroupPlanner:
         if self.muon.dist_mode == "owner" and self.muon.owner_choice == "time":
             cost = self._measure_cost(matrices, representatives, batchable, group, element_bytes,
                                       batch_bytes(matrices, element_bytes, max_exchange_bytes))
-        else:
-            self.batched_newton_schulz.update((key[:2], True) for key in batchable)
+        self.batched_newton_schulz.update((key[:2], True) for key in batchable)
         matrices, pieces, cost = _split_over_teams(whole, layouts, rank, group.size(), self.muon,
                                                    cost)
         # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
@@ -171,15 +163,11 @@ class GroupPlanner:
     def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,
                       group, element_bytes: int, max_batch_bytes: int) -> StepCost:
         """The group's StepCost from measured_cost.measure: each shape's Newton-Schulz call on one
-        matrix, and, where it may be batched, on as many as an owner gets of its largest batch
-        spread over the group (at least 2). At fp32 `highest`, where batching changes no bit,
-        `batched_newton_schulz` takes the batched call where it is clearly faster
-        (BATCHED_MUST_SAVE, and by more than the figures' spread); at bf16/tf32 same-shape
-        matrices stay batched, as with owners by bytes, so the rounding never follows a
-        measurement. A shape's seconds follow its FLOPs unless its own rate stands apart beyond
-        the noise (measured_cost.seconds_beyond_noise). One all-to-all gives the bandwidth. The
-        figures' median spread is the StepCost's: owners leave byte-first only for a gain that
-        outlasts it (plan.choose_owners_by_time)."""
+        matrix, and, where it is batched (`_batchable`), on as many as an owner gets of its
+        largest batch spread over the group (at least 2). A shape's seconds follow its FLOPs
+        unless its own rate stands apart beyond the noise (measured_cost.seconds_beyond_noise).
+        One all-to-all gives the bandwidth. The figures' median spread is the StepCost's: owners
+        leave byte-first only for a gain that outlasts it (plan.choose_owners_by_time)."""
         largest_batch: dict = {}
         for batch in batch_matrices(matrices, max_batch_bytes, element_bytes):
             key = cost_key(matrices[batch[0]])
@@ -207,13 +195,7 @@ class GroupPlanner:
         for key in representatives:
             calls[key] = next(figures)
             if key in timed_batched:
-                single, batched = calls[key], next(figures)
-                # Batched only where it saves more than the figures' spread too.
-                must_save = min(BATCHED_MUST_SAVE, 1 - max(single.spread, batched.spread))
-                chosen = (batched.seconds < must_save * single.seconds
-                          or self.muon.fp32_matmul_prec != "highest")
-                self.batched_newton_schulz[key[:2]] = chosen
-                calls[key] = batched if chosen else single
+                calls[key] = next(figures)
         seconds = seconds_beyond_noise(  # FLOPs of one iteration: the step count scales all alike
             {key: matrix.ns_flops(steps=1) for key, (matrix, _) in representatives.items()}, calls)
         return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second,
@@ -250,31 +232,20 @@ class GroupPlanner:
         return orthogonalization_key(attrs, self.muon.splits_qkv(attrs),
                                      tp_group.size() if tp_group is not None else 1)
 
-    @torch.no_grad()
     def _batchable(self, matrices: list[Matrix], representatives: dict) -> set:
-        """The cost keys whose same-shape matrices an owner may orthogonalize in one batched call
-        (`batched_newton_schulz` says whether it does): shapes two of the group's matrices
-        share, that orthogonalize alike. At fp32 `highest` only where batched Newton-Schulz
-        reproduces the per-matrix bits on the params' device (the backend may pick other kernels
-        for 3-D input: seen on CPU for 7x13, not for 256x1024), tried on two random matrices; at
-        `medium`/`low` (bf16/tf32 matmuls) always, the batched kernels rounding differently by
-        less than that precision's own error (docs/design.md, "Library")."""
-        if self.muon.use_syrk:  # the kernel takes 2-D matrices only
+        """The cost keys whose same-shape matrices an owner orthogonalizes in one batched call:
+        shapes two of the group's matrices share, that orthogonalize alike, at `medium`/`low`/
+        `high` (bf16/tf32 matmuls), where batched kernels round differently by less than that
+        precision's own error (docs/design.md, "Library"). Never at fp32 `highest`, which
+        promises megatron-core's bits: neither batched GEMM kernels nor the batched norm
+        reproduce per-matrix calls bit for bit, and where they differ depends on the values (on
+        an H200: 2.5e-5 on the self-test's second 1024x1024 linear_proj, 0 on random pairs of
+        that shape), so no probe at construction can prove a shape safe."""
+        if self.muon.use_syrk or self.muon.fp32_matmul_prec == "highest":  # syrk: 2-D only
             return set()
         counts = Counter(cost_key(matrix) for matrix in matrices)
-        return {key for key, (matrix, p) in representatives.items()
-                if matrix.batch_key is not None and counts[key] > 1
-                and (self.muon.fp32_matmul_prec != "highest"
-                     or self._batched_is_exact(p, (matrix.shape, matrix.batch_key)))}
-
-    def _batched_is_exact(self, p, key: tuple) -> bool:
-        device = p.to_local().device
-        sample = torch.randn((2, *key[0]), device=device,
-                             generator=torch.Generator(device).manual_seed(0))
-        with eo_utils.fp32_matmul_precision(self.muon.fp32_matmul_prec):
-            batched = self.muon.orthogonalize_full(p, sample)
-            single = torch.stack([self.muon.orthogonalize_full(p, m) for m in sample])
-        return torch.equal(batched, single)
+        return {key for key, (matrix, _) in representatives.items()
+                if matrix.batch_key is not None and counts[key] > 1}
 
 
 def _say_which_go_alone(muon: Any, plans: list[GroupPlan], max_exchange_bytes: int) -> None:
