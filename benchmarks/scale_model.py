@@ -203,7 +203,7 @@ def muon_matrices(model, rows: dict, tp_mode: str, tensor_parallel: int = 1):
         split_shapes = p.qkv_split_shapes if getattr(p, "is_qkv", False) else None
         blocks = qkv_row_blocks(p.shape[0], split_shapes) if split_shapes else None
         tp_size = 1 if is_expert_param(name, p) else tensor_parallel
-        key = orthogonalization_key(p, splits_qkv=bool(split_shapes), tp_size=tp_size)
+        key = orthogonalization_key(p, bool(split_shapes), tp_size, tp_mode)
         partition_dim = orthogonalized_partition_dim(tp_mode, p)
         tp_gather = None if partition_dim is None else (partition_dim, tp_size)
         (expert if is_expert_param(name, p) else dense).extend(
@@ -842,8 +842,9 @@ def assumptions(rates: Rates, args) -> list[str]:
         "ZeRO-3 (optim_grads_params), PP = CP = 1; W ranks, TP of them a tensor-parallel group "
         "(each row's TP; the dense models at TP = " + ", ".join(map(str, args.tensor_parallel))
         + ", the MoE models at TP = 1), data parallel over W / TP; a TP rank plans and steps its "
-        "TP-local matrices (megatron-core's partition dims) as its TP peers do theirs, not "
-        "batched (TP > 1); TP's own communication in forward-backward left out; the MoE's "
+        "TP-local matrices (megatron-core's partition dims) as its TP peers do theirs (under "
+        "--muon-tp-mode blockwise each a matrix of its own: batched, and split by teams, as at "
+        "TP = 1); TP's own communication in forward-backward left out; the MoE's "
         f"experts over EP = gcd(W, {MAX_EXPERT_PARALLEL}), expert data parallelism W / EP",
         "fp32 main weights and updates (4 bytes/element); Newton-Schulz: "
         f"{args.ns_steps} steps, QKV split (Megatron's defaults), at --muon-fp32-matmul-prec "

@@ -230,7 +230,8 @@ class GroupPlanner:
         attrs = ParamAttributes(p)
         tp_group = self.muon.tp_group_of(attrs)
         return orthogonalization_key(attrs, self.muon.splits_qkv(attrs),
-                                     tp_group.size() if tp_group is not None else 1)
+                                     tp_group.size() if tp_group is not None else 1,
+                                     self.muon.tp_mode)
 
     def _batchable(self, matrices: list[Matrix], representatives: dict) -> set:
         """The cost keys whose same-shape matrices an owner orthogonalizes in one batched call:

@@ -258,10 +258,12 @@ def split_matrices(layout: RowLayout, experts: int, cols: int, batch_key=None,
             for start in range(0, layout.num_rows, rows)]
 
 
-def orthogonalization_key(attrs, splits_qkv: bool, tp_size: int) -> tuple | None:
+def orthogonalization_key(attrs, splits_qkv: bool, tp_size: int, tp_mode: str) -> tuple | None:
     """Matrices with equal keys (and shapes) are orthogonalized identically and may share one
-    batched Newton-Schulz; None: orthogonalize alone (QKV split, or TP Newton-Schulz).
-    `attrs`: the param's Megatron tags."""
-    if splits_qkv or tp_size > 1:
+    batched Newton-Schulz, or be split over a team (teams.can_split); None: orthogonalize alone
+    (QKV split, or TP Newton-Schulz over several ranks). Under --muon-tp-mode blockwise a
+    TP-local matrix is a matrix of its own to TensorParallelMuon.orthogonalize (no partition dim,
+    its scale factor from its own shape), as at TP 1. `attrs`: the param's Megatron tags."""
+    if splits_qkv or (tp_size > 1 and tp_mode != "blockwise"):
         return None
     return (getattr(attrs, "partition_dim", None), getattr(attrs, "expert_tp", False))

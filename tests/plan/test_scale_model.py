@@ -75,7 +75,7 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
 
 # Each --muon-tp-mode that plans differently: duplicated gathers over the one TP rank; None is
 # the installed megatron-core's default (blockwise on 0.19, duplicated on 0.20), here at TP = 2
-# (the scale model's TP rows: TP-local matrices, none batched).
+# (the scale model's TP rows: TP-local matrices, under blockwise batched as at TP = 1).
 @pytest.mark.parametrize("world_size, expert_parallel, owner_choice, tp_mode, tensor_parallel",
                          [(4, 1, "time", None, 2), (4, 2, "time", "blockwise", 1),
                           (4, 2, "bytes", "duplicated", 1)])
