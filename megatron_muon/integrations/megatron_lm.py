@@ -25,6 +25,8 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   failure still stops the run;
 * says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
   another optimizer, or with --no-save-optim), where DCP names one missing key;
+* loads a Megatron DDP checkpoint (`torch_dist`) into a Muon run on Megatron-FSDP with --load DIR
+  (step.ddp_checkpoint): the weights, megatron-core Muon's state, the schedule;
 * gives Muon on Megatron-FSDP MuonClip (--qk-clip) and --log-max-attention-logit, on
   megatron-core's local attention too: the optimizer's step reduces the max logits over the
   data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
@@ -49,14 +51,16 @@ import megatron.training.arguments
 import megatron.training.checkpointing
 import megatron.training.training
 import torch
-from megatron.training.checkpointing import get_checkpoint_name, get_load_checkpoint_path_by_args
-from megatron.training.utils import print_rank_last
+from megatron.training.checkpointing import (CheckpointType, get_checkpoint_name,
+                                             get_checkpoint_tracker_filename,
+                                             get_load_checkpoint_path_by_args, read_metadata)
+from megatron.training.utils import print_rank_0, print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..compat import cpu, upstream, upstream_fixes
 from ..compat.cpu_training import apply_megatron_training_compat
 from ..plan import MAX_EXCHANGE_BYTES
-from ..step import checksums, qk_clip
+from ..step import checksums, ddp_checkpoint, qk_clip
 from . import factory
 from .arguments import (FSDP_OPTIMIZERS, mend_help_texts, muon_on_megatron_fsdp,
                         offer_fp32_newton_schulz, validate_muon_args)
@@ -70,6 +74,7 @@ _megatron_load_checkpoint = megatron.training.training.load_checkpoint
 _megatron_clip_qk = megatron.training.training.clip_qk
 _megatron_training_log = megatron.training.training.training_log
 _TRAINING_LOG_PARAMETERS = inspect.signature(_megatron_training_log)
+_LOAD_BASE_CHECKPOINT_PARAMETERS = inspect.signature(_megatron_load_base_checkpoint)
 # Megatron's optimizers that run Newton-Schulz at --muon-fp32-matmul-prec.
 MUON_OPTIMIZERS = ('muon', 'dist_muon', 'adaptive_muon')
 MISSING_OPTIMIZER_STATE = re.compile(
@@ -160,6 +165,9 @@ def _get_megatron_optimizer(*args, **kwargs):
 
 
 def _load_base_checkpoint(*args, **kwargs):
+    loaded = _load_ddp_checkpoint(**_LOAD_BASE_CHECKPOINT_PARAMETERS.bind(*args, **kwargs).arguments)
+    if loaded is not None:
+        return loaded
     try:
         return _megatron_load_base_checkpoint(*args, **kwargs)
     except CheckpointException as error:  # a BaseException
@@ -171,6 +179,32 @@ def _load_base_checkpoint(*args, **kwargs):
             f'it was saved by another optimizer, or with --no-save-optim. Load the model only with '
             f'--no-load-optim: the optimizer state (Muon\'s momentum, the scalar optimizer\'s '
             f'moments) then starts at zero.') from error
+
+
+def _load_ddp_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, **_):
+    """_load_base_checkpoint's result for a Muon run on Megatron-FSDP whose --load holds a Megatron
+    DDP (torch_dist) checkpoint, else None: on rank0 (the args, the iteration) what upstream's
+    fsdp_dtensor path reads, so load_checkpoint then generates a fsdp_dtensor state dict; with it,
+    that state dict filled from the torch_dist checkpoint (ddp_checkpoint.load)."""
+    if not (muon_on_megatron_fsdp(args) and args.ckpt_format == 'fsdp_dtensor' and load_dir):
+        return None
+    tracker = Path(get_checkpoint_tracker_filename(load_dir))
+    if not tracker.is_file():
+        return None
+    iteration, release = read_metadata(str(tracker))
+    iteration = getattr(args, 'ckpt_step', None) or iteration
+    checkpoint = Path(get_checkpoint_name(load_dir, iteration, release, return_base_dir=True))
+    if not ddp_checkpoint.is_torch_dist(checkpoint):
+        return None
+    if rank0:
+        common = ddp_checkpoint.common_state(checkpoint)
+        state = {key: common.get(key) for key in ('args', 'iteration', 'checkpoint_version')}
+    else:
+        megatron.training.checkpointing.set_loaded_iteration(iteration)
+        print_rank_0(f' loading Megatron DDP (torch_dist) checkpoint from {load_dir} at iteration '
+                     f'{iteration} into Megatron-FSDP')
+        state = ddp_checkpoint.load(checkpoint, sharded_state_dict)
+    return state, str(checkpoint), release, CheckpointType.FSDP_DTENSOR
 
 
 def _clip_qk(model, log_max_only=False):

@@ -12,8 +12,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import demo_log
-from e2e_harness import (NO_DROPOUT, SMALL, STRATEGY_ITERATIONS, failure_of, torchrun_log,
-                         train, training_log)
+from e2e_harness import (FP32_NEWTON_SCHULZ, NO_DROPOUT, SMALL, STRATEGY_ITERATIONS, failure_of,
+                         torchrun_log, train, training_log)
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
 from tolerances import RTOL
 
@@ -171,12 +171,34 @@ def test_normuon_with_its_state_offloaded_trains_as_without_it():
     assert_logged_as_uninterrupted(offloaded, without, resumed_at=1, last=4)
 
 
-def test_megatron_ddp_saves_torch_dist_from_the_installed_packages(tmp_path):
-    """The README's "the same on Megatron DDP" line with --save: megatron-core's torch_dist
-    writer (dist_checkpointing's filesystem_async) imports psutil, which megatron-core does not
-    declare; the install brings it (setup.py), so a fresh venv saves. Launched by torchrun: the
-    writer starts processes of its own, which the suite's forked ranks may not."""
-    torchrun_log(*SMALL, '--no-use-megatron-fsdp', '--ckpt-format', 'torch_dist', '--save',
-                 str(tmp_path), '--save-interval', '1', iterations=1)
-    assert (tmp_path / 'latest_checkpointed_iteration.txt').read_text().strip() == '1'
-    assert any((tmp_path / 'iter_0000001').glob('*.distcp'))
+MEGATRON_DDP = ('--no-use-megatron-fsdp', '--ckpt-format', 'torch_dist')
+
+
+def test_a_megatron_ddp_muon_run_continues_on_megatron_fsdp(tmp_path):
+    """megatron-core's Muon on Megatron DDP saves torch_dist at iteration 3; ours on Megatron-FSDP
+    loads it with --load and its own flags (step.ddp_checkpoint: the weights, Muon's
+    momentum, Adam's moments, the step count, the schedule, the RNG) and computes iterations 4-6
+    as the DDP run did. Saving needs megatron-core's torch_dist writer, which imports psutil
+    (setup.py brings it: a fresh venv saves) and starts processes of its own, which the suite's
+    forked ranks may not: the DDP run goes through torchrun."""
+    ddp = torchrun_log(*SMALL, *NO_DROPOUT, *FP32_NEWTON_SCHULZ, *MEGATRON_DDP, '--save',
+                       str(tmp_path), '--save-interval', '3', iterations=6)
+    assert any((tmp_path / 'iter_0000003').glob('*.distcp'))
+    resumed = training_log(*SMALL, *NO_DROPOUT, '--load', str(tmp_path), '--ckpt-step', '3',
+                           iterations=6)
+    assert_logged_as_uninterrupted(resumed, ddp, resumed_at=4, last=6, rel=RTOL)
+
+
+def test_an_adam_ddp_checkpoint_loads_into_muon_with_no_load_optim_only(tmp_path):
+    """Adam's moments on Megatron DDP are not Muon's state: the load stops naming
+    --no-load-optim before training; with it, the weights, iteration and schedule load and
+    iteration 4's loss and grad norm are the DDP run's."""
+    adam = ('--optimizer', 'adam')
+    ddp = torchrun_log(*SMALL, *NO_DROPOUT, *adam, *MEGATRON_DDP, '--save', str(tmp_path),
+                       '--save-interval', '3', iterations=4)
+    flags = (*SMALL, *NO_DROPOUT, '--load', str(tmp_path), '--ckpt-step', '3')
+    failure = failure_of(*flags, iterations=4)
+    assert re.search(r'OptimizerStateNotLoadable: the Megatron DDP checkpoint has no '
+                     r'momentum_buffer for \S+: .*--no-load-optim', failure), failure
+    resumed = training_log(*flags, '--no-load-optim', iterations=4)
+    assert_logged_as_uninterrupted(resumed, ddp, resumed_at=4, last=4, rel=RTOL)

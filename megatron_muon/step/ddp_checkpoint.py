@@ -1,0 +1,210 @@
+"""A Megatron DDP checkpoint (`--ckpt-format torch_dist`) loaded by a Muon run on Megatron-FSDP
+(`fsdp_dtensor`), on the fly in megatron.training's load path: `--load DIR` with the new run's
+own flags (integrations.megatron_lm's _load_base_checkpoint calls `load`). Unaided,
+megatron.training takes the torch_dist checkpoint for its own format and stops with a bare
+KeyError ('model'): torch_dist keys each tensor as megatron-core's sharded_state_dict does
+(transformer layers stacked on a leading axis, the local spec's layer norms under the linear
+layers they feed), fsdp_dtensor by module name.
+
+What is read, under the keys megatron-core's own sharded_state_dict gives this run's model (the
+GPTModel inside Megatron-FSDP makes the ShardedTensors Megatron DDP saved): the weights; with
+the optimizer, megatron-core Muon's momentum, its scalar part's Adam moments and the step count
+(megatron-core's Muon chain saves them per param); the iteration, the learning-rate schedule,
+the RNG states and the args. Each rank reads only the rows it holds (StackedLoadPlanner), so
+nothing is gathered. Optimizer state saved in DistributedOptimizer's bucket space (Adam with
+--use-distributed-optimizer) has no per-param keys: loading it stops, before anything changes,
+naming --no-load-optim."""
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
+    preprocess_state_dict_for_uneven_dtensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+
+# (prefix, suffix) of a fsdp_dtensor state dict's key around a param's name -> how megatron-core's
+# Muon chain keys the same tensor in torch_dist ("{}": the param's ShardedTensor key).
+SECTIONS = ((("model.module.", ""), "{}"),
+            (("optimizer.muon.", ".momentum_buffer"), "optimizer.state.momentum_buffer.{}"),
+            (("optimizer.state.", ".exp_avg"), "optimizer.state.exp_avg.{}"),
+            (("optimizer.state.", ".exp_avg_sq"), "optimizer.state.exp_avg_sq.{}"))
+# What the chain names a param in its optimizer sections: Megatron-FSDP's two wrappers, then the
+# model's own name (step/chained.py's _named_params).
+CHAIN_PREFIX = "module.module."
+
+
+class OptimizerStateNotLoadable(RuntimeError):
+    pass
+
+
+def is_torch_dist(checkpoint_dir: Path) -> bool:
+    return dist_checkpointing.check_is_distributed_checkpoint(str(checkpoint_dir))
+
+
+def common_state(checkpoint_dir: Path) -> dict:
+    """What every rank shares of a torch_dist checkpoint: args, iteration, schedule, ..."""
+    return dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
+
+
+def sharded_tensors(model) -> dict[str, ShardedTensor]:
+    """{param name: its ShardedTensor} from megatron-core's sharded_state_dict of the module
+    Megatron-FSDP wraps: the keys and stacked-axis offsets a torch_dist save gives it."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return {name: entry for name, entry in inner.sharded_state_dict(
+        prefix="", metadata={"singleton_local_shards": False}).items()
+        if isinstance(entry, ShardedTensor)}
+
+
+def stored_key(fqn: str, names: dict[str, ShardedTensor]) -> tuple[str, ShardedTensor] | None:
+    """(the torch_dist key, the param's ShardedTensor) a flattened fsdp_dtensor key reads."""
+    for (prefix, suffix), template in SECTIONS:
+        if fqn.startswith(prefix) and fqn.endswith(suffix):
+            name = fqn[len(prefix):len(fqn) - len(suffix)]
+            name = name.removeprefix(CHAIN_PREFIX) if prefix.startswith("optimizer") else name
+            if name in names:
+                return template.format(names[name].key), names[name]
+    return None
+
+
+class StackedLoadPlanner(DefaultLoadPlanner):
+    """torch DCP's load planner, reading each tensor of `remapped` ({flattened fsdp_dtensor key:
+    (torch_dist key, the param's ShardedTensor)}) from its torch_dist key: this rank's chunk of
+    it, at the ShardedTensor's stacked-axis offsets (a layer's) before the chunk's own."""
+
+    def __init__(self, remapped: dict[str, tuple[str, ShardedTensor]]) -> None:
+        super().__init__(allow_partial_load=True)
+        self.remapped = remapped
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        items = []
+        for fqn, (key, entry) in self.remapped.items():
+            stacked = tuple(entry.global_offset[:entry.prepend_axis_num])
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(stacked + tuple(chunk.offsets)),
+                                           sizes=torch.Size((1,) * len(stacked) + tuple(chunk.sizes)))
+                      for chunk in _chunks(self.state_dict[fqn])]
+            items += [dataclasses.replace(item, dest_index=dataclasses.replace(item.dest_index, fqn=fqn))
+                      for item in create_read_items_for_chunk_list(key, stored[key], chunks)]
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        local = self.state_dict[index.fqn]
+        local = local.to_local() if isinstance(local, DTensor) else local
+        return local.view((1,) * self.remapped[index.fqn][1].prepend_axis_num + tuple(local.shape))
+
+
+def _chunks(value: torch.Tensor) -> list:
+    """This rank's chunk(s) of the global tensor, as torch DCP sees them (an uneven Megatron-FSDP
+    DTensor answers with its chunk metadata: preprocess_state_dict_for_uneven_dtensor)."""
+    if isinstance(value, DTensor):
+        return value.__create_chunk_list__()
+    return [ChunkStorageMetadata(offsets=torch.Size((0,) * value.dim()), sizes=value.shape)]
+
+
+def load(checkpoint_dir: Path, state_dict: dict) -> dict:
+    """megatron.training's fsdp_dtensor load (its _load_base_checkpoint on rank0=False) of the
+    torch_dist checkpoint in `checkpoint_dir`: `state_dict` as load_checkpoint generated it for
+    this run (the model's and optimizer's tensors, filled in place), with the common state.
+    Every tensor is found in the checkpoint before any is read, else nothing changes."""
+    model = state_dict.pop("_model")
+    common = common_state(checkpoint_dir)
+    stored = FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+    tensors = {section: state_dict[section] for section in ("model", "optimizer")
+               if section in state_dict}
+    if "optimizer" in tensors:
+        _refuse_bucket_space(common, stored, checkpoint_dir)
+    remapped = _remapped(tensors, sharded_tensors(model[0]), stored)
+    preprocess_state_dict_for_uneven_dtensor(tensors)
+    dcp_load(tensors, storage_reader=FileSystemReader(str(checkpoint_dir)),
+             planner=StackedLoadPlanner(remapped))
+    if "optimizer" in tensors:
+        tensors["optimizer"]["step"] = _step_count(common)
+    for key in ("args", "iteration", "checkpoint_version", "opt_param_scheduler",
+                "num_floating_point_operations_so_far"):
+        if key in common:
+            state_dict[key] = common[key]
+    if "rng_state" in state_dict:
+        state_dict["rng_state"] = _rng_states(checkpoint_dir, state_dict["rng_state"])
+    state_dict.pop("rerun_state_machine", None)
+    return state_dict
+
+
+def _remapped(tensors: dict, names: dict[str, ShardedTensor], stored: dict) -> dict:
+    """{flattened key: (torch_dist key, ShardedTensor)} of every tensor in `tensors`; raises,
+    naming --no-load-optim, where an optimizer state is not in the checkpoint (saved by another
+    optimizer: Adam's moments where Muon's momentum is wanted), and where a weight is not."""
+    remapped = {}
+    for fqn in _tensor_keys(tensors):
+        if fqn == "optimizer.step":  # the chain's step count: from the common state
+            continue
+        found = stored_key(fqn, names)
+        if found is not None and found[0] in stored:
+            remapped[fqn] = found
+        elif fqn.startswith("optimizer."):
+            raise OptimizerStateNotLoadable(
+                f"the Megatron DDP checkpoint has no {fqn.rsplit('.', 1)[1]} for "
+                f"{fqn.split('.', 2)[2].rsplit('.', 1)[0].removeprefix(CHAIN_PREFIX)}: it was "
+                f"saved by another optimizer or "
+                f"with --no-save-optim. Load the model only with --no-load-optim: the optimizer "
+                f"state then starts at zero.")
+        else:
+            raise RuntimeError(
+                f"{fqn.removeprefix('model.')} is not in the Megatron DDP checkpoint under the key "
+                f"megatron-core's sharded_state_dict gives it here"
+                f"{f' ({found[0]})' if found else ''}: this layout (SwiGLU's fc1, experts, TP > "
+                f"1) does not load from torch_dist yet; nothing was loaded")
+    return remapped
+
+
+def _tensor_keys(tree: dict, prefix: str = ""):
+    """The dotted keys of the tensors in a nested dict, as torch DCP flattens them."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _tensor_keys(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}"
+
+
+def _refuse_bucket_space(common: dict, stored: dict, checkpoint_dir: Path) -> None:
+    if any(key.startswith("optimizer.distributed.") for key in stored):
+        saved = getattr(common.get("args"), "optimizer", "its optimizer")
+        raise OptimizerStateNotLoadable(
+            f"the Megatron DDP checkpoint in {checkpoint_dir} keeps --optimizer {saved}'s state "
+            f"in DistributedOptimizer's buffer layout (--use-distributed-optimizer), which names "
+            f"no param: load its weights, iteration and schedule with --no-load-optim (the "
+            f"optimizer state then starts at zero; {saved}'s moments are not Muon's state)")
+
+
+def _step_count(common: dict) -> torch.Tensor:
+    """The chain's step count: the scalar part's common_step (megatron-core's Adam keeps one),
+    else the iteration."""
+    steps = [state["state"]["common_step"] for state in common["optimizer"].values()
+             if isinstance(state, dict) and "common_step" in state.get("state", {})]
+    return torch.tensor(int(steps[0]) if steps else common["iteration"])
+
+
+def _rng_states(checkpoint_dir: Path, generated: dict) -> dict:
+    """{"(pp, tp)": the data-parallel ranks' RNG states}, fsdp_dtensor's shape of rng_state, from
+    torch_dist's rng_state object of this rank's (pp, tp)."""
+    from megatron.core import parallel_state
+
+    (position,) = generated
+    pp, tp = (parallel_state.get_pipeline_model_parallel_rank(),
+              parallel_state.get_tensor_model_parallel_rank())
+    wanted = {"rng_state": ShardedObject(
+        "rng_state", None, (parallel_state.get_pipeline_model_parallel_world_size(),
+                            parallel_state.get_tensor_model_parallel_world_size()),
+        (pp, tp), replica_id=0)}
+    loaded = dist_checkpointing.load(wanted, str(checkpoint_dir), validate_access_integrity=False)
+    return {position: loaded["rng_state"]}
