@@ -7,7 +7,8 @@ KeyError ('model'): torch_dist keys each tensor as megatron-core's sharded_state
 layers they feed), fsdp_dtensor by module name.
 
 What is read, under the keys megatron-core's own sharded_state_dict gives this run's model (the
-GPTModel inside Megatron-FSDP makes the ShardedTensors Megatron DDP saved): the weights; with
+GPTModel inside Megatron-FSDP makes the ShardedTensors Megatron DDP saved, experts at their
+global index, SwiGLU's fc1 through its factory where that tiles it: TP 1): the weights; with
 the optimizer, megatron-core Muon's momentum, its scalar part's Adam moments and the step count
 (megatron-core's Muon chain saves them per param); the iteration, the learning-rate schedule,
 the RNG states and the args. Each rank reads only the rows it holds (StackedLoadPlanner), so
@@ -19,10 +20,13 @@ import dataclasses
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
+                                                      ShardedTensorFactory)
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
     preprocess_state_dict_for_uneven_dtensor
+from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -55,42 +59,82 @@ def common_state(checkpoint_dir: Path) -> dict:
     return dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
 
 
-def sharded_tensors(model) -> dict[str, ShardedTensor]:
-    """{param name: its ShardedTensor} from megatron-core's sharded_state_dict of the module
-    Megatron-FSDP wraps: the keys and stacked-axis offsets a torch_dist save gives it."""
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
-    return {name: entry for name, entry in inner.sharded_state_dict(
-        prefix="", metadata={"singleton_local_shards": False}).items()
-        if isinstance(entry, ShardedTensor)}
+def stored_tensors(model) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{param name: (its torch_dist key, its offsets on the key's stacked axes: a layer's, an
+    expert's)} from megatron-core's sharded_state_dict of the module Megatron-FSDP wraps: what a
+    torch_dist save of it keys its tensors by. A factory's tensor (SwiGLU's fc1) where its pieces
+    tile it in order (_tiled)."""
+    inner = _inner(model)
+    found = {}
+    for name, entry in inner.sharded_state_dict(
+            prefix="", metadata={"singleton_local_shards": False}).items():
+        if isinstance(entry, ShardedTensorFactory):
+            entry = _tiled(entry)
+        if isinstance(entry, ShardedTensor):
+            found[name] = (entry.key, tuple(entry.global_offset[:entry.prepend_axis_num]))
+    return found
 
 
-def stored_key(fqn: str, names: dict[str, ShardedTensor]) -> tuple[str, ShardedTensor] | None:
-    """(the torch_dist key, the param's ShardedTensor) a flattened fsdp_dtensor key reads."""
+def optimizer_names(names: dict, model) -> dict:
+    """`names` under the chain's names for its optimizer state (step/chained.py's _named_params):
+    local experts renamed to their global index."""
+    num_experts = getattr(getattr(model, "config", None), "num_moe_experts", None)
+    return handle_experts_in_state_dict(dict(names), num_experts) if num_experts else names
+
+
+def _inner(model):
+    """The module Megatron-FSDP wraps (GPTModel)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _tiled(factory: ShardedTensorFactory) -> ShardedTensor | None:
+    """The first piece of what `factory` saves, where its pieces are stored, under one key, as
+    the param's rows in their order (SwiGLU's fc1 at TP 1: its gate rows, then its up rows,
+    megatron-core's apply_swiglu_sharded_factory), so the param reads as one block; else None
+    (TP > 1 interleaves the TP ranks' halves)."""
+    shape = tuple(factory.data.shape)
+    pieces = dataclasses.replace(factory, data=torch.empty(shape, device="meta")).build()
+    if not all(isinstance(piece, ShardedTensor) and piece.key == factory.key for piece in pieces):
+        return None
+    axis, row = pieces[0].prepend_axis_num, 0
+    for piece in pieces:
+        if (piece.global_offset[axis] != row
+                or piece.global_offset[:axis] != pieces[0].global_offset[:axis]):
+            return None
+        row += piece.local_shape[0]
+    return pieces[0] if (row, *shape[1:]) == shape and pieces[0].global_shape[axis] == row else None
+
+
+def stored_key(fqn: str, names: dict, chain_names: dict) -> tuple[str, tuple[int, ...]] | None:
+    """(the torch_dist key, the stacked axes' offsets) a flattened fsdp_dtensor key reads: a
+    weight by its model name (`names`), optimizer state by the chain's (`chain_names`)."""
     for (prefix, suffix), template in SECTIONS:
         if fqn.startswith(prefix) and fqn.endswith(suffix):
             name = fqn[len(prefix):len(fqn) - len(suffix)]
-            name = name.removeprefix(CHAIN_PREFIX) if prefix.startswith("optimizer") else name
-            if name in names:
-                return template.format(names[name].key), names[name]
+            optimizer = prefix.startswith("optimizer")
+            by_name = chain_names if optimizer else names
+            name = name.removeprefix(CHAIN_PREFIX) if optimizer else name
+            if name in by_name:
+                key, stacked = by_name[name]
+                return template.format(key), stacked
     return None
 
 
 class StackedLoadPlanner(DefaultLoadPlanner):
     """torch DCP's load planner, reading each tensor of `remapped` ({flattened fsdp_dtensor key:
-    (torch_dist key, the param's ShardedTensor)}) from its torch_dist key: this rank's chunk of
-    it, at the ShardedTensor's stacked-axis offsets (a layer's) before the chunk's own."""
+    (torch_dist key, stacked-axis offsets)}) from its torch_dist key: this rank's chunk of it,
+    at the stacked axes' offsets (a layer's, an expert's) before the chunk's own."""
 
-    def __init__(self, remapped: dict[str, tuple[str, ShardedTensor]]) -> None:
+    def __init__(self, remapped: dict[str, tuple[str, tuple[int, ...]]]) -> None:
         super().__init__(allow_partial_load=True)
         self.remapped = remapped
 
     def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
         items = []
-        for fqn, (key, entry) in self.remapped.items():
-            stacked = tuple(entry.global_offset[:entry.prepend_axis_num])
+        for fqn, (key, stacked) in self.remapped.items():
             chunks = [ChunkStorageMetadata(offsets=torch.Size(stacked + tuple(chunk.offsets)),
                                            sizes=torch.Size((1,) * len(stacked) + tuple(chunk.sizes)))
                       for chunk in _chunks(self.state_dict[fqn])]
@@ -101,7 +145,7 @@ class StackedLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         local = self.state_dict[index.fqn]
         local = local.to_local() if isinstance(local, DTensor) else local
-        return local.view((1,) * self.remapped[index.fqn][1].prepend_axis_num + tuple(local.shape))
+        return local.view((1,) * len(self.remapped[index.fqn][1]) + tuple(local.shape))
 
 
 def _chunks(value: torch.Tensor) -> list:
@@ -122,9 +166,13 @@ def load(checkpoint_dir: Path, state_dict: dict) -> dict:
     stored = FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
     tensors = {section: state_dict[section] for section in ("model", "optimizer")
                if section in state_dict}
-    if "optimizer" in tensors:
-        _refuse_bucket_space(common, stored, checkpoint_dir)
-    remapped = _remapped(tensors, sharded_tensors(model[0]), stored)
+    refusal = _bucket_space(common, stored, checkpoint_dir) if "optimizer" in tensors else None
+    remapped = {}
+    if refusal is None:
+        names = stored_tensors(model[0])
+        remapped, refusal = _remapped(tensors, names, optimizer_names(names, _inner(model[0])),
+                                      stored)
+    _raise_on_every_rank(refusal)
     preprocess_state_dict_for_uneven_dtensor(tensors)
     dcp_load(tensors, storage_reader=FileSystemReader(str(checkpoint_dir)),
              planner=StackedLoadPlanner(remapped))
@@ -140,31 +188,43 @@ def load(checkpoint_dir: Path, state_dict: dict) -> dict:
     return state_dict
 
 
-def _remapped(tensors: dict, names: dict[str, ShardedTensor], stored: dict) -> dict:
-    """{flattened key: (torch_dist key, ShardedTensor)} of every tensor in `tensors`; raises,
-    naming --no-load-optim, where an optimizer state is not in the checkpoint (saved by another
-    optimizer: Adam's moments where Muon's momentum is wanted), and where a weight is not."""
+def _remapped(tensors: dict, names: dict, chain_names: dict, stored: dict) -> tuple:
+    """({flattened key: (torch_dist key, stacked offsets)} of every tensor in `tensors`, None),
+    or (what was found, the refusal): naming --no-load-optim where an optimizer state is not in
+    the checkpoint (saved by another optimizer: Adam's moments where Muon's momentum is wanted),
+    naming the param where a weight is not."""
     remapped = {}
     for fqn in _tensor_keys(tensors):
         if fqn == "optimizer.step":  # the chain's step count: from the common state
             continue
-        found = stored_key(fqn, names)
+        found = stored_key(fqn, names, chain_names)
         if found is not None and found[0] in stored:
             remapped[fqn] = found
         elif fqn.startswith("optimizer."):
-            raise OptimizerStateNotLoadable(
+            return remapped, OptimizerStateNotLoadable(
                 f"the Megatron DDP checkpoint has no {fqn.rsplit('.', 1)[1]} for "
                 f"{fqn.split('.', 2)[2].rsplit('.', 1)[0].removeprefix(CHAIN_PREFIX)}: it was "
                 f"saved by another optimizer or "
                 f"with --no-save-optim. Load the model only with --no-load-optim: the optimizer "
                 f"state then starts at zero.")
         else:
-            raise RuntimeError(
+            return remapped, RuntimeError(
                 f"{fqn.removeprefix('model.')} is not in the Megatron DDP checkpoint under the key "
                 f"megatron-core's sharded_state_dict gives it here"
-                f"{f' ({found[0]})' if found else ''}: this layout (SwiGLU's fc1, experts, TP > "
-                f"1) does not load from torch_dist yet; nothing was loaded")
-    return remapped
+                f"{f' ({found[0]})' if found else ''}: this layout (a TP > 1 SwiGLU fc1, ...) does "
+                f"not load from torch_dist yet; nothing was loaded")
+    return remapped, None
+
+
+def _raise_on_every_rank(refusal: Exception | None) -> None:
+    """Every rank raises if any rank found a refusal (the first rank's): the ranks reach the
+    load's collectives together or none does."""
+    refusals = [None] * dist.get_world_size()
+    dist.all_gather_object(refusals, None if refusal is None else (type(refusal), str(refusal)))
+    found = next((found for found in refusals if found is not None), None)
+    if found is not None:
+        kind, message = found
+        raise kind(message)
 
 
 def _tensor_keys(tree: dict, prefix: str = ""):
@@ -176,14 +236,16 @@ def _tensor_keys(tree: dict, prefix: str = ""):
             yield f"{prefix}{key}"
 
 
-def _refuse_bucket_space(common: dict, stored: dict, checkpoint_dir: Path) -> None:
+def _bucket_space(common: dict, stored: dict, checkpoint_dir: Path) -> Exception | None:
+    """The refusal of optimizer state saved in DistributedOptimizer's buffer layout, or None."""
     if any(key.startswith("optimizer.distributed.") for key in stored):
         saved = getattr(common.get("args"), "optimizer", "its optimizer")
-        raise OptimizerStateNotLoadable(
+        return OptimizerStateNotLoadable(
             f"the Megatron DDP checkpoint in {checkpoint_dir} keeps --optimizer {saved}'s state "
             f"in DistributedOptimizer's buffer layout (--use-distributed-optimizer), which names "
             f"no param: load its weights, iteration and schedule with --no-load-optim (the "
             f"optimizer state then starts at zero; {saved}'s moments are not Muon's state)")
+    return None
 
 
 def _step_count(common: dict) -> torch.Tensor:
@@ -191,7 +253,7 @@ def _step_count(common: dict) -> torch.Tensor:
     else the iteration."""
     steps = [state["state"]["common_step"] for state in common["optimizer"].values()
              if isinstance(state, dict) and "common_step" in state.get("state", {})]
-    return torch.tensor(int(steps[0]) if steps else common["iteration"])
+    return torch.tensor(int(steps[0]) if steps else common["iteration"], device="cpu")
 
 
 def _rng_states(checkpoint_dir: Path, generated: dict) -> dict:

@@ -172,20 +172,24 @@ def test_normuon_with_its_state_offloaded_trains_as_without_it():
 
 
 MEGATRON_DDP = ('--no-use-megatron-fsdp', '--ckpt-format', 'torch_dist')
+# A gated fc1 (megatron-core saves it through a factory) and 4 experts over expert parallel 2.
+SWIGLU_AND_EXPERTS = ('--swiglu', '--num-experts', '4', '--moe-router-topk', '2',
+                      '--expert-model-parallel-size', '2')
 
 
 def test_a_megatron_ddp_muon_run_continues_on_megatron_fsdp(tmp_path):
     """megatron-core's Muon on Megatron DDP saves torch_dist at iteration 3; ours on Megatron-FSDP
     loads it with --load and its own flags (step.ddp_checkpoint: the weights, Muon's
     momentum, Adam's moments, the step count, the schedule, the RNG) and computes iterations 4-6
-    as the DDP run did. Saving needs megatron-core's torch_dist writer, which imports psutil
+    as the DDP run did, with SwiGLU and experts over EP=2 (their momentum under the global
+    expert index). Saving needs megatron-core's torch_dist writer, which imports psutil
     (setup.py brings it: a fresh venv saves) and starts processes of its own, which the suite's
     forked ranks may not: the DDP run goes through torchrun."""
-    ddp = torchrun_log(*SMALL, *NO_DROPOUT, *FP32_NEWTON_SCHULZ, *MEGATRON_DDP, '--save',
-                       str(tmp_path), '--save-interval', '3', iterations=6)
+    flags = (*SMALL, *NO_DROPOUT, *SWIGLU_AND_EXPERTS)
+    ddp = torchrun_log(*flags, *FP32_NEWTON_SCHULZ, *MEGATRON_DDP, '--save', str(tmp_path),
+                       '--save-interval', '3', iterations=6)
     assert any((tmp_path / 'iter_0000003').glob('*.distcp'))
-    resumed = training_log(*SMALL, *NO_DROPOUT, '--load', str(tmp_path), '--ckpt-step', '3',
-                           iterations=6)
+    resumed = training_log(*flags, '--load', str(tmp_path), '--ckpt-step', '3', iterations=6)
     assert_logged_as_uninterrupted(resumed, ddp, resumed_at=4, last=6, rel=RTOL)
 
 
