@@ -181,20 +181,36 @@ def _load_base_checkpoint(*args, **kwargs):
             f'moments) then starts at zero.') from error
 
 
+def _checkpoint_to_load(load_dir, args):
+    """(directory, iteration, release) of the checkpoint --load names (as upstream's
+    _load_base_checkpoint picks it, --ckpt-step first), or None where there is none."""
+    tracker = Path(get_checkpoint_tracker_filename(load_dir)) if load_dir else None
+    if tracker is None or not tracker.is_file():
+        return None
+    iteration, release = read_metadata(str(tracker))
+    iteration = getattr(args, 'ckpt_step', None) or iteration
+    return (Path(get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)),
+            iteration, release)
+
+
 def _load_ddp_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, **_):
     """_load_base_checkpoint's result for a Muon run on Megatron-FSDP whose --load holds a Megatron
     DDP (torch_dist) checkpoint, else None: on rank0 (the args, the iteration) what upstream's
     fsdp_dtensor path reads, so load_checkpoint then generates a fsdp_dtensor state dict; with it,
-    that state dict filled from the torch_dist checkpoint (ddp_checkpoint.load)."""
-    if not (muon_on_megatron_fsdp(args) and args.ckpt_format == 'fsdp_dtensor' and load_dir):
+    that state dict filled from the torch_dist checkpoint (ddp_checkpoint.load). A Megatron DDP
+    run's --load of a Megatron-FSDP checkpoint stops saying so (upstream: a bare AttributeError)."""
+    found = _checkpoint_to_load(load_dir, args)
+    if found is None:
         return None
-    tracker = Path(get_checkpoint_tracker_filename(load_dir))
-    if not tracker.is_file():
-        return None
-    iteration, release = read_metadata(str(tracker))
-    iteration = getattr(args, 'ckpt_step', None) or iteration
-    checkpoint = Path(get_checkpoint_name(load_dir, iteration, release, return_base_dir=True))
-    if not ddp_checkpoint.is_torch_dist(checkpoint):
+    checkpoint, iteration, release = found
+    if (not args.use_megatron_fsdp and args.ckpt_format == 'torch_dist'
+            and (checkpoint / '.metadata').is_file() and not ddp_checkpoint.is_torch_dist(checkpoint)):
+        raise RuntimeError(
+            f'{checkpoint} was saved by Megatron-FSDP (--ckpt-format fsdp_dtensor), which Megatron '
+            f'DDP cannot load yet: continue it on Megatron-FSDP (--use-megatron-fsdp --ckpt-format '
+            f'fsdp_dtensor), where megatron-muon also loads Megatron DDP checkpoints')
+    if not (muon_on_megatron_fsdp(args) and args.ckpt_format == 'fsdp_dtensor'
+            and ddp_checkpoint.is_torch_dist(checkpoint)):
         return None
     if rank0:
         common = ddp_checkpoint.common_state(checkpoint)
