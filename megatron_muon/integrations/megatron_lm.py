@@ -26,7 +26,8 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
 * says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
   another optimizer, or with --no-save-optim), where DCP names one missing key;
 * loads a Megatron DDP checkpoint (`torch_dist`) into a Muon run on Megatron-FSDP with --load DIR
-  (step.ddp_checkpoint): the weights, megatron-core Muon's state, the schedule;
+  (step.ddp_checkpoint): the weights, megatron-core Muon's state, the schedule; and ours into a
+  Megatron DDP run (step.checkpoint_for_ddp);
 * gives Muon on Megatron-FSDP MuonClip (--qk-clip) and --log-max-attention-logit, on
   megatron-core's local attention too: the optimizer's step reduces the max logits over the
   data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
@@ -60,7 +61,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..compat import cpu, upstream, upstream_fixes
 from ..compat.cpu_training import apply_megatron_training_compat
 from ..plan import MAX_EXCHANGE_BYTES
-from ..step import checksums, ddp_checkpoint, qk_clip
+from ..step import checkpoint_for_ddp, checksums, ddp_checkpoint, qk_clip
 from . import factory
 from .arguments import (FSDP_OPTIMIZERS, mend_help_texts, muon_on_megatron_fsdp,
                         offer_fp32_newton_schulz, validate_muon_args)
@@ -197,18 +198,25 @@ def _load_ddp_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, *
     """_load_base_checkpoint's result for a Muon run on Megatron-FSDP whose --load holds a Megatron
     DDP (torch_dist) checkpoint, else None: on rank0 (the args, the iteration) what upstream's
     fsdp_dtensor path reads, so load_checkpoint then generates a fsdp_dtensor state dict; with it,
-    that state dict filled from the torch_dist checkpoint (ddp_checkpoint.load). A Megatron DDP
-    run's --load of a Megatron-FSDP checkpoint stops saying so (upstream: a bare AttributeError)."""
+    that state dict filled from the torch_dist checkpoint (ddp_checkpoint.load). The way back: a
+    Megatron DDP run (torch_dist) whose --load holds our fsdp_dtensor checkpoint gets, on rank0,
+    its args and iteration (so load_checkpoint generates its torch_dist state dict), then that
+    state dict loaded from it (checkpoint_for_ddp.load; upstream: a bare AttributeError)."""
     found = _checkpoint_to_load(load_dir, args)
     if found is None:
         return None
     checkpoint, iteration, release = found
     if (not args.use_megatron_fsdp and args.ckpt_format == 'torch_dist'
-            and (checkpoint / '.metadata').is_file() and not ddp_checkpoint.is_torch_dist(checkpoint)):
-        raise RuntimeError(
-            f'{checkpoint} was saved by Megatron-FSDP (--ckpt-format fsdp_dtensor), which Megatron '
-            f'DDP cannot load yet: continue it on Megatron-FSDP (--use-megatron-fsdp --ckpt-format '
-            f'fsdp_dtensor), where megatron-muon also loads Megatron DDP checkpoints')
+            and not ddp_checkpoint.is_torch_dist(checkpoint)
+            and checkpoint_for_ddp.is_ours(checkpoint)):
+        if rank0:
+            return (checkpoint_for_ddp.common_state(checkpoint), str(checkpoint), release,
+                    CheckpointType.GLOBAL)
+        megatron.training.checkpointing.set_loaded_iteration(iteration)
+        print_rank_0(f' loading Megatron-FSDP (fsdp_dtensor) checkpoint from {load_dir} at '
+                     f'iteration {iteration} into Megatron DDP')
+        return (checkpoint_for_ddp.load(checkpoint, sharded_state_dict, args.num_experts),
+                str(checkpoint), release, CheckpointType.GLOBAL)
     if not (muon_on_megatron_fsdp(args) and args.ckpt_format == 'fsdp_dtensor'
             and ddp_checkpoint.is_torch_dist(checkpoint)):
         return None

@@ -62,12 +62,17 @@ def common_state(checkpoint_dir: Path) -> dict:
 def stored_tensors(model) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{param name: (its torch_dist key, its offsets on the key's stacked axes: a layer's, an
     expert's)} from megatron-core's sharded_state_dict of the module Megatron-FSDP wraps: what a
-    torch_dist save of it keys its tensors by. A factory's tensor (SwiGLU's fc1) where its pieces
-    tile it in order (_tiled)."""
-    inner = _inner(model)
+    torch_dist save of it keys its tensors by."""
+    return stored_keys(_inner(model).sharded_state_dict(
+        prefix="", metadata={"singleton_local_shards": False}))
+
+
+def stored_keys(sharded: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (torch_dist key, stacked-axis offsets)} of a model's sharded_state_dict: its
+    ShardedTensors, and a factory's tensor (SwiGLU's fc1) where its pieces tile it in order
+    (_tiled)."""
     found = {}
-    for name, entry in inner.sharded_state_dict(
-            prefix="", metadata={"singleton_local_shards": False}).items():
+    for name, entry in sharded.items():
         if isinstance(entry, ShardedTensorFactory):
             entry = _tiled(entry)
         if isinstance(entry, ShardedTensor):

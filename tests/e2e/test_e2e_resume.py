@@ -208,13 +208,14 @@ def test_an_adam_ddp_checkpoint_loads_into_muon_with_no_load_optim_only(tmp_path
     assert_logged_as_uninterrupted(resumed, ddp, resumed_at=4, last=4, rel=RTOL)
 
 
-def test_megatron_ddp_refuses_a_megatron_fsdp_checkpoint_saying_what_to_do(strategy_runs):
-    """The way back is not built yet (issue 69): a Megatron DDP run's --load of our fsdp_dtensor
-    checkpoint stops before anything loads, saying so (upstream: AttributeError 'NoneType' object
-    has no attribute 'items')."""
-    strategy_runs.log('muon', 'optim_grads_params')  # its run saves the checkpoints (once)
-    failure = failure_of(*SMALL, *MEGATRON_DDP, '--load', str(strategy_runs.checkpoints),
-                         '--ckpt-step', '3', iterations=4)
-    assert re.search(r'RuntimeError: \S+iter_0000003 was saved by Megatron-FSDP \(--ckpt-format '
-                     r'fsdp_dtensor\), which Megatron DDP cannot load yet: continue it on '
-                     r'Megatron-FSDP', failure), failure
+def test_megatron_ddp_continues_a_megatron_fsdp_muon_checkpoint(strategy_runs):
+    """The way back: our ZeRO-3 Muon checkpoint of iteration 3, loaded by megatron-core's Muon on
+    Megatron DDP with --load and the DDP run's own flags (--ckpt-format torch_dist;
+    step.checkpoint_for_ddp: weights, momentum, Adam's moments and step, schedule, RNG), computes
+    iterations 4-6 as our uninterrupted run (upstream: AttributeError 'NoneType' object has no
+    attribute 'items')."""
+    uninterrupted = strategy_runs.log('muon', 'optim_grads_params')
+    resumed = training_log(*SMALL, *NO_DROPOUT, *MEGATRON_DDP, '--load',
+                           str(strategy_runs.checkpoints), '--ckpt-step', '3', '--exit-interval',
+                           '6', iterations=STRATEGY_ITERATIONS)
+    assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6, rel=RTOL)
