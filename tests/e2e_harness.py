@@ -45,16 +45,16 @@ def no_idle_workers():
     close_pools()
 
 
-def torchrun_log(*flags: str, iterations: int = ITERATIONS) -> str:
+def torchrun_log(*flags: str, iterations: int = ITERATIONS, stderr: bool = False) -> str:
     """Launch the demo with torchrun at W=2, as `make demo` does (its own precision); return
-    its log."""
+    its log (with `stderr`, what it wrote there after it: Megatron's logger, e.g. its timers)."""
     run = subprocess.run(
         [str(TORCHRUN), '--standalone', '--nproc-per-node', '2', DEMO, '--train-iters',
          str(iterations), '--eval-iters', '0', *flags],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert run.returncode == 0, f'training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}'
-    return run.stdout
+    return run.stdout + run.stderr if stderr else run.stdout
 
 
 def torchrun(*flags: str, iterations: int = ITERATIONS) -> list[float]:

@@ -11,11 +11,11 @@ from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from ..compat import upstream
 from ..plan import (IN_FLIGHT, Matrix, RowLayout, gather_moves, gather_segments, scatter_moves,
                     scatter_segments)
+from .phases import GATHER, NEWTON_SCHULZ, SCATTER, phase
 
 
 def all_gather_ints(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
@@ -40,7 +40,7 @@ def all_gather_rows(local: torch.Tensor, layout: RowLayout,
     padded = local.new_zeros((layout.max_rows, *local.shape[1:]))
     padded[: local.shape[0]].copy_(local)
     gathered = local.new_empty((layout.ranks * layout.max_rows, *local.shape[1:]))
-    with _held(padded, gathered), record_function(GATHER):
+    with _held(padded, gathered), phase(GATHER):
         dist.all_gather_into_tensor(gathered, padded, group=group)
         gathered = gathered.view(layout.ranks, layout.max_rows, *local.shape[1:])
         return torch.cat([gathered[layout.holders(shard)[0], :rows]
@@ -113,9 +113,6 @@ def _all_to_all(route: Route, send: list[torch.Tensor], like: torch.Tensor, grou
     return received, payload, work
 
 
-# Profiler labels (torch.profiler): the bench's per-phase profile reads them.
-GATHER, SCATTER = "muon.gather", "muon.scatter"
-
 
 def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: dict[int, torch.Tensor],
                    orthogonalize: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]],
@@ -127,27 +124,28 @@ def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: 
     matrices, `orthogonalize(owned, fulls)` each owned batch, and send the result rows back;
     finally `apply(i, rows)` for this rank's rows of every matrix (the rows are views into this
     exchange's buffers, which are freed when the generator ends)."""
-    with record_function(GATHER):
+    with phase(GATHER):
         received, payload, work = _all_to_all(
             routes.gather, [local[i] for segments in routes.gather.sends for i, _, _ in segments],
             local[routes.batch[0]], group)
     with _held(received, payload):
         yield
-        with record_function(GATHER):
+        with phase(GATHER):
             full = _assembled(routes, local, received, work)
     del received, payload, work  # freed before Newton-Schulz runs (the work holds its tensors)
     results = {}
     with _held(*(full[i] for i in routes.owned if full[i] is not local[i])):
         for owned in routes.owned_batches:
             if owned:  # each batch's assembled matrices freed once it has its results
-                results.update(zip(owned, orthogonalize(owned, [full.pop(i) for i in owned])))
-    with record_function(SCATTER):
+                with phase(NEWTON_SCHULZ):
+                    results.update(zip(owned, orthogonalize(owned, [full.pop(i) for i in owned])))
+    with phase(SCATTER):
         returned, payload, work = _all_to_all(
             routes.scatter, [results[i][start:stop] for segments in routes.scatter.sends
                              for i, start, stop in segments], local[routes.batch[0]], group)
     with _held(returned, payload, *results.values()):
         yield
-        with record_function(SCATTER):
+        with phase(SCATTER):
             if work is not None:
                 work.wait()
         rows = {}

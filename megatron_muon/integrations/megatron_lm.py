@@ -32,6 +32,9 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   megatron-core's local attention too: the optimizer's step reduces the max logits over the
   data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
   the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
+* reports the step's phases (the owner exchange's gather and scatter, Newton-Schulz, the param
+  sync) to megatron.training's timers at level 2, logged beside Megatron's own
+  (distribution.phases; docs/cluster-check.md);
 * makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
   (megatron_muon.step.checksums) and verify them before a load, on every rank together: a damaged
   file stops the run, named, before any state changes;
@@ -59,6 +62,7 @@ from megatron.training.utils import print_rank_0, print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..compat import cpu, upstream, upstream_fixes
+from ..distribution import phases
 from ..compat.cpu_training import apply_megatron_training_compat
 from ..plan import MAX_EXCHANGE_BYTES
 from ..step import checkpoint_for_ddp, checksums, ddp_checkpoint, qk_clip
@@ -243,14 +247,24 @@ def _clip_qk(model, log_max_only=False):
 @functools.wraps(_megatron_training_log)  # its signature, for wrappers that bind arguments
 def _training_log(*args, **kwargs):
     """Megatron's log line, then the iteration's max attention logit (measured in its forward,
-    before any clip) on a line of its own: Megatron sends it only to TensorBoard and W&B."""
+    before any clip) on a line of its own: Megatron sends it only to TensorBoard and W&B. Then
+    our step's phases' timers (distribution.phases), as training_log does its own list of
+    timers, which names none of ours: at --timing-log-level 2, every --log-interval, their
+    (min, max) over ranks printed and, with --log-timers-to-tensorboard, written."""
     report_memory_flag = _megatron_training_log(*args, **kwargs)
     logged = _TRAINING_LOG_PARAMETERS.bind(*args, **kwargs).arguments
     flags, iteration = megatron.training.get_args(), logged['iteration']
-    if flags.log_max_attention_logit and (iteration % flags.log_interval == 0
-                                          or logged.get('is_first_iteration')):
+    first, logging = logged.get('is_first_iteration'), iteration % flags.log_interval == 0
+    if flags.log_max_attention_logit and (logging or first):
         print_rank_last(f' iteration {iteration:8d} | max attention logit: '
                         f'{logged["max_attention_logit"]:.4f} |')
+    if (logging or first) and flags.timing_log_level >= phases.TIMER_LEVEL:
+        timers, names = megatron.training.get_timers(), list(phases.TIMER_NAMES.values())
+        if flags.log_timers_to_tensorboard:
+            for writer in (megatron.training.get_tensorboard_writer(),
+                           megatron.training.get_wandb_writer()):
+                timers.write(names, writer, iteration, normalizer=flags.log_interval, reset=False)
+        timers.log(names, normalizer=flags.log_interval, reset=not first)
     return report_memory_flag
 
 

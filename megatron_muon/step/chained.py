@@ -6,17 +6,14 @@ import functools
 
 import torch
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
-from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from ..compat import upstream
 from ..core.zero_muon import ZeROTensorParallelMuon
+from ..distribution.phases import PARAM_SYNC, phase, timed_by
 from .model_chunks import find_megatron_fsdp, named_main_weights
 from .nonfinite_skip import NonfiniteSkip
 from .weights_check import check_after_param_sync
-
-# The profiler's label of the install and param sync (benchmarks/step_profile.py reads it).
-PARAM_SYNC = "muon.param_sync"
 
 
 class FSDPMuonChainedOptimizer:
@@ -92,6 +89,11 @@ class FSDPMuonChainedOptimizer:
     def step(self):
         if upstream.called_by_fully_shard_optimizer():
             return None  # its construction step, with zero grads: see fully_shard_optimizer below
+        # megatron.training sets megatron-core's OptimizerConfig.timers: the phases report there.
+        with timed_by(getattr(getattr(self._parts()[0], "config", None), "timers", None)):
+            return self._step()
+
+    def _step(self):
         self.iteration += 1
         for muon in self.muon_optimizers:
             muon.iteration = self.iteration - 1  # its step counts this one
@@ -125,7 +127,7 @@ class FSDPMuonChainedOptimizer:
         the forward's hooks gather the others, the grad sync having dropped the old gathers;
         no_shard needs nothing). `force_sync` drops and redoes every gather now, as
         megatron.training's force_param_sync: for weights that changed outside a step."""
-        with record_function(PARAM_SYNC):
+        with phase(PARAM_SYNC):
             for fsdp in self._fsdp_models:
                 fsdp.install_optimized_model_weights()
             for fsdp in self._fsdp_models:

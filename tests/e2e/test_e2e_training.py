@@ -22,12 +22,19 @@ def test_muon_on_megatron_fsdp_loss_falls():
     """The default: --optimizer muon through megatron_muon.training's switch and factory, at the
     demo's own Newton-Schulz precision (the suite's header says which), with the check interval:
     every 10th iteration's updates also computed whole and compared, and the compute weights
-    checked after the param sync (and found equal: a failed check stops the run)."""
-    log = torchrun_log('--optimizer', 'muon', '--muon-check-interval', '10')
+    checked after the param sync (and found equal: a failed check stops the run). At
+    --timing-log-level 2 each iteration's log has our step's phases among Megatron's timers,
+    each with its (min, max) over the ranks (distribution.phases)."""
+    log = torchrun_log('--optimizer', 'muon', '--muon-check-interval', '10',
+                       '--timing-log-level', '2', '--logging-level', '20', stderr=True)
     assert_loss_falls(demo_log.losses(log, 1, ITERATIONS))
     checks = re.findall(r'^muon check at iteration (\d+): max \|owner - reference\| = \S+ over '
                         r'\d+ matrices; no replicas; compute weights equal$', log, re.MULTILINE)
     assert checks == ['10', '20'], checks
+    for name in ('muon-gather', 'muon-newton-schulz', 'muon-scatter', 'muon-param-sync'):
+        times = re.findall(rf'^ +{name} \.+: \(([\d.]+), ([\d.]+)\)$', log, re.MULTILINE)
+        assert len(times) == ITERATIONS and all(0 < float(low) <= float(high)
+                                                for low, high in times), (name, times)
 
 
 @pytest.mark.parametrize('optimizer', ['muon', 'adam'])
