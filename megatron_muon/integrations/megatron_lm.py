@@ -170,7 +170,8 @@ def _get_megatron_optimizer(*args, **kwargs):
 
 
 def _load_base_checkpoint(*args, **kwargs):
-    loaded = _load_ddp_checkpoint(**_LOAD_BASE_CHECKPOINT_PARAMETERS.bind(*args, **kwargs).arguments)
+    bound = _LOAD_BASE_CHECKPOINT_PARAMETERS.bind(*args, **kwargs)
+    loaded = _load_ddp_checkpoint(**bound.arguments)
     if loaded is not None:
         return loaded
     try:
@@ -258,7 +259,8 @@ def _training_log(*args, **kwargs):
     if flags.log_max_attention_logit and (logging or first):
         print_rank_last(f' iteration {iteration:8d} | max attention logit: '
                         f'{logged["max_attention_logit"]:.4f} |')
-    if (logging or first) and flags.timing_log_level >= phases.TIMER_LEVEL:
+    if ((logging or first) and flags.timing_log_level >= phases.TIMER_LEVEL
+            and muon_on_megatron_fsdp(flags)):
         timers, names = megatron.training.get_timers(), list(phases.TIMER_NAMES.values())
         if flags.log_timers_to_tensorboard:
             for writer in (megatron.training.get_tensorboard_writer(),

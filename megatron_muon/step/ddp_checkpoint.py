@@ -140,11 +140,13 @@ class StackedLoadPlanner(DefaultLoadPlanner):
         stored = self.metadata.state_dict_metadata
         items = []
         for fqn, (key, stacked) in self.remapped.items():
+            ones = (1,) * len(stacked)
             chunks = [ChunkStorageMetadata(offsets=torch.Size(stacked + tuple(chunk.offsets)),
-                                           sizes=torch.Size((1,) * len(stacked) + tuple(chunk.sizes)))
+                                           sizes=torch.Size(ones + tuple(chunk.sizes)))
                       for chunk in _chunks(self.state_dict[fqn])]
-            items += [dataclasses.replace(item, dest_index=dataclasses.replace(item.dest_index, fqn=fqn))
-                      for item in create_read_items_for_chunk_list(key, stored[key], chunks)]
+            items += [dataclasses.replace(
+                item, dest_index=dataclasses.replace(item.dest_index, fqn=fqn))
+                for item in create_read_items_for_chunk_list(key, stored[key], chunks)]
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
