@@ -162,12 +162,13 @@ class GroupPlanner:
     @torch.no_grad()
     def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,
                       group, element_bytes: int, max_batch_bytes: int) -> StepCost:
-        """The group's StepCost from measured_cost.measure: each shape's Newton-Schulz call on one
-        matrix, and, where it is batched (`_batchable`), on as many as an owner gets of its
-        largest batch spread over the group (at least 2). A shape's seconds follow its FLOPs
-        unless its own rate stands apart beyond the noise (measured_cost.seconds_beyond_noise).
-        One all-to-all gives the bandwidth. The figures' median spread is the StepCost's: owners
-        leave byte-first only for a gain that outlasts it (plan.choose_owners_by_time)."""
+        """The group's StepCost from measured_cost.measure: each shape's Newton-Schulz call as the
+        step makes it: on one matrix, or, where it is batched (`_batchable`), on as many as an
+        owner gets of its largest batch spread over the group (at least 2). A shape's seconds
+        follow its FLOPs unless its own rate stands apart beyond the noise
+        (measured_cost.seconds_beyond_noise). One all-to-all gives the bandwidth. The figures'
+        median spread is the StepCost's: owners leave byte-first only for a gain that outlasts it
+        (plan.choose_owners_by_time)."""
         largest_batch: dict = {}
         for batch in batch_matrices(matrices, max_batch_bytes, element_bytes):
             key = cost_key(matrices[batch[0]])
@@ -184,18 +185,13 @@ class GroupPlanner:
             sample = torch.randn((count, *matrix.shape), device=device,
                                  generator=torch.Generator(device).manual_seed(0))
             orthogonalize = self.muon.orthogonalize_full
-            runs.append((1, lambda p=p, sample=sample: orthogonalize(p, sample[0])))
-            if key in timed_batched:
-                runs.append((count, lambda p=p, sample=sample: orthogonalize(p, sample)))
+            matrices_in = sample if key in timed_batched else sample[0]  # as the step calls it
+            runs.append((count, lambda p=p, full=matrices_in: orthogonalize(p, full)))
         first_param = next(iter(representatives.values()))[1]
         tp_group = self.muon.tp_group_of(ParamAttributes(first_param))
         with eo_utils.fp32_matmul_precision(self.muon.fp32_matmul_prec):
             per_matrix, bytes_per_second = measure(runs, group, [tp_group], self.muon.device())
-        figures, calls = iter(per_matrix), {}
-        for key in representatives:
-            calls[key] = next(figures)
-            if key in timed_batched:
-                calls[key] = next(figures)
+        calls = dict(zip(representatives, per_matrix))
         seconds = seconds_beyond_noise(  # FLOPs of one iteration: the step count scales all alike
             {key: matrix.ns_flops(steps=1) for key, (matrix, _) in representatives.items()}, calls)
         return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second,
