@@ -5,13 +5,12 @@ import collections
 import functools
 
 import torch
-from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.utils.hooks import RemovableHandle
 
 from ..compat import upstream
 from ..core.zero_muon import ZeROTensorParallelMuon
 from ..distribution.phases import PARAM_SYNC, phase, timed_by
-from .model_chunks import find_megatron_fsdp, named_main_weights
+from .model_chunks import at_global_expert_index, find_megatron_fsdp, named_main_weights
 from .nonfinite_skip import NonfiniteSkip
 from .weights_check import check_after_param_sync
 
@@ -146,9 +145,7 @@ class FSDPMuonChainedOptimizer:
                        for name, p in named_main_weights(chunk)}
             # Megatron's models carry a config; a plain module on fully_shard_model has none.
             config = getattr(self.model_chunks[0], "config", None)
-            num_experts = getattr(config, "num_moe_experts", None)
-            if num_experts:
-                by_name = handle_experts_in_state_dict(by_name, num_experts)
+            by_name = at_global_expert_index(by_name, getattr(config, "num_moe_experts", None))
             self._param_names = {p: name for name, p in by_name.items()}
         return [(self._param_names[p], p, part, group) for part in self._parts()
                 for group in part.optimizer.param_groups for p in group["params"]]

@@ -17,13 +17,13 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedObject,
                                                       ShardedTensor, ShardedTensorFactory)
-from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .ddp_checkpoint import CHAIN_PREFIX, OptimizerStateNotLoadable, stored_keys
+from .ddp_checkpoint import CHAIN_PREFIX, OptimizerStateNotLoadable, stored_keys, stored_metadata
+from .model_chunks import at_global_expert_index
 
 COMMON = ("args", "iteration", "checkpoint_version", "num_floating_point_operations_so_far")
 # megatron-core's model-space optimizer keys ("optimizer.state.<kind>.<param's key>") -> the
@@ -35,13 +35,12 @@ def is_ours(checkpoint_dir: Path) -> bool:
     """Whether `checkpoint_dir` holds a Megatron-FSDP fsdp_dtensor checkpoint."""
     if not (checkpoint_dir / ".metadata").is_file():
         return False
-    stored = _stored(checkpoint_dir)
-    return any(key.startswith("model.module.") for key in stored)
+    return any(key.startswith("model.module.") for key in stored_metadata(checkpoint_dir))
 
 
 def common_state(checkpoint_dir: Path) -> dict:
     """The args, iteration, checkpoint version and FLOP count of an fsdp_dtensor checkpoint."""
-    return _read(COMMON, checkpoint_dir)
+    return _read(COMMON, checkpoint_dir, stored_metadata(checkpoint_dir))
 
 
 def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None) -> dict:
@@ -51,7 +50,7 @@ def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         raise RuntimeError(f"{checkpoint_dir}: a Megatron-FSDP checkpoint loads on Megatron DDP "
                            f"at --tensor-model-parallel-size 1 only, for now")
-    stored = _stored(checkpoint_dir)
+    stored = stored_metadata(checkpoint_dir)
     model = sharded_state_dict["model"]
     global_names = _global_names(list(model), num_experts)
     wanted = {}
@@ -72,15 +71,15 @@ def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None
                         if key not in ("rng_state", "opt_param_scheduler")})
     if optimizer is not None:
         _with_common_step(state["optimizer"],
-                          _read(["optimizer.step"], checkpoint_dir)["optimizer.step"])
+                          _read(["optimizer.step"], checkpoint_dir, stored)["optimizer.step"])
     if "opt_param_scheduler" in sharded_state_dict:
         prefix = "opt_param_scheduler."
         state["opt_param_scheduler"] = {
             key[len(prefix):]: value for key, value in _read(
-                [key for key in stored if key.startswith(prefix)], checkpoint_dir).items()}
+                [key for key in stored if key.startswith(prefix)], checkpoint_dir, stored).items()}
     if "rng_state" in sharded_state_dict:
         state["rng_state"] = _rng_states(checkpoint_dir, stored)
-    state.update(common_state(checkpoint_dir))
+    state.update(_read(COMMON, checkpoint_dir, stored))
     return state
 
 
@@ -157,9 +156,7 @@ def _with_common_step(tree, step: torch.Tensor) -> None:
 
 def _global_names(names: list, num_experts: int | None) -> dict:
     """{model name: the name our checkpoint keys it by}: local experts at their global index."""
-    if not num_experts:
-        return {name: name for name in names}
-    renamed = handle_experts_in_state_dict({name: name for name in names}, num_experts)
+    renamed = at_global_expert_index({name: name for name in names}, num_experts)
     return {local: global_name for global_name, local in renamed.items()}
 
 
@@ -170,7 +167,7 @@ def _rng_states(checkpoint_dir: Path, stored: dict) -> list:
                 f"{parallel_state.get_tensor_model_parallel_rank()}).")
     states: dict[int, dict] = {}
     for key, value in _read([key for key in stored if key.startswith(position)],
-                            checkpoint_dir).items():
+                            checkpoint_dir, stored).items():
         dp, _, field = key[len(position):].partition(".")
         node = states.setdefault(int(dp), {})
         *path, leaf = field.split(".")
@@ -180,13 +177,9 @@ def _rng_states(checkpoint_dir: Path, stored: dict) -> list:
     return [states[dp] for dp in sorted(states)]
 
 
-def _stored(checkpoint_dir: Path) -> dict:
-    return FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
-
-
-def _read(keys, checkpoint_dir: Path) -> dict:
-    """{key: its value} of `keys` in the checkpoint: tensors (on the host) and objects."""
-    stored = _stored(checkpoint_dir)
+def _read(keys, checkpoint_dir: Path, stored: dict) -> dict:
+    """{key: its value} of `keys` in the checkpoint (`stored`: its metadata): tensors (on the
+    host) and objects."""
     state = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype, device="cpu")
              if isinstance(stored[key], TensorStorageMetadata) else None for key in keys}
     return _fill(state, checkpoint_dir)

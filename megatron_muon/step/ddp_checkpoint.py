@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
                                                       ShardedTensorFactory)
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
     preprocess_state_dict_for_uneven_dtensor
-from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -34,6 +33,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
+
+from .model_chunks import at_global_expert_index
 
 # (prefix, suffix) of a fsdp_dtensor state dict's key around a param's name -> how megatron-core's
 # Muon chain keys the same tensor in torch_dist ("{}": the param's ShardedTensor key).
@@ -52,6 +53,11 @@ class OptimizerStateNotLoadable(RuntimeError):
 
 def is_torch_dist(checkpoint_dir: Path) -> bool:
     return dist_checkpointing.check_is_distributed_checkpoint(str(checkpoint_dir))
+
+
+def stored_metadata(checkpoint_dir: Path) -> dict:
+    """{key: its storage metadata} of a DCP checkpoint (torch_dist or fsdp_dtensor)."""
+    return FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
 
 
 def common_state(checkpoint_dir: Path) -> dict:
@@ -78,13 +84,6 @@ def stored_keys(sharded: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
         if isinstance(entry, ShardedTensor):
             found[name] = (entry.key, tuple(entry.global_offset[:entry.prepend_axis_num]))
     return found
-
-
-def optimizer_names(names: dict, model) -> dict:
-    """`names` under the chain's names for its optimizer state (step/chained.py's _named_params):
-    local experts renamed to their global index."""
-    num_experts = getattr(getattr(model, "config", None), "num_moe_experts", None)
-    return handle_experts_in_state_dict(dict(names), num_experts) if num_experts else names
 
 
 def _inner(model):
@@ -170,14 +169,15 @@ def load(checkpoint_dir: Path, state_dict: dict) -> dict:
     Every tensor is found in the checkpoint before any is read, else nothing changes."""
     model = state_dict.pop("_model")
     common = common_state(checkpoint_dir)
-    stored = FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+    stored = stored_metadata(checkpoint_dir)
     tensors = {section: state_dict[section] for section in ("model", "optimizer")
                if section in state_dict}
     refusal = _bucket_space(common, stored, checkpoint_dir) if "optimizer" in tensors else None
     remapped = {}
     if refusal is None:
         names = stored_tensors(model[0])
-        remapped, refusal = _remapped(tensors, names, optimizer_names(names, _inner(model[0])),
+        num_experts = getattr(getattr(_inner(model[0]), "config", None), "num_moe_experts", None)
+        remapped, refusal = _remapped(tensors, names, at_global_expert_index(names, num_experts),
                                       stored)
     _raise_on_every_rank(refusal)
     preprocess_state_dict_for_uneven_dtensor(tensors)
@@ -266,8 +266,6 @@ def _step_count(common: dict) -> torch.Tensor:
 def _rng_states(checkpoint_dir: Path, generated: dict) -> dict:
     """{"(pp, tp)": the data-parallel ranks' RNG states}, fsdp_dtensor's shape of rng_state, from
     torch_dist's rng_state object of this rank's (pp, tp)."""
-    from megatron.core import parallel_state
-
     (position,) = generated
     pp, tp = (parallel_state.get_pipeline_model_parallel_rank(),
               parallel_state.get_tensor_model_parallel_rank())

@@ -1,5 +1,7 @@
 """Megatron-FSDP inside a model chunk, and the main weights it holds, named as the chunk names its
-params."""
+params (and as checkpoints name them: at_global_expert_index)."""
+
+from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 
 
 def find_megatron_fsdp(chunk):
@@ -22,3 +24,10 @@ def named_main_weights(chunk) -> list:
         prefix, module = prefix + "module.", module.module
     return [(f"{prefix}module.{name}", p)
             for name, p in fsdp.param_and_grad_buffer.optimizer_named_parameters]
+
+
+def at_global_expert_index(by_name: dict, num_experts: int | None) -> dict:
+    """`by_name` keyed as Megatron's fsdp_dtensor checkpoints name params
+    (DistributedOptimizer._param_name): local experts renamed to their global index, so
+    expert-parallel ranks never share a key (megatron-core's handle_experts_in_state_dict)."""
+    return handle_experts_in_state_dict(dict(by_name), num_experts) if num_experts else by_name
