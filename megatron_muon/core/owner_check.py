@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 
+from ..distribution.agreement import agree_on_every_rank
 from ..distribution.dtensor_rows import num_experts
 from ..distribution.exchange import run_overlapped
 from ..distribution.group_plan import GroupPlan
-from .checks import CheckResult, MuonCheckError, agree_on_every_rank
+from .checks import CheckResult, MuonCheckError
 from .team_newton_schulz import reordering_bound
 
 # What the step does with a matrix's rows that come back: apply(plan, matrix, this rank's rows).

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..core.checks import MuonCheckError, agree_on_every_rank
+from ..core.checks import MuonCheckError
+from ..distribution.agreement import agree_on_every_rank
 from ..distribution.dtensor_rows import data_parallel_dims
 from .model_chunks import named_main_weights
 
