@@ -865,9 +865,11 @@ def assumptions(rates: Rates, args) -> list[str]:
         "alltoall_perf at 128 ranks over sockets, NVIDIA/nccl-tests#78: an upper figure)",
         "teams (--muon-max-team-size W, plan/teams.py): a matrix too large for the step split "
         "over a team along its long side, sized and placed by seconds with its all-reduces "
-        "weighed (each member: its share of X X^T and B X, all of A A, newton_schulz_tp's norm "
-        f"and {args.ns_steps} Gram all-reduces, ring, {args.gram_bytes} bytes an element, each "
-        "with its k ranks' latency); the busiest rank's FLOPs count each member's repeated A A; "
+        "weighed (each member: its share of X X^T and B X and all of A A, or, with its share "
+        "shorter than the Gram side, 6 g^2 l with the Gram matrix applied twice; "
+        f"newton_schulz_tp's norm and {args.ns_steps} Gram all-reduces, ring, {args.gram_bytes} "
+        "bytes an element, each with its k ranks' latency); the busiest rank's FLOPs count "
+        "each member's repeated A A where it forms it; "
         "'ideal' is the whole matrices' FLOPs over W; the optimizer sizes them alike with its "
         "measured rates (no latency)",
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "

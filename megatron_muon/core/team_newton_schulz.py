@@ -1,31 +1,49 @@
 """Newton-Schulz of a matrix split over a team (plan/teams.py): each member holds blocks of its
 long side (rows of a tall or square matrix, columns of a wide one), and the team orthogonalizes
-it together as megatron-core's TensorParallelMuon does a param partitioned along that dim in
-tp_mode "distributed": emerging_optimizers' newton_schulz_tp over the team's group (the norm and
-each iteration's Gram matrix X X^T summed over it), then get_muon_scale_factor of the whole
-matrix's shape times extra_scale_factor. With even blocks held in rank order it is that
-computation bit for bit; otherwise it differs from it by the order of those sums
-(docs/design.md, "Teams")."""
+it as megatron-core's TensorParallelMuon does a param partitioned along that dim in tp_mode
+"distributed" (newton_schulz_tp over the team: the norm and each iteration's Gram matrix summed
+over it), scaled by get_muon_scale_factor of the whole shape times extra_scale_factor; bit for
+bit with even blocks in rank order, else up to the order of those sums. A member whose part is
+shorter than the Gram side applies the Gram matrix twice instead of squaring it
+(plan.applies_gram_twice): the same polynomial and collectives (docs/design.md, "Teams")."""
 
 import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import get_coefficient_iterator
 
 from ..compat import upstream
-from ..plan import Matrix
+from ..compat.newton_schulz_loop import distributed_newton_schulz
+from ..plan import Matrix, applies_gram_twice
 
 
 def team_orthogonalize(part: torch.Tensor, whole_shape: tuple[int, int], dim: int, group,
                        settings: dict) -> torch.Tensor:
     """This member's part of the orthogonalized whole matrix, from its `part` of it along `dim`
     (over `group`, the team). `settings`: TensorParallelMuon's arguments."""
-    orthogonalized = upstream.newton_schulz_tp(
-        part, settings["num_ns_steps"], settings["coefficient_type"], group, partition_dim=dim,
-        tp_mode="distributed")
+    steps, coefficients = settings["num_ns_steps"], settings["coefficient_type"]
+    if applies_gram_twice(min(whole_shape), part.shape[dim]):
+        orthogonalized = distributed_newton_schulz(part, steps, coefficients, group, dim,
+                                                   gram_applied_twice_step)
+    else:
+        orthogonalized = upstream.newton_schulz_tp(part, steps, coefficients, group,
+                                                   partition_dim=dim, tp_mode="distributed")
     scale = upstream.get_muon_scale_factor(*whole_shape, mode=settings["scale_mode"])
     return orthogonalized * scale * settings["extra_scale_factor"]
+
+
+def gram_applied_twice_step(X: torch.Tensor, a: float, b: float, c: float,
+                            tp_group) -> torch.Tensor:
+    """emerging_optimizers' newton_schulz_step, aX + (bA + cA A)X with A = X X^T summed over
+    `tp_group`, computed as aX + A(bX + cAX): no A A, so 6m^2 r FLOPs for X's m rows and r
+    columns instead of 4m^2 r + 2m^3."""
+    A = X @ X.mT
+    dist.all_reduce(A, group=tp_group)
+    # Each sum in one addmm, as newton_schulz_step forms B: in bf16 a separate bX + c(AX), two
+    # large terms of opposite sign, would round each before they cancel.
+    return torch.addmm(X, A, torch.addmm(X, A, X, beta=b, alpha=c), beta=a)
 
 
 def orthogonalized_by_team(muon: Any, plan: Any, owned: list[int],
@@ -56,7 +74,9 @@ def newton_schulz_gain(coefficient_type: str, steps: int) -> float:
 def reordering_bound(block: Matrix, settings: dict) -> float:
     """The most a team's update may lie from the whole matrix's, elementwise, at fp32: the team
     sums the norm and each Gram matrix over its members, reordering fp32 sums of up to the long
-    side's length, which changes them by at most that many units of 2^-24 of their scale;
+    side's length (and a member applying the Gram matrix twice associates sums of the Gram
+    side's length otherwise), which changes them by at most that many units of 2^-24 of their
+    scale;
     normalizing at most doubles that, Newton-Schulz amplifies it at most by its gain
     (newton_schulz_gain), and Muon's scale factor scales the update. `settings`:
     TensorParallelMuon's arguments."""

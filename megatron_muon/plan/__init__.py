@@ -10,8 +10,8 @@ from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, alone_workin
                      batch_matrices, exchange_batches, fewest_exchanges, largest_alone,
                      newton_schulz_bytes, owner_bytes, per_exchange_bytes, rank_budgets,
                      state_saved, step_headroom, working_memory)
-from .layouts import (Matrix, QKVRows, RowLayout, TeamBlock, cost_key, ns_flops,
-                      orthogonalization_key, qkv_row_blocks, row_layouts, split_matrices)
+from .layouts import (Matrix, QKVRows, RowLayout, TeamBlock, applies_gram_twice, cost_key,
+                      ns_flops, orthogonalization_key, qkv_row_blocks, row_layouts, split_matrices)
 from .offload import OffloadFigures, offload_figures, offloaded
 from .owner_plan import (OwnedBatches, OwnerPlan, owned_batches, owner_plan, packed_beside,
                          packed_plan)
@@ -29,7 +29,7 @@ __all__ = ["BYTE_SLACK", "ExchangeMemory", "IN_FLIGHT", "MAX_EXCHANGE_BYTES", "M
            "TEAM_ABOVE", "TeamBlock", "TeamCost", "all_reduce_seconds", "block_sizes",
            "can_split", "flops_cost", "newton_schulz_flops", "ring_bytes", "team_all_reduces",
            "team_blocks", "team_members", "team_sizes", "team_step_cost", "with_teams",
-           "alone_working", "batch_bytes", "batch_matrices", "choose_owners",
+           "alone_working", "applies_gram_twice", "batch_bytes", "batch_matrices", "choose_owners",
            "choose_owners_by_time", "cost_key", "estimated_seconds", "exchange_batches",
            "fewest_exchanges", "gather_moves", "gather_segments", "gather_traffic",
            "largest_alone", "layout_min_bytes", "matrix_traffic", "newton_schulz_bytes",

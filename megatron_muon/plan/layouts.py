@@ -151,10 +151,21 @@ def ns_flops(rows: int, cols: int, steps: int) -> int:
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
+def applies_gram_twice(gram_side: int, long_side: int) -> bool:
+    """Whether a team member holding `long_side` of a matrix's long side updates its part X as
+    aX + A(bX + cAX) (A = X X^T summed over the team: 6g^2 l FLOPs an iteration) rather than as
+    newton_schulz_tp does, aX + (bA + cA A)X (4g^2 l + 2g^3, A A repeated by every member):
+    where its part is shorter than the Gram side g, which saves FLOPs and moves no more bytes."""
+    return long_side < gram_side
+
+
 def team_ns_flops(gram_side: int, long_side: int, steps: int) -> int:
-    """One team member's Newton-Schulz FLOPs in the distributed form (newton_schulz_tp's
-    "distributed" mode) on `long_side` of the whole matrix's long side: that share of X X^T and
-    B X, and all of A A, which every member repeats: k(4g^2 l + 2g^3), g the Gram side."""
+    """One team member's Newton-Schulz FLOPs in the distributed form on `long_side` of the whole
+    matrix's long side: that share of X X^T and B X, and all of A A, which every member repeats:
+    k(4g^2 l + 2g^3), g the Gram side; or, where it applies the Gram matrix twice
+    (applies_gram_twice), k 6g^2 l."""
+    if applies_gram_twice(gram_side, long_side):
+        return steps * 6 * gram_side * gram_side * long_side
     return steps * (4 * gram_side * gram_side * long_side + 2 * gram_side ** 3)
 
 

@@ -188,8 +188,9 @@ def team_members(matrices: Sequence[Matrix], owners: Sequence[int]) -> dict[int,
 def newton_schulz_flops(matrices: Sequence[Matrix], owners: Sequence[int], steps: int,
                         ranks: int) -> list[int]:
     """Each rank's Newton-Schulz FLOPs as the step runs them: each matrix on its owner
-    (Matrix.ns_flops); a team's blocks one call per member, on all its rows of them (their
-    share of X X^T and B X, and one A A)."""
+    (Matrix.ns_flops); a team's blocks one call per member, on all its rows of them
+    (team_ns_flops: their share of X X^T and B X and one A A, or the Gram matrix applied
+    twice)."""
     flops = [0] * ranks
     calls: dict[tuple[int, int], list[Matrix]] = {}
     for matrix, owner in zip(matrices, owners):

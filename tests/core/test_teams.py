@@ -25,13 +25,16 @@ from fsdp_models import (MUON_KWARGS, assert_offload_as_planned, batch, full_ten
 from megatron_muon import ZeROTensorParallelMuon, get_megatron_optimizer
 from megatron_muon.core.checks import MuonCheckError
 from megatron_muon.core.settings import tensor_parallel_muon_settings
+from megatron_muon.compat import upstream
+from megatron_muon.compat.newton_schulz_loop import distributed_newton_schulz
 from megatron_muon.core.team_newton_schulz import (orthogonalized_by_team, reordering_bound,
                                                    team_orthogonalize)
 from megatron_muon.distribution.exchange import Traffic, observed
-from megatron_muon.plan import (Matrix, RowLayout, StepCost, batch_matrices, choose_owners,
-                                choose_owners_by_time, newton_schulz_flops, team_all_reduces,
-                                team_blocks, team_members, team_sizes, whole_matrix_owners,
-                                with_teams)
+from megatron_muon.plan import (Matrix, RowLayout, StepCost, applies_gram_twice, batch_matrices,
+                                choose_owners, choose_owners_by_time, newton_schulz_flops,
+                                team_all_reduces, team_blocks, team_members, team_sizes,
+                                whole_matrix_owners, with_teams)
+from megatron_muon.plan.layouts import team_ns_flops
 from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
 from tolerances import ATOL, muon_drift, reordering_error
@@ -92,6 +95,18 @@ def test_blocks_cover_the_matrix_and_batch_together():
     assert sum(matrices[i].ns_flops(1) for i in teams[0]) == big.ns_flops(1) + 2 * 2 * 64 ** 3
 
 
+def test_a_member_shorter_than_the_gram_side_applies_it_twice():
+    """A square matrix over 4: each member's 64 of 256 columns cost 6 g^2 l an iteration (X X^T,
+    A X, A (bX + cAX)), together the whole matrix's 6 g^3, where forming A A would cost each
+    4 g^2 l + 2 g^3 (2.5x the whole in all)."""
+    square = _matrix(256, 256)
+    blocks = [block for _, block in team_blocks(square, 4, 0)]
+    assert [block.ns_flops(1) for block in blocks] == [6 * 256 ** 2 * 64] * 4
+    assert sum(block.ns_flops(1) for block in blocks) == square.ns_flops(1)
+    tall = [block for _, block in team_blocks(_matrix(1024, 256), 2, 0)]  # 512 rows each
+    assert [block.ns_flops(1) for block in tall] == [4 * 256 ** 2 * 512 + 2 * 256 ** 3] * 2
+
+
 def test_every_owner_choice_puts_a_teams_blocks_on_distinct_ranks():
     """By bytes every column block of a wide matrix would go to the rank holding most of its
     rows, all to one rank: the team would not be split."""
@@ -106,8 +121,10 @@ def test_every_owner_choice_puts_a_teams_blocks_on_distinct_ranks():
         assert len({o for m, o in zip(matrices, owners) if m.team}) == k, owners
 
 
-def _team_newton_schulz_as_megatron_core_distributed(rank, world_size, dim):
-    shape = [8 * world_size, 6][::1 if dim == 0 else -1]  # split along its long side
+def _team_newton_schulz_as_megatron_core_distributed(rank, world_size, dim, rows):
+    # Split along its long side; `rows` of it a member: more than the Gram side's 6 (A A formed,
+    # as upstream) or fewer (the Gram matrix applied twice).
+    shape = [rows * world_size, 6][::1 if dim == 0 else -1]
     full = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     block = full.chunk(world_size, dim)[rank]
     group = dist.new_group(list(range(world_size)))
@@ -116,14 +133,31 @@ def _team_newton_schulz_as_megatron_core_distributed(rank, world_size, dim):
     reference = TensorParallelMuon([p], pg_collection=SimpleNamespace(tp=group, gtp_remat=None),
                                    tp_mode="distributed", fp32_matmul_prec="highest")
     settings = tensor_parallel_muon_settings({})
+    twice = applies_gram_twice(6, rows)
+    # Single-device Muon's rows, within what reordering (or associating) fp32 sums changes.
+    bound = muon_drift([1.0], full.shape, reordering_error(max(full.shape))) + ATOL
     with eo_utils.fp32_matmul_precision("highest"):
         expected = reference.orthogonalize(p, block)
-        ours = team_orthogonalize(block, tuple(full.shape), dim, group, settings)
-        assert torch.equal(ours, expected)
-        # Single-device Muon's rows, within what reordering the Gram's fp32 sums changes.
-        whole = reference.scaled_orthogonalize_fn(full, None, None).chunk(world_size, dim)[rank]
-        bound = muon_drift([1.0], full.shape, reordering_error(max(full.shape))) + ATOL
+        with FlopCounterMode(display=False) as counted:
+            ours = team_orthogonalize(block, tuple(full.shape), dim, group, settings)
+        assert counted.get_total_flops() == team_ns_flops(6, rows, settings["num_ns_steps"])
+        if twice:  # the same polynomial, associated otherwise
+            assert 0 < (ours - expected).abs().max() <= bound
+        else:
+            assert torch.equal(ours, expected)
+        # newton_schulz_tp's loop, step by upstream's step: upstream's result, bit for bit.
+        assert torch.equal(distributed_newton_schulz(block, 5, "quintic", group, dim),
+                           upstream.newton_schulz_tp(block, 5, "quintic", group, dim,
+                                                     tp_mode="distributed"))
+        fp32_whole = reference.scaled_orthogonalize_fn(full, None, None)
+        whole = fp32_whole.chunk(world_size, dim)[rank]
         assert (ours - whole).abs().max() <= bound
+    if twice:  # in bf16 as far from fp32's result as bf16 Newton-Schulz on the whole matrix is
+        with eo_utils.fp32_matmul_precision("medium"):
+            bf16 = team_orthogonalize(block, tuple(full.shape), dim, group, settings)
+            bf16_whole = reference.scaled_orthogonalize_fn(full, None, None)
+        error = (bf16_whole - fp32_whole).abs().max()  # over the whole matrix
+        assert (bf16 - whole).abs().max() <= 2 * error
         # Broken: without the team's all-reduce each member orthogonalizes its rows alone; with
         # another member's block it returns that block's rows.
         with mock.patch.object(dist, "all_reduce"):
@@ -134,9 +168,11 @@ def _team_newton_schulz_as_megatron_core_distributed(rank, world_size, dim):
             team_orthogonalize(swapped, tuple(full.shape), dim, group, settings), expected)
 
 
-@pytest.mark.parametrize("world_size, dim", [(2, 0), (4, 0), (2, 1), (4, 1)])
-def test_team_newton_schulz_is_megatron_cores_distributed_form(distributed, world_size, dim):
-    distributed(_team_newton_schulz_as_megatron_core_distributed, world_size, dim)
+@pytest.mark.parametrize("world_size, dim, rows", [(2, 0, 8), (4, 0, 8), (2, 1, 8), (4, 1, 8),
+                                                   (2, 0, 3), (4, 1, 2)])
+def test_team_newton_schulz_is_megatron_cores_distributed_form(distributed, world_size, dim,
+                                                               rows):
+    distributed(_team_newton_schulz_as_megatron_core_distributed, world_size, dim, rows)
 
 
 class WideNet(torch.nn.Module):

@@ -1,0 +1,31 @@
+"""emerging_optimizers' Newton-Schulz over a process group (newton_schulz_tp in tp_mode
+"distributed") with its iteration step as an argument: upstream's newton_schulz hard-codes
+newton_schulz_step, and a team member that applies the Gram matrix twice
+(core/team_newton_schulz.py) runs its own step in the same loop. Written as emerging-optimizers
+0.3's newton_schulz is; with upstream's step it gives newton_schulz_tp bit for bit
+(tests/core/test_teams.py holds it there)."""
+
+import torch
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
+    distributed_normalize_p2, get_coefficient_iterator, newton_schulz_step)
+
+from .upstream import COEFFICIENT_SETS
+
+# The coefficient types newton_schulz iterates with "repeat_last" (the others "cycle"), its eps.
+_REPEAT_LAST, _EPS = ("polar_express", "cans", "deepseekv4"), 1e-7
+
+
+def distributed_newton_schulz(part: torch.Tensor, steps: int, coefficient_type: str, group,
+                              dim: int, step=newton_schulz_step) -> torch.Tensor:
+    """newton_schulz_tp(part, steps, coefficient_type, group, dim, tp_mode="distributed"): the
+    part transposed where split along dim 0, normalized over `group`, each iteration in bf16 at
+    matmul precision "medium", each by `step` (newton_schulz_step's signature)."""
+    x = part.mT if dim == 0 else part
+    X = distributed_normalize_p2(x, _EPS, group)
+    mode = "repeat_last" if coefficient_type in _REPEAT_LAST else "cycle"
+    if torch.get_float32_matmul_precision() == "medium":
+        X = X.to(torch.bfloat16)
+    for a, b, c in get_coefficient_iterator(steps, COEFFICIENT_SETS[coefficient_type], mode=mode):
+        X = step(X, a, b, c, tp_group=group)
+    X = X.to(torch.float32)
+    return X.mT if dim == 0 else X
