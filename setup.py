@@ -22,6 +22,9 @@ setup(
         # megatron-core's torch_dist checkpoint writer (dist_checkpointing's filesystem_async)
         # imports it; megatron-core does not declare it, and without it Megatron DDP's --save fails.
         "psutil",
+        # megatron.training's --tensorboard-dir writer (torch.utils.tensorboard) needs it; neither
+        # torch nor megatron-core declares it, and without it the run logs to TensorBoard nothing.
+        "tensorboard",
     ],
     extras_require={
         # transformers: the tests build tiny Hugging Face models from their configs (no download).

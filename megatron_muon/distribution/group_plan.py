@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..plan import (Matrix, OwnedBatches, StepCost, alone_working, owned_batches, packed_beside,
-                    packed_plan, state_saved)
+from ..plan import (Matrix, OwnedBatches, StepCost, alone_working, newton_schulz_flops,
+                    owned_batches, packed_beside, packed_plan, state_saved, team_all_reduces)
 from .dtensor_rows import as_rows
 from .exchange import OwnerRoutes
 
@@ -43,6 +43,23 @@ class GroupPlan:
         return sum(sum(route.recv_counts) * self.param_of(0).element_size()
                    for routes in self.routes for route in (routes.gather, routes.scatter)
                    if route.moves)
+
+    def collectives(self, steps: int) -> int:
+        """The collectives this rank takes part in during one owner step of `steps` Newton-Schulz
+        iterations: each exchange's gather and scatter all-to-all where rows move, and its
+        teams' all-reduces (plan.team_all_reduces)."""
+        all_to_alls = sum(route.moves for routes in self.routes
+                          for route in (routes.gather, routes.scatter))
+        return all_to_alls + len(team_all_reduces(self.matrices, self.owners, steps).get(
+            self.rank, []))
+
+    def newton_schulz_flops(self) -> dict[int, int]:
+        """{global rank: its Newton-Schulz FLOPs of one iteration in this group}
+        (plan.newton_schulz_flops)."""
+        ranks = dist.get_world_size(self.group)
+        flops = newton_schulz_flops(self.matrices, self.owners, 1, ranks)
+        return {dist.get_global_rank(self.group, r) if self.group else r: f
+                for r, f in enumerate(flops)}
 
     def rows_of(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """This rank's rows of matrix i within `local`, its param's local shard (or a tensor

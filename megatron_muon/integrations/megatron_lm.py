@@ -32,9 +32,10 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   megatron-core's local attention too: the optimizer's step reduces the max logits over the
   data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
   the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
-* reports the step's phases (the owner exchange's gather and scatter, Newton-Schulz, the param
-  sync) to megatron.training's timers at level 2, logged beside Megatron's own
-  (distribution.phases; docs/cluster-check.md);
+* reports the step (level 1) and its phases (level 2: the owner exchange's gather and scatter,
+  Newton-Schulz, the param sync) to megatron.training's timers, logged beside Megatron's own
+  (distribution.phases), and the step's scalars to TensorBoard and W&B (step.step_report;
+  docs/cluster-check.md);
 * makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
   (megatron_muon.step.checksums) and verify them before a load, on every rank together: a damaged
   file stops the run, named, before any state changes;
@@ -65,7 +66,8 @@ from ..compat import cpu, upstream, upstream_fixes
 from ..distribution import phases
 from ..compat.cpu_training import apply_megatron_training_compat
 from ..plan import MAX_EXCHANGE_BYTES
-from ..step import checkpoint_for_ddp, checksums, ddp_checkpoint, qk_clip
+from ..step import checkpoint_for_ddp, checksums, ddp_checkpoint, qk_clip, step_report
+from ..step.chained import FSDPMuonChainedOptimizer
 from . import factory
 from .arguments import (FSDP_OPTIMIZERS, mend_help_texts, muon_on_megatron_fsdp,
                         offer_fp32_newton_schulz, validate_muon_args)
@@ -78,6 +80,7 @@ _megatron_save_checkpoint = megatron.training.training.save_checkpoint
 _megatron_load_checkpoint = megatron.training.training.load_checkpoint
 _megatron_clip_qk = megatron.training.training.clip_qk
 _megatron_training_log = megatron.training.training.training_log
+_optimizers: list = []  # the run's Muon chain on Megatron-FSDP, once built
 _TRAINING_LOG_PARAMETERS = inspect.signature(_megatron_training_log)
 _LOAD_BASE_CHECKPOINT_PARAMETERS = inspect.signature(_megatron_load_base_checkpoint)
 # Megatron's optimizers that run Newton-Schulz at --muon-fp32-matmul-prec.
@@ -158,7 +161,7 @@ def _validate_args(args, defaults={}):
 
 def _get_megatron_optimizer(*args, **kwargs):
     flags = megatron.training.get_args()
-    return factory.get_megatron_optimizer(
+    optimizer = factory.get_megatron_optimizer(
         *args, muon_dist_mode=getattr(flags, 'muon_dist_mode', 'owner'),
         muon_owner_choice=getattr(flags, 'muon_owner_choice', 'time'),
         muon_max_consecutive_skipped_steps=getattr(flags, 'muon_max_consecutive_skipped_steps', 10),
@@ -167,6 +170,9 @@ def _get_megatron_optimizer(*args, **kwargs):
         muon_use_syrk=getattr(flags, 'muon_use_syrk', False),
         muon_max_team_size=getattr(flags, 'muon_max_team_size', 1),
         **kwargs)
+    if isinstance(optimizer, FSDPMuonChainedOptimizer):  # its step's scalars go to the logs
+        _optimizers[:] = [optimizer]
+    return optimizer
 
 
 def _load_base_checkpoint(*args, **kwargs):
@@ -249,9 +255,10 @@ def _clip_qk(model, log_max_only=False):
 def _training_log(*args, **kwargs):
     """Megatron's log line, then the iteration's max attention logit (measured in its forward,
     before any clip) on a line of its own: Megatron sends it only to TensorBoard and W&B. Then
-    our step's phases' timers (distribution.phases), as training_log does its own list of
-    timers, which names none of ours: at --timing-log-level 2, every --log-interval, their
-    (min, max) over ranks printed and, with --log-timers-to-tensorboard, written."""
+    our step's timers (distribution.phases) as training_log does its own, which names none of
+    ours: every --log-interval, those at --timing-log-level or below, their (min, max) over ranks
+    printed and, with --log-timers-to-tensorboard, written; and the step's scalars
+    (step.step_report) to TensorBoard and W&B where they are on."""
     report_memory_flag = _megatron_training_log(*args, **kwargs)
     logged = _TRAINING_LOG_PARAMETERS.bind(*args, **kwargs).arguments
     flags, iteration = megatron.training.get_args(), logged['iteration']
@@ -259,14 +266,19 @@ def _training_log(*args, **kwargs):
     if flags.log_max_attention_logit and (logging or first):
         print_rank_last(f' iteration {iteration:8d} | max attention logit: '
                         f'{logged["max_attention_logit"]:.4f} |')
-    if ((logging or first) and flags.timing_log_level >= phases.TIMER_LEVEL
-            and muon_on_megatron_fsdp(flags)):
-        timers, names = megatron.training.get_timers(), list(phases.TIMER_NAMES.values())
-        if flags.log_timers_to_tensorboard:
-            for writer in (megatron.training.get_tensorboard_writer(),
-                           megatron.training.get_wandb_writer()):
-                timers.write(names, writer, iteration, normalizer=flags.log_interval, reset=False)
+    if not ((logging or first) and muon_on_megatron_fsdp(flags)):
+        return report_memory_flag
+    timers, names = megatron.training.get_timers(), phases.timer_names(flags.timing_log_level)
+    board, wandb = megatron.training.get_tensorboard_writer(), megatron.training.get_wandb_writer()
+    for writer in (board, wandb) if names and flags.log_timers_to_tensorboard else ():
+        timers.write(names, writer, iteration, normalizer=flags.log_interval, reset=False)
+    if names:
         timers.log(names, normalizer=flags.log_interval, reset=not first)
+    scalars = step_report.step_scalars(_optimizers[-1]) if (board or wandb) and _optimizers else {}
+    for name, value in scalars.items() if board else ():
+        board.add_scalar(name, value, iteration)
+    if wandb and scalars:
+        wandb.log(scalars, iteration)
     return report_memory_flag
 
 

@@ -9,7 +9,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..compat import upstream
 from ..core.zero_muon import ZeROTensorParallelMuon
-from ..distribution.phases import PARAM_SYNC, phase, timed_by
+from ..distribution.phases import PARAM_SYNC, STEP, phase, timed_by
 from .model_chunks import at_global_expert_index, find_megatron_fsdp, named_main_weights
 from .nonfinite_skip import NonfiniteSkip
 from .weights_check import check_after_param_sync
@@ -90,7 +90,8 @@ class FSDPMuonChainedOptimizer:
             return None  # its construction step, with zero grads: see fully_shard_optimizer below
         # megatron.training sets megatron-core's OptimizerConfig.timers: the phases report there.
         with timed_by(getattr(getattr(self._parts()[0], "config", None), "timers", None)):
-            return self._step()
+            with phase(STEP):
+                return self._step()
 
     def _step(self):
         self.iteration += 1
@@ -117,6 +118,11 @@ class FSDPMuonChainedOptimizer:
                 check_after_param_sync(self.model_chunks, self._fsdp_models,
                                        self.muon_optimizers, self.iteration)
         return result
+
+    @property
+    def skipped_steps(self) -> int:
+        """The steps skipped so far for a NaN or Inf gradient."""
+        return self._skip.skipped
 
     def _install_weights_for_the_next_forward(self, force_sync=False):
         """Copy the main weights into the compute weights, then sync them as megatron-core's

@@ -28,7 +28,7 @@ class NonfiniteSkip:
             raise ValueError("max_consecutive_skipped_steps (--muon-max-consecutive-skipped-steps) "
                              f"must be at least 0, got {max_consecutive}")
         self.chain, self.max_consecutive = chain, max_consecutive
-        self.consecutive = 0
+        self.consecutive = self.skipped = 0  # in a row; in all
         self.nonfinite = None  # this step's verdict, once taken
         self.decides_inside_the_chain = self._decide_inside(chain)
 
@@ -44,6 +44,7 @@ class NonfiniteSkip:
             self.consecutive = 0
             return False
         self.consecutive += 1
+        self.skipped += 1
         count, limit = self.consecutive, self.max_consecutive
         if limit and count >= limit:
             raise RuntimeError(

@@ -35,6 +35,7 @@ from megatron_muon.plan import (Matrix, RowLayout, StepCost, applies_gram_twice,
                                 team_all_reduces, team_blocks, team_members, team_sizes,
                                 whole_matrix_owners, with_teams)
 from megatron_muon.plan.layouts import team_ns_flops
+from megatron_muon.step.step_report import step_scalars
 from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
 from tolerances import ATOL, muon_drift, reordering_error
@@ -316,12 +317,20 @@ def _a_step_does_what_the_plan_counts(rank, world_size):
             all_to_alls = sum(route.moves for routes in plan.routes
                               for route in (routes.gather, routes.scatter))
             received = plan.bytes_received()
+            scalars, exchanges = step_scalars(optimizer), len(plan.routes)
+            loads = newton_schulz_flops(plan.matrices, plan.owners, 1, world_size)
     (ours, ours_calls), (adams, adam_calls) = counts["teams"], counts["adam"]
     assert adams == 0 and ours == flops, (ours, flops)  # Newton-Schulz's products, to the FLOP
     assert ours_calls.by_name == adam_calls.by_name + Counter(
         alltoall_base_=all_to_alls, allreduce_=all_reduces.total())
     assert ours_calls.all_reduces == adam_calls.all_reduces + all_reduces
     assert ours_calls.received_bytes - adam_calls.received_bytes == received
+    # What the run's logs say of the step (step_report): the same counts.
+    assert {name: scalars[name] for name in ("muon/collectives", "muon/bytes-received")} == {
+        "muon/collectives": (ours_calls.by_name - adam_calls.by_name).total(),
+        "muon/bytes-received": ours_calls.received_bytes - adam_calls.received_bytes}
+    assert scalars["muon/exchanges"] == exchanges and scalars["muon/skipped-steps"] == 0
+    assert scalars["muon/newton-schulz-busiest-over-mean"] == max(loads) / (sum(loads) / 4)
 
 
 def test_a_step_with_teams_does_what_the_plan_counts(distributed):

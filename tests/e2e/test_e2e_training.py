@@ -7,6 +7,7 @@ with only the README's additions (e2e_harness runs them)."""
 import re
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import demo_log
 from e2e_harness import (ITERATIONS, NO_DROPOUT, SMALL, STRATEGIES,
@@ -15,26 +16,60 @@ from e2e_harness import (ITERATIONS, NO_DROPOUT, SMALL, STRATEGIES,
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
 from tolerances import RTOL, printed_within
 
+from megatron_muon.step.step_report import SCALARS
+
+PHASES = ('muon-gather', 'muon-newton-schulz', 'muon-scatter', 'muon-param-sync')
+
 pytestmark = pytest.mark.e2e
 
 
-def test_muon_on_megatron_fsdp_loss_falls():
+def test_muon_on_megatron_fsdp_loss_falls(tmp_path):
     """The default: --optimizer muon through megatron_muon.training's switch and factory, at the
     demo's own Newton-Schulz precision (the suite's header says which), with the check interval:
     every 10th iteration's updates also computed whole and compared, and the compute weights
     checked after the param sync (and found equal: a failed check stops the run). At
-    --timing-log-level 2 each iteration's log has our step's phases among Megatron's timers,
-    each with its (min, max) over the ranks (distribution.phases)."""
+    --timing-log-level 2 each iteration's log has our step and its phases among Megatron's
+    timers, each with its (min, max) over the ranks (distribution.phases); with
+    --log-timers-to-tensorboard TensorBoard's event file has them (each one's max over ranks)
+    and the step's scalars (step.step_report) every iteration."""
     log = torchrun_log('--optimizer', 'muon', '--muon-check-interval', '10',
-                       '--timing-log-level', '2', '--logging-level', '20', stderr=True)
+                       '--timing-log-level', '2', '--logging-level', '20',
+                       '--log-timers-to-tensorboard', '--tensorboard-dir', str(tmp_path),
+                       stderr=True)
     assert_loss_falls(demo_log.losses(log, 1, ITERATIONS))
-    checks = re.findall(r'^muon check at iteration (\d+): max \|owner - reference\| = \S+ over '
+    checks = re.findall(r'^muon check at iteration (\d+): max \|owner - reference\| = (\S+) over '
                         r'\d+ matrices; no replicas; compute weights equal$', log, re.MULTILINE)
-    assert checks == ['10', '20'], checks
-    for name in ('muon-gather', 'muon-newton-schulz', 'muon-scatter', 'muon-param-sync'):
+    assert [iteration for iteration, _ in checks] == ['10', '20'], checks
+    printed = {}
+    for name in ('muon-step', *PHASES, 'optimizer'):
         times = re.findall(rf'^ +{name} \.+: \(([\d.]+), ([\d.]+)\)$', log, re.MULTILINE)
         assert len(times) == ITERATIONS and all(0 < float(low) <= float(high)
                                                 for low, high in times), (name, times)
+        printed[name] = [(float(low), float(high)) for low, high in times]
+    for i in range(ITERATIONS):  # ms; our step inside Megatron's, our phases inside ours
+        assert sum(printed[name][i][0] for name in PHASES) <= printed['muon-step'][i][1], i
+        assert printed['muon-step'][i][0] <= printed['optimizer'][i][1], i
+    board = EventAccumulator(str(tmp_path))
+    board.Reload()
+    written = {name: [(e.step, e.value) for e in board.Scalars(name)]
+               for name in board.Tags()['scalars']}
+    every = list(range(1, ITERATIONS + 1))
+    for name in ('muon-step', *PHASES):  # the max over ranks, in s (the log's ms, rounded)
+        assert [step for step, _ in written[f'{name}-time']] == every, name
+        assert [1e3 * value for _, value in written[f'{name}-time']] == pytest.approx(
+            [high for _, high in printed[name]], abs=0.006), name
+    for name in SCALARS[:-1]:
+        assert [step for step, _ in written[name]] == every, name
+        assert len({value for _, value in written[name]}) == 1, name  # planned once
+    assert written['muon/skipped-steps'][-1][1] == 0
+    # (an exchange whose rows all stay where they are issues no collective)
+    assert written['muon/exchanges'][0][1] > 0 and written['muon/collectives'][0][1] > 0
+    assert written['muon/bytes-received'][0][1] > 0
+    assert written['muon/newton-schulz-busiest-over-mean'][0][1] >= 1
+    # The check's result from iteration 10 on: the last check's, as the log prints it.
+    check = dict(written['muon/check-max-difference'])
+    assert sorted(check) == list(range(10, ITERATIONS + 1))
+    assert check[ITERATIONS] == pytest.approx(float(checks[-1][1]), rel=1e-3)
 
 
 @pytest.mark.parametrize('optimizer', ['muon', 'adam'])

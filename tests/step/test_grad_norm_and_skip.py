@@ -11,6 +11,7 @@ from fsdp_models import full_tensor
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.step.chained import FSDPMuonChainedOptimizer
 from megatron_muon.step.model_chunks import named_main_weights
+from megatron_muon.step.step_report import step_scalars
 from megatron_muon.distribution.exchange import Traffic, observed
 from megatron_muon.tools.testing import (GLOBAL_BATCH, TINY, fsdp_gpt, global_batch_loss, gpt,
                                          init_parallel_state, lm_loss, optimizer_config)
@@ -185,6 +186,7 @@ def _diverged_run_stops(rank, world_size):
     optimizer.zero_grad()
     _backward(model, 2, rank)
     assert optimizer.step()[0]
+    assert step_scalars(optimizer)["muon/skipped-steps"] == 2  # what the logs say: all of them
     before = _snapshot(optimizer)
     for step in range(3, 5):
         _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, step, rank, world_size,
