@@ -19,6 +19,7 @@ from ..distribution.agreement import agree_on_every_rank
 from ..distribution.dtensor_rows import num_experts
 from ..distribution.exchange import run_overlapped
 from ..distribution.group_plan import GroupPlan
+from ..distribution.phases import CHECK, UPDATE, phase
 from .checks import CheckResult, MuonCheckError
 from .team_newton_schulz import reordering_bound
 
@@ -38,15 +39,19 @@ class OwnerCheck:
         them all), the owners' results kept, compared with the reference, then applied; on a
         difference the params and momentum are restored and every rank raises."""
         muon = self.muon
-        restore = self._snapshot()
-        locals_ = [muon.all_update_rows(plan) for plan in muon.plans]
+        with phase(CHECK):
+            restore = self._snapshot()
+        with phase(UPDATE):
+            locals_ = [muon.all_update_rows(plan) for plan in muon.plans]
         results = {}
         for plan, local in zip(muon.plans, locals_):
             run_overlapped(muon.owner_exchanges(
                 plan, local.__getitem__, lambda plan, i, rows: results.update({(plan, i): rows})))
-        self._compare(locals_, results, restore)
-        for (plan, i), rows in results.items():
-            apply(plan, i, rows)
+        with phase(CHECK):
+            self._compare(locals_, results, restore)
+        with phase(UPDATE):
+            for (plan, i), rows in results.items():
+                apply(plan, i, rows)
 
     def _snapshot(self):
         """What restores this rank's params and momentum to now."""

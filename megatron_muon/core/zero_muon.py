@@ -16,6 +16,7 @@ from ..distribution.exchange import OwnerRoutes, owner_exchange, run_overlapped
 from ..distribution.group_plan import GroupPlan
 from ..distribution.group_planner import GroupPlanner
 from ..distribution.teams import whole_results
+from ..distribution.phases import UPDATE, phase
 from ..plan import MAX_EXCHANGE_BYTES
 from . import syrk
 from .checks import CheckResult
@@ -249,8 +250,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                         ) -> Iterator[Iterator[None]]:
         """The plan's exchanges, for exchange.run_overlapped: each one's matrices gathered to
         their owners, orthogonalized there batch by batch, the rows sent back and `apply(plan,
-        matrix, this rank's rows)`. `local_rows(i)`: this rank's rows of matrix i's update,
-        asked for when its exchange starts, after `ahead(the next exchange's routes)`."""
+        matrix, this rank's rows)`. `local_rows(i)`: this rank's rows of matrix i's update, asked
+        for (UPDATE) when its exchange starts, after `ahead(the next exchange's routes)`."""
         def orthogonalize(owned, fulls):
             if plan.matrices[owned[0]].team:
                 return orthogonalized_by_team(self, plan, owned, fulls)
@@ -260,8 +261,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for k, routes in enumerate(plan.routes):
             if ahead and k + 1 < len(plan.routes):
                 ahead(plan.routes[k + 1])
-            yield owner_exchange(routes, plan.group, {i: local_rows(i) for i in routes.batch},
-                                 orthogonalize, lambda i, rows: apply(plan, i, rows))
+            with phase(UPDATE):
+                local = {i: local_rows(i) for i in routes.batch}
+            yield owner_exchange(routes, plan.group, local, orthogonalize, partial(apply, plan))
 
     def orthogonalize_whole(self, p: DTensor, full: torch.Tensor) -> torch.Tensor:
         """One matrix's update as "allgather" mode computes it, on its own (the check's

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..compat import upstream
 from ..plan import (IN_FLIGHT, Matrix, RowLayout, gather_moves, gather_segments, scatter_moves,
                     scatter_segments)
-from .phases import GATHER, NEWTON_SCHULZ, SCATTER, phase
+from .phases import GATHER, NEWTON_SCHULZ, SCATTER, UPDATE, phase
 
 
 def all_gather_ints(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:
@@ -154,9 +154,10 @@ def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: 
             rows[i] = results[i][start:stop]
         for (i, _, _), piece in routes.received_pieces(routes.scatter, returned):
             rows[i] = piece
-        for i in routes.batch:  # where this rank holds no rows of it: none, as wide as returned
-            apply(i, rows[i] if i in rows else
-                  local[i].new_empty((0, routes.matrices[i].scatter_width)))
+        with phase(UPDATE):  # where this rank holds no rows of one: none, as wide as returned
+            for i in routes.batch:
+                apply(i, rows[i] if i in rows else
+                      local[i].new_empty((0, routes.matrices[i].scatter_width)))
 
 
 def _assembled(routes: OwnerRoutes, local: dict, received: torch.Tensor, work) -> dict:

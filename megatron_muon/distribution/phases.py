@@ -9,18 +9,21 @@ starts and stops, as megatron-core's own timers do: at level 2 a step may run sl
 without."""
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 from torch.profiler import record_function
 
-STEP, GATHER, NEWTON_SCHULZ, SCATTER, PARAM_SYNC = (
-    "muon.step", "muon.gather", "muon.newton_schulz", "muon.scatter", "muon.param_sync")
-# Each phase's Megatron timer and its level.
-TIMERS = {STEP: ("muon-step", 1), GATHER: ("muon-gather", 2),
-          NEWTON_SCHULZ: ("muon-newton-schulz", 2), SCATTER: ("muon-scatter", 2),
-          PARAM_SYNC: ("muon-param-sync", 2)}
+STEP, GRADS, UPDATE, GATHER, NEWTON_SCHULZ, SCATTER, SCALAR, PARAM_SYNC, CHECK = (
+    "muon.step", "muon.grads", "muon.update", "muon.gather", "muon.newton_schulz",
+    "muon.scatter", "muon.scalar_optimizer", "muon.param_sync", "muon.check")
+# Each phase's Megatron timer and its level: the step at 1, the disjoint parts it runs at 2.
+TIMERS = {STEP: ("muon-step", 1), GRADS: ("muon-grads", 2), UPDATE: ("muon-update", 2),
+          GATHER: ("muon-gather", 2), NEWTON_SCHULZ: ("muon-newton-schulz", 2),
+          SCATTER: ("muon-scatter", 2), SCALAR: ("muon-scalar-optimizer", 2),
+          PARAM_SYNC: ("muon-param-sync", 2), CHECK: ("muon-check", 2)}
 
 _timers: Any = None  # Megatron's Timers while a step runs under timed_by, else None
+_open_parts = 0  # level-2 phases open now
 
 
 def timer_names(level: int) -> list[str]:
@@ -41,14 +44,29 @@ def timed_by(timers: Any):
 
 @contextlib.contextmanager
 def phase(label: str):
-    """The profiler range `label` and, under timed_by, its Megatron timer."""
+    """The profiler range `label` and, under timed_by, its Megatron timer; a level-2 phase
+    inside another (all_gather_rows inside the check's reference) counts in the outer one's
+    timer only, so the level-2 timers add up to the step."""
+    global _open_parts
     name, level = TIMERS[label]
-    timer = _timers(name, log_level=level) if _timers is not None else None
-    with record_function(label):
-        if timer is not None:
-            timer.start()
-        try:
-            yield
-        finally:
+    counted = _timers is not None and not (level > 1 and _open_parts)
+    timer = _timers(name, log_level=level) if counted else None
+    _open_parts += level > 1
+    try:
+        with record_function(label):
             if timer is not None:
-                timer.stop()
+                timer.start()
+            try:
+                yield
+            finally:
+                if timer is not None:
+                    timer.stop()
+    finally:
+        _open_parts -= level > 1
+
+
+def started(label: str) -> Callable[[], None]:
+    """`label`'s phase begun outside a with block (from a hook); call what it returns to end it."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(phase(label))
+    return stack.close

@@ -32,8 +32,8 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   megatron-core's local attention too: the optimizer's step reduces the max logits over the
   data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
   the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
-* reports the step (level 1) and its phases (level 2: the owner exchange's gather and scatter,
-  Newton-Schulz, the param sync) to megatron.training's timers, logged beside Megatron's own
+* reports the step (level 1) and its parts (level 2: grads, update, gather, Newton-Schulz,
+  scatter, scalar optimizer, param sync, check) to megatron.training's timers, beside Megatron's
   (distribution.phases), and the step's scalars to TensorBoard and W&B (step.step_report;
   docs/cluster-check.md);
 * makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save

@@ -9,9 +9,10 @@ from torch.utils.hooks import RemovableHandle
 
 from ..compat import upstream
 from ..core.zero_muon import ZeROTensorParallelMuon
-from ..distribution.phases import PARAM_SYNC, STEP, phase, timed_by
+from ..distribution.phases import CHECK, PARAM_SYNC, phase
 from .model_chunks import at_global_expert_index, find_megatron_fsdp, named_main_weights
 from .nonfinite_skip import NonfiniteSkip
+from .timed_step import TimedStep
 from .weights_check import check_after_param_sync
 
 
@@ -71,6 +72,10 @@ class FSDPMuonChainedOptimizer:
             muon.log_checks = False  # one line per check, with the weights' checks: here
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
+        self._timed = TimedStep(optimizer, [
+            part.optimizer for part in self._parts()
+            if isinstance(getattr(part, "optimizer", None), torch.optim.Optimizer)
+            and part.optimizer not in self.muon_optimizers])
 
     def _record_grad_syncs(self, index, chunk):
         # finalize_model_grads calls chunk.finish_grad_sync(); remember it so the grads are
@@ -89,9 +94,8 @@ class FSDPMuonChainedOptimizer:
         if upstream.called_by_fully_shard_optimizer():
             return None  # its construction step, with zero grads: see fully_shard_optimizer below
         # megatron.training sets megatron-core's OptimizerConfig.timers: the phases report there.
-        with timed_by(getattr(getattr(self._parts()[0], "config", None), "timers", None)):
-            with phase(STEP):
-                return self._step()
+        with self._timed.timed(getattr(getattr(self._parts()[0], "config", None), "timers", None)):
+            return self._step()
 
     def _step(self):
         self.iteration += 1
@@ -115,8 +119,9 @@ class FSDPMuonChainedOptimizer:
                 self.max_attention_logits.clip_main_weights()
             self._install_weights_for_the_next_forward(force_sync=bool(checking))
             if checking:
-                check_after_param_sync(self.model_chunks, self._fsdp_models,
-                                       self.muon_optimizers, self.iteration)
+                with phase(CHECK):
+                    check_after_param_sync(self.model_chunks, self._fsdp_models,
+                                           self.muon_optimizers, self.iteration)
         return result
 
     @property
