@@ -28,7 +28,8 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
     `adamw` are name patterns that override the placement, `qkv_splits` maps a pattern to the
     q, k, v rows per query group of a fused projection, `moment2_method` ("adamuon",
     "normuon", "namo") makes it adaptive Muon, `offload` keeps the state in host memory between
-    steps (true, or the share of it: a fraction), `muon_kwargs` passes the rest of
+    steps (true, or the share of it: a fraction), `report_interval` N logs every N-th step's
+    phase times and scalars (standalone's), `muon_kwargs` passes the rest of
     ZeROTensorParallelMuon's (scale_mode, num_ns_steps, ...). Automodel's LR scheduler keeps
     AdamW's learning rate at adamw_lr / lr of Muon's (its lr_mult)."""
 
@@ -47,6 +48,7 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
     max_consecutive_skipped_steps: int = 10
     moment2_method: str | None = None
     offload: bool | float = False
+    report_interval: int = 0
     muon_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -74,7 +76,8 @@ class MegatronFSDPMuonConfig(OptimizerConfig):
             qkv_splits={pattern: tuple(rows) for pattern, rows in self.qkv_splits.items()},
             fp32_matmul_prec=self.fp32_matmul_prec,
             max_consecutive_skipped_steps=self.max_consecutive_skipped_steps,
-            moment2_method=self.moment2_method, offload=self.offload, **self.muon_kwargs)
+            moment2_method=self.moment2_method, offload=self.offload,
+            report_interval=self.report_interval, **self.muon_kwargs)
             for part in parts]
 
     def _build_optimizer(self, params, *, foreach=None):

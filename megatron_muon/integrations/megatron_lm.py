@@ -4,14 +4,12 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
 
 * takes `--optimizer dist_muon` with `--use-megatron-fsdp` as muon, ours, saying so once (Megatron
   refuses it; on Megatron DDP dist_muon stays megatron-core's layer-wise Muon);
-* makes `validate_args` accept muon with Megatron-FSDP, which Megatron refuses twice
-  (megatron.training.arguments.validate_args asserts both "Megatron-FSDP does not support the
-  muon optimizer yet" and "Emerging optimizer does not support Megatron-FSDP for now").
-  Megatron validates that combination as it would Adam on Megatron-FSDP, after
-  `validate_muon_args` has refused what Muon on Megatron-FSDP lacks; every other combination is
-  validated, and refused, as before. `--optimizer-cpu-offload` needs no
-  `--use-precision-aware-optimizer` there (Megatron asks it for its HybridDeviceOptimizer's sake;
-  Muon's offload is core/state_offload.py);
+* makes `validate_args` accept muon with Megatron-FSDP, which Megatron refuses twice (its
+  validate_args asserts "Megatron-FSDP does not support the muon optimizer yet" and "Emerging
+  optimizer does not support Megatron-FSDP for now"): validated as Adam on Megatron-FSDP would
+  be, after `validate_muon_args` has refused what Muon on Megatron-FSDP lacks; every other
+  combination as before. `--optimizer-cpu-offload` needs no `--use-precision-aware-optimizer`
+  there (asked for Megatron's HybridDeviceOptimizer; Muon's offload is core/state_offload.py);
 * routes megatron.training's optimizer factory to `integrations.factory.get_megatron_optimizer`
   with `--muon-dist-mode` (training.py imports the name, so megatron.core.optimizer's attribute is
   not the one it calls);
@@ -19,10 +17,9 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
 * fixes released Megatron-FSDP's gradients where upstream fixed them after the release, for every
   optimizer (compat.upstream_fixes: a buffer reduced over one rank, e.g. the experts' at
   expert parallel = data parallel, rescaled at every micro-batch);
-* lets a megatron-core whose dataset helper is already built start without a Makefile to build it
-  with: the wheel ships `helpers_cpp` built and no Makefile, and initialize_megatron's
-  `compile_helpers()` would exit. A source checkout (Makefile present) still builds, and a build
-  failure still stops the run;
+* lets a megatron-core whose dataset helper is built start without a Makefile (the wheel ships
+  `helpers_cpp` built and none, and initialize_megatron's `compile_helpers()` would exit); a
+  source checkout still builds, and a failed build still stops the run;
 * says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
   another optimizer, or with --no-save-optim), where DCP names one missing key;
 * loads a Megatron DDP checkpoint (`torch_dist`) into a Muon run on Megatron-FSDP with --load DIR
@@ -32,10 +29,8 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   megatron-core's local attention too: the optimizer's step reduces the max logits over the
   data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
   the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
-* reports the step (level 1) and its parts (level 2: grads, update, gather, Newton-Schulz,
-  scatter, scalar optimizer, param sync, check) to megatron.training's timers, beside Megatron's
-  (distribution.phases), and the step's scalars to TensorBoard and W&B (step.step_report;
-  docs/cluster-check.md);
+* reports the step (level 1) and its parts (level 2) to megatron.training's timers beside
+  Megatron's (distribution.phases), its scalars to TensorBoard and W&B (step.step_report);
 * makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
   (megatron_muon.step.checksums) and verify them before a load, on every rank together: a damaged
   file stops the run, named, before any state changes;

@@ -125,7 +125,7 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
                    adamw: tuple[str, ...] = (), qkv_splits: dict | None = None,
                    fp32_matmul_prec: str = "medium", max_consecutive_skipped_steps: int = 10,
                    moment2_method: str | None = None, offload: bool | float = False,
-                   **muon_kwargs) -> StandaloneMuonOptimizer:
+                   report_interval: int = 0, **muon_kwargs) -> StandaloneMuonOptimizer:
     """Muon + AdamW for `model`, a module wrapped by Megatron-FSDP's `fully_shard_model`.
 
     Which parameters get Muon: integrations.placement.place (2-D hidden Linear weights; `muon` and
@@ -138,6 +138,8 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
     the optimizers' state (Muon's momentum, AdamW's moments) in host memory between steps, all
     of it (True) or that share (a fraction, picked param by param as Megatron's
     --optimizer-offload-fraction picks; core/state_offload.py); every update stays the same.
+    `report_interval` N: every step timed in Megatron's phases, and every N-th one's
+    (`megatron_muon.standalone.step_report(optimizer)` at any time) logged on rank 0.
     `optimizer.step()` syncs the gradients (unless the model or the caller already did), steps
     both, installs the weights the next forward reads and starts their gather, once."""
     if not 0 <= float(offload) <= 1:
@@ -174,5 +176,5 @@ def muon_optimizer(model, *, lr: float = 0.02, momentum: float = 0.95, nesterov:
     if not dist.is_initialized() or dist.get_rank() == 0:
         for line in placement.describe():
             print(line, flush=True)
-    return StandaloneMuonOptimizer(MuonAndAdamW(parts), [model],
-                                   max_consecutive_skipped_steps=max_consecutive_skipped_steps)
+    return StandaloneMuonOptimizer(MuonAndAdamW(parts), [model], max_consecutive_skipped_steps,
+                                   report_interval=report_interval)

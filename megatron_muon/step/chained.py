@@ -41,11 +41,11 @@ class FSDPMuonChainedOptimizer:
     Megatron's: every call of step, skipped steps too, continued from a checkpoint's step count.
 
     Checkpoints: `sharded_state_dict` / `load_state_dict` in Megatron's `fsdp_dtensor` format, and
-    torch's `state_dict` / `load_state_dict` pair (the same dict).
+    torch's pair (the same dict). `report_interval`: step.timed_step's (outside Megatron).
     """
 
     def __init__(self, optimizer, model_chunks, max_consecutive_skipped_steps: int = 10,
-                 max_attention_logits=None):
+                 max_attention_logits=None, report_interval: int = 0):
         fsdp_models = [find_megatron_fsdp(chunk) for chunk in model_chunks]
         missing = [i for i, m in enumerate(fsdp_models) if m is None]
         if not model_chunks or missing:
@@ -72,10 +72,10 @@ class FSDPMuonChainedOptimizer:
             muon.log_checks = False  # one line per check, with the weights' checks: here
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
-        self._timed = TimedStep(optimizer, [
-            part.optimizer for part in self._parts()
-            if isinstance(getattr(part, "optimizer", None), torch.optim.Optimizer)
-            and part.optimizer not in self.muon_optimizers])
+        inners = [getattr(part, "optimizer", None) for part in self._parts()]
+        self._timed = TimedStep(optimizer, [i for i in inners if isinstance(
+            i, torch.optim.Optimizer) and i not in self.muon_optimizers], report_interval, self)
+        self.phase_times = self._timed.phase_times
 
     def _record_grad_syncs(self, index, chunk):
         # finalize_model_grads calls chunk.finish_grad_sync(); remember it so the grads are
@@ -109,7 +109,7 @@ class FSDPMuonChainedOptimizer:
         if self.max_attention_logits is not None:
             self.max_attention_logits.reduce()
         # Decided here, or inside the chain between its grad norm and its update.
-        result = None if self._skip.begin_step() else self.optimizer.step()
+        result = None if self._skip.begin_step() else self._timed.inner_step(self.optimizer)
         if self._skip.end_step():
             return False, None, None  # as Megatron's optimizers report a skipped step
         update_successful = result[0] if isinstance(result, tuple) else True

@@ -1,11 +1,15 @@
-"""The scalars a chain's step reports where megatron.training writes its own (TensorBoard, W&B;
-integrations.megatron_lm logs them every --log-interval): what one step exchanges on this rank,
-as its plans count it at construction (exchanges, collectives, bytes received; tests hold a
-step's observed traffic to these counts), how evenly Newton-Schulz falls on the ranks this
+"""What a chain's step reports. The scalars megatron.training's logs get (TensorBoard, W&B;
+integrations.megatron_lm writes them every --log-interval): what one step exchanges on this
+rank, as its plans count it at construction (exchanges, collectives, bytes received; tests hold
+a step's observed traffic to these counts), how evenly Newton-Schulz falls on the ranks this
 rank's exchange groups span (the busiest rank's FLOPs over their mean), the steps skipped so far
-and the check interval's last result."""
+and the check interval's last result. Outside megatron.training (the standalone and Automodel
+paths) PhaseTimes takes the place of Megatron's timers, and `report` gives both at once."""
 
+import time
 from collections import Counter
+
+import torch
 
 SCALARS = ("muon/exchanges", "muon/collectives", "muon/bytes-received",
            "muon/newton-schulz-busiest-over-mean", "muon/skipped-steps",
@@ -32,3 +36,45 @@ def step_scalars(chain) -> dict[str, float]:
     if checks:
         scalars["muon/check-max-difference"] = max(checks, key=lambda c: c.iteration).worst
     return scalars
+
+
+class PhaseTimes:
+    """Megatron's timers' calling convention (`timers(name, log_level=...)` giving a timer with
+    start() and stop(), as distribution.phases calls megatron.core.timers.Timers) for runs
+    without megatron.training: {timer name: seconds} of the last step (`seconds`; `reset()`
+    before each), the device synchronized at each start and stop, as Megatron's timers do."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str, log_level: int = 0) -> "_Timer":
+        return _Timer(self.seconds, name)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+class _Timer:
+    def __init__(self, seconds: dict[str, float], name: str) -> None:
+        self._seconds, self._name, self._start = seconds, name, 0.0
+
+    def start(self) -> None:
+        _synchronize()
+        self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        _synchronize()
+        elapsed = time.perf_counter() - self._start
+        self._seconds[self._name] = self._seconds.get(self._name, 0.0) + elapsed
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def report(chain) -> dict[str, float]:
+    """step_scalars of `chain` and, where it times its steps itself (`report_interval`), the
+    last step's phases in seconds, named as Megatron writes its timers ("muon-step-time", ...)."""
+    times = chain.phase_times.seconds if chain.phase_times is not None else {}
+    return {**step_scalars(chain), **{f"{name}-time": s for name, s in times.items()}}

@@ -1,27 +1,41 @@
 """The chain's step in phases (distribution.phases) beyond the Muon step's own: the whole step
 (STEP), the grads made ready before the update (GRADS: Megatron-FSDP's grad sync where not yet
-done, megatron-core's prepare_grads, grad norm and clipping, the NaN/Inf decision; it ends where
-a megatron-core chain calls step_with_ready_grads, outside every inner optimizer's profiler
-range) and the scalar optimizers' steps (SCALAR, through their step hooks)."""
+done, the NaN/Inf decision, a megatron-core chain's prepare_grads, grad norm and clipping; it
+ends where such a chain calls step_with_ready_grads, else where the chain's step is called,
+outside every inner optimizer's profiler range) and the scalar optimizers' steps (SCALAR, through their step hooks). Outside
+megatron.training, with a report interval, its own PhaseTimes time them, and every interval-th
+step rank 0 logs step_report.report's figures."""
 
 import contextlib
 import functools
+import logging
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from ..distribution.phases import GRADS, SCALAR, STEP, phase, started, timed_by
+from .step_report import PhaseTimes, report
+
+logger = logging.getLogger(__name__)
 
 
 class TimedStep:
     """Installs the phases on `chain` (a megatron-core ChainedOptimizer, or an optimizer) and the
     `scalars` (the chain's inner optimizers that are not Muon); `timed(timers)` runs a step in
-    them."""
+    them. `report_interval` (0: never) and `owner` (the FSDPMuonChainedOptimizer): its own
+    PhaseTimes (`phase_times`) where a step comes without timers, and the report logged."""
 
-    def __init__(self, chain: Any, scalars: list[torch.optim.Optimizer]) -> None:
+    def __init__(self, chain: Any, scalars: list[torch.optim.Optimizer], report_interval: int = 0,
+                 owner: Any = None) -> None:
+        if report_interval < 0:
+            raise ValueError(
+                f"report_interval must be at least 0 (0: never), got {report_interval}")
+        self.phase_times = PhaseTimes() if report_interval else None
+        self._interval, self._owner, self._steps = report_interval, owner, 0
         self._until_update = None
-        self._grads = callable(getattr(chain, "step_with_ready_grads", None))
-        if self._grads:
+        self._ends_inside = callable(getattr(chain, "step_with_ready_grads", None))
+        if self._ends_inside:
             ready = chain.step_with_ready_grads
 
             @functools.wraps(ready)
@@ -37,13 +51,29 @@ class TimedStep:
 
     @contextlib.contextmanager
     def timed(self, timers: Any) -> Iterator[None]:
-        """A step within: its phases report to `timers` (Megatron's, or None: profiler only)."""
+        """A step within: its phases report to `timers` (Megatron's; None: to phase_times where
+        there is one, else to the profiler only)."""
+        if timers is None and self.phase_times is not None:
+            timers = self.phase_times
+            timers.reset()
         with timed_by(timers), phase(STEP):
-            self._until_update = started(GRADS) if self._grads else None
+            self._until_update = started(GRADS)
             try:
                 yield
             finally:
                 self._update_starts()
+        self._steps += 1
+        if self._interval and self._steps % self._interval == 0 and (
+                not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info("muon step %d: %s", self._steps, ", ".join(
+                f"{name} {value:.6g}" for name, value in report(self._owner).items()))
+
+    def inner_step(self, chain: Any) -> Any:
+        """`chain.step()`, GRADS ended before it unless the chain ends it inside (a megatron-core
+        chain readies its grads in its step)."""
+        if not self._ends_inside:
+            self._update_starts()
+        return chain.step()
 
     def _update_starts(self) -> None:
         """GRADS ends: the update starts, or the step ends without one (skipped)."""

@@ -7,6 +7,7 @@ and Qwen3 models built from their configs (no download); a DCP checkpoint resume
 
 import contextlib
 import copy
+import logging
 import os
 import re
 import subprocess
@@ -23,7 +24,9 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMu
 from fsdp_models import MEGATRON_FSDP, STRATEGIES, ForwardReads, fully_shard, full_tensor
 from megatron_muon.compat import upstream_fixes
 from megatron_muon.integrations.placement import place
+from megatron_muon.distribution.phases import TIMERS
 from megatron_muon.integrations.standalone import muon_optimizer
+from megatron_muon.standalone import step_report
 from megatron_muon.tools.testing import hugging_face_model
 from tolerances import ATOL, RTOL
 
@@ -31,6 +34,8 @@ VOCAB, HIDDEN, QKV_ROWS = 40, 24, (8, 4, 4)  # q, k, v rows per query group; 2 g
 MUON = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01)
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 STEPS = 3
+# The level-2 timers, which add up to the step's ("muon-step"'s).
+PHASES = [name for name, level in TIMERS.values() if level == 2]
 
 
 class Layer(torch.nn.Module):
@@ -179,10 +184,10 @@ MODELS = {
 
 
 def _built(world_size, strategy, model_name, package="megatron-core", wrapped=False,
-           moment2_method=None, offload=False):
+           moment2_method=None, offload=False, report_interval=0):
     """(an unsharded copy of the model as built, the model on `package`'s fully_shard_model, our
-    optimizer), `wrapped`: then given to that package's fully_shard_optimizer; `offload`: the
-    optimizer's `offload`."""
+    optimizer), `wrapped`: then given to that package's fully_shard_optimizer; `offload` and
+    `report_interval`: the optimizer's."""
     build, qkv_splits = MODELS[model_name]
     torch.manual_seed(0)
     module, units = build()
@@ -191,7 +196,8 @@ def _built(world_size, strategy, model_name, package="megatron-core", wrapped=Fa
     optimizer = muon_optimizer(model, **MUON, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
                                adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"],
                                qkv_splits=qkv_splits, fp32_matmul_prec="highest",
-                               moment2_method=moment2_method, offload=offload)
+                               moment2_method=moment2_method, offload=offload,
+                               report_interval=report_interval)
     if wrapped:
         assert MEGATRON_FSDP[package].fully_shard_optimizer(optimizer) is optimizer
     return unsharded, model, optimizer
@@ -432,6 +438,34 @@ def test_the_example_trains_a_hugging_face_model_and_its_loss_falls():
     assert "AdamW (7): model.embed_tokens.weight" in run.stdout
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", run.stdout).groups())
     assert last < first - 1.5, (first, last)
+
+
+def _reports_its_steps(rank, world_size):
+    reference, model, optimizer = _built(world_size, "optim_grads_params", "fused-qkv",
+                                         report_interval=2)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("megatron_muon").addHandler(handler)
+    logging.getLogger("megatron_muon").setLevel(logging.INFO)
+    # Timed, every step is still single-device Muon's, bit for bit.
+    steps_match_single_device(rank, reference, model, optimizer, MODELS["fused-qkv"][1], "timed")
+    report = step_report(optimizer)
+    phases = [name for name in PHASES if f"{name}-time" in report]
+    assert set(phases) >= set(PHASES) - {"muon-check"}, report  # no check interval here
+    step = report["muon-step-time"]  # s; disjoint phases that cover it (96% here)
+    assert 0.8 * step <= sum(report[f"{name}-time"] for name in phases) <= step, report
+    assert report["muon/collectives"] > 0 and report["muon/skipped-steps"] == 0
+    # every second step, on rank 0: STEPS = 3, so step 2's
+    assert [line.split(":")[0] for line in logged] == ["muon step 2"] * (rank == 0), logged
+    assert all("muon-step-time" in line and "muon/bytes-received" in line for line in logged)
+
+
+def test_a_timed_step_reports_its_phases_and_scalars(distributed):
+    """muon_optimizer(..., report_interval=N) (Automodel's config field of that name too): each
+    step timed in Megatron's phases by the optimizer itself, step_report(optimizer) with the
+    last step's times and scalars, every N-th step's logged on rank 0."""
+    distributed(_reports_its_steps, 2)
 
 
 @pytest.mark.parametrize("offload", [1.5, -0.5])
