@@ -2,9 +2,9 @@
 (STEP), the grads made ready before the update (GRADS: Megatron-FSDP's grad sync where not yet
 done, the NaN/Inf decision, a megatron-core chain's prepare_grads, grad norm and clipping; it
 ends where such a chain calls step_with_ready_grads, else where the chain's step is called,
-outside every inner optimizer's profiler range) and the scalar optimizers' steps (SCALAR, through their step hooks). Outside
-megatron.training, with a report interval, its own PhaseTimes time them, and every interval-th
-step rank 0 logs step_report.report's figures."""
+outside every inner optimizer's profiler range) and the scalar optimizers' steps (SCALAR,
+through their step hooks). Outside megatron.training, with a report interval, its own
+PhaseTimes time them, and every interval-th step rank 0 logs step_report.report's figures."""
 
 import contextlib
 import functools
@@ -44,10 +44,12 @@ class TimedStep:
                 return ready(*args, **kwargs)
 
             chain.step_with_ready_grads = step_with_ready_grads
+        self._scalar_steps = []  # each scalar optimizer's open SCALAR phase
         for optimizer in scalars:
             ends = []
             optimizer.register_step_pre_hook(lambda *_, ends=ends: ends.append(started(SCALAR)))
             optimizer.register_step_post_hook(lambda *_, ends=ends: ends.pop()())
+            self._scalar_steps.append(ends)
 
     @contextlib.contextmanager
     def timed(self, timers: Any) -> Iterator[None]:
@@ -62,6 +64,9 @@ class TimedStep:
                 yield
             finally:
                 self._update_starts()
+                for ends in self._scalar_steps:  # left open by a step that raised
+                    while ends:
+                        ends.pop()()
         self._steps += 1
         if self._interval and self._steps % self._interval == 0 and (
                 not dist.is_initialized() or dist.get_rank() == 0):
