@@ -240,30 +240,18 @@ class Rates:
 def measure_rates(ns_steps: int) -> dict:
     """The rates on this machine, with the calls the optimizers make: TensorParallelMuon's
     orthogonalize (at Megatron's default precision, medium: bf16 matmuls; fp32 where bf16
-    matmuls are emulated), torch's AdamW (foreach), Muon's elementwise step
-    (muon_math.momentum_update_ and the update)."""
+    matmuls are emulated), and a matmul, torch's AdamW (foreach) and Muon's elementwise step
+    as a run's rates file times them (megatron_muon.step.rates_file.device_rates)."""
     from emerging_optimizers import utils as eo_utils
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     from megatron_muon.compat.cpu import fast_newton_schulz_precision
-    from megatron_muon.core.muon_math import momentum_update_
     from megatron_muon.plan import ns_flops
+    from megatron_muon.step.rates_file import device_rates, seconds_of
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-    def seconds(fn, repeats=3):
-        """Median wall time of `fn` after one warm-up call, its device work included."""
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return sorted(times[1:])[repeats // 2]
-
     big = device.type == "cuda"
-    param = torch.nn.Parameter(torch.zeros(1 << 22 if not big else 1 << 26, device=device))
+    param = torch.nn.Parameter(torch.zeros(1, 1, device=device))
     muon = TensorParallelMuon([param], lr=0.01, num_ns_steps=ns_steps)
     shapes = [(1, 256, 256), (1, 512, 512), (8, 512, 512), (1, 1024, 1024), (4, 1024, 1024),
               (1, 1024, 4096), (1, 2048, 2048)]
@@ -274,29 +262,13 @@ def measure_rates(ns_steps: int) -> dict:
         for batch, rows, cols in shapes:
             x = torch.randn(batch, rows, cols, device=device).squeeze(0)
             flops = batch * ns_flops(rows, cols, ns_steps)
-            s = seconds(lambda: muon.orthogonalize(param, x))
+            s = seconds_of(lambda: muon.orthogonalize(param, x), device)
             newton_schulz.append([flops / 1e9, flops / s / 1e12])
             print(f"  Newton-Schulz {batch}x{rows}x{cols}: {flops / s / 1e12:.3f} TFLOP/s", flush=True)
-    n = 4096 if big else 2048
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if precision == "medium" else None)
-    matmul_tflops = 2 * n ** 3 / seconds(lambda: a @ a) / 1e12
-
-    param.grad = torch.randn_like(param)
-    adam = torch.optim.AdamW([param], lr=1e-3, foreach=True)
-    adam_seconds = seconds(adam.step)
-    buffer, group = torch.zeros_like(param), muon.param_groups[0]
-
-    def muon_elementwise():
-        update = momentum_update_(muon, param.data, param.grad, buffer, group)
-        param.data.add_(update, alpha=-group["lr"])
-
-    muon_seconds = seconds(muon_elementwise)
     return dict(device=torch.cuda.get_device_name() if big else f"CPU ({os.cpu_count()} cores, "
                 f"{torch.get_num_threads()} threads)", measured=time.strftime("%Y-%m-%d"),
                 newton_schulz_precision=precision, newton_schulz=newton_schulz,
-                matmul_tflops=matmul_tflops,
-                adam_ns_per_element=adam_seconds / param.numel() * 1e9,
-                muon_elementwise_ns_per_element=muon_seconds / param.numel() * 1e9)
+                **device_rates(muon, device, precision))
 
 
 def step_cost(rates: Rates, args):
@@ -1051,7 +1023,9 @@ def main():
                         "--measure-rates); default: measure them here first")
     source.add_argument("--measure-rates", type=Path, help="measure the rates here, write them "
                         "to this JSON, and go on with them")
-    parser.add_argument("--bandwidth-gbps", type=float, default=50.0)
+    parser.add_argument("--bandwidth-gbps", type=float, default=None,
+                        help="per rank, each way (default: the rates file's all_to_all_gbps, "
+                        "measured by a run, else 50)")
     parser.add_argument("--latency-us-per-rank", type=float, default=LATENCY_US_PER_RANK,
                         help="a collective's latency per rank of its group, microseconds")
     parser.add_argument("--tokens-per-step", type=int, default=None,
@@ -1071,6 +1045,7 @@ def main():
         if args.measure_rates:
             args.measure_rates.write_text(json.dumps(table, indent=1))
     rates = Rates(table)
+    args.bandwidth_gbps = args.bandwidth_gbps or table.get("all_to_all_gbps") or 50.0
     args.gram_bytes = 2 if rates.newton_schulz_precision == "medium" else 4  # bf16 Gram matrices
 
     import torch.distributed as dist

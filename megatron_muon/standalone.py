@@ -3,6 +3,6 @@ Megatron-FSDP outside Megatron (integrations/standalone.py), at the path users i
 `step_report(optimizer)`: its last step's phase times (with `report_interval`) and scalars."""
 
 from .integrations.standalone import muon_optimizer
-from .step.step_report import report as step_report
+from .distribution.step_report import report as step_report
 
 __all__ = ["muon_optimizer", "step_report"]

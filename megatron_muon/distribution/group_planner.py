@@ -41,6 +41,10 @@ class GroupPlanner:
         self.held_rows: dict[DTensor, tuple[int, int, int]] = {}
         self.batched_newton_schulz: dict[tuple, bool] = {}
         self.reserved: int | None = None
+        # What owners by time measured, per group: ([(FLOPs, seconds) of each shape's call as
+        # the step makes it, all its iterations], the all-to-all's bytes per second); a rates
+        # file's (step.rates_file).
+        self.measured: list[tuple[list[tuple[int, float]], float]] = []
 
     def plan(self, byte_slack: float | None, max_exchange_bytes: int | None,
              headroom: bool = True) -> list[GroupPlan]:
@@ -192,6 +196,11 @@ class GroupPlanner:
         with eo_utils.fp32_matmul_precision(self.muon.fp32_matmul_prec):
             per_matrix, bytes_per_second = measure(runs, group, [tp_group], self.muon.device())
         calls = dict(zip(representatives, per_matrix))
+        steps = self.muon.newton_schulz_settings["num_ns_steps"]
+        self.measured.append(([
+            (count * matrix.ns_flops(steps), count * measured.seconds)
+            for (count, _), (matrix, _), measured in zip(runs, representatives.values(), per_matrix)
+        ], bytes_per_second))
         seconds = seconds_beyond_noise(  # FLOPs of one iteration: the step count scales all alike
             {key: matrix.ns_flops(steps=1) for key, (matrix, _) in representatives.items()}, calls)
         return StepCost(lambda matrix, count: count * seconds[cost_key(matrix)], bytes_per_second,

@@ -30,7 +30,8 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
   the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
 * reports the step (level 1) and its parts (level 2) to megatron.training's timers beside
-  Megatron's (distribution.phases), its scalars to TensorBoard and W&B (step.step_report);
+  Megatron's (distribution.phases), its scalars to TensorBoard and W&B (distribution.step_report),
+  and with --tensorboard-dir writes there the rates it measured (step.rates_file);
 * makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
   (megatron_muon.step.checksums) and verify them before a load, on every rank together: a damaged
   file stops the run, named, before any state changes;
@@ -61,7 +62,8 @@ from ..compat import cpu, upstream, upstream_fixes
 from ..distribution import phases
 from ..compat.cpu_training import apply_megatron_training_compat
 from ..plan import MAX_EXCHANGE_BYTES
-from ..step import checkpoint_for_ddp, checksums, ddp_checkpoint, qk_clip, step_report
+from ..distribution import step_report
+from ..step import checkpoint_for_ddp, checksums, ddp_checkpoint, qk_clip, rates_file
 from ..step.chained import FSDPMuonChainedOptimizer
 from . import factory
 from .arguments import (FSDP_OPTIMIZERS, mend_help_texts, muon_on_megatron_fsdp,
@@ -95,8 +97,8 @@ _warned_of_emulated_bf16 = False
 
 
 def _warn_if_newton_schulz_is_emulated(args) -> None:
-    """Once, on rank 0: Muon asked for bf16 Newton-Schulz (--muon-fp32-matmul-prec medium,
-    Megatron's default) on a CPU that emulates bf16 matmuls. The run keeps what it asked for."""
+    """Once, on rank 0: Muon asked for bf16 Newton-Schulz (--muon-fp32-matmul-prec medium, the
+    default) on a CPU that emulates bf16 matmuls; the run keeps it."""
     global _warned_of_emulated_bf16
     if (_warned_of_emulated_bf16 or args.rank != 0 or args.optimizer not in MUON_OPTIMIZERS
             or args.muon_fp32_matmul_prec != 'medium' or not cpu.bf16_matmul_is_emulated()):
@@ -111,9 +113,8 @@ def _warn_if_newton_schulz_is_emulated(args) -> None:
 
 
 def _take_dist_muon_on_megatron_fsdp(args) -> None:
-    """--optimizer dist_muon (megatron-core's layer-wise distributed Muon, for Megatron DDP) with
-    --use-megatron-fsdp, which megatron.training refuses: on Megatron-FSDP our distributed Muon
-    steps it, as bridge.install(cfg) takes Bridge's recipes' dist_muon. Said once, on rank 0."""
+    """--optimizer dist_muon (megatron-core's layer-wise Muon, for Megatron DDP) with Megatron-FSDP,
+    which megatron.training refuses: ours steps it, as bridge.install(cfg) does. Said on rank 0."""
     if args.optimizer != 'dist_muon' or not args.use_megatron_fsdp:
         return
     args.optimizer = 'muon'
@@ -167,6 +168,8 @@ def _get_megatron_optimizer(*args, **kwargs):
         **kwargs)
     if isinstance(optimizer, FSDPMuonChainedOptimizer):  # its step's scalars go to the logs
         _optimizers[:] = [optimizer]
+        if flags.tensorboard_dir:  # and the rates it measured, beside them
+            rates_file.write_rates(optimizer, flags.tensorboard_dir)
     return optimizer
 
 
@@ -190,7 +193,7 @@ def _load_base_checkpoint(*args, **kwargs):
 
 def _checkpoint_to_load(load_dir, args):
     """(directory, iteration, release) of the checkpoint --load names (as upstream's
-    _load_base_checkpoint picks it, --ckpt-step first), or None where there is none."""
+    _load_base_checkpoint picks it, --ckpt-step first), or None."""
     tracker = Path(get_checkpoint_tracker_filename(load_dir)) if load_dir else None
     if tracker is None or not tracker.is_file():
         return None
@@ -249,11 +252,9 @@ def _clip_qk(model, log_max_only=False):
 @functools.wraps(_megatron_training_log)  # its signature, for wrappers that bind arguments
 def _training_log(*args, **kwargs):
     """Megatron's log line, then the iteration's max attention logit (measured in its forward,
-    before any clip) on a line of its own: Megatron sends it only to TensorBoard and W&B. Then
-    our step's timers (distribution.phases) as training_log does its own, which names none of
-    ours: every --log-interval, those at --timing-log-level or below, their (min, max) over ranks
-    printed and, with --log-timers-to-tensorboard, written; and the step's scalars
-    (step.step_report) to TensorBoard and W&B where they are on."""
+    before any clip) on a line of its own (Megatron sends it only to TensorBoard and W&B); our
+    step's timers as training_log logs and writes its own (it names none of ours); the step's
+    scalars (distribution.step_report) to TensorBoard and W&B where they are on."""
     report_memory_flag = _megatron_training_log(*args, **kwargs)
     logged = _TRAINING_LOG_PARAMETERS.bind(*args, **kwargs).arguments
     flags, iteration = megatron.training.get_args(), logged['iteration']
@@ -282,9 +283,8 @@ def _checksummed(flags) -> bool:
 
 
 def _save_checkpoint(iteration, *args, **kwargs):
-    """Megatron's save, then each rank's files' checksums: of persistent, synchronous saves (an
-    async one is still writing when this returns). A save killed before Megatron's final barrier
-    never reaches its tracker file, so --load keeps picking the previous checkpoint."""
+    """Megatron's save, then each rank's files' checksums, of persistent, synchronous saves (an
+    async one is still writing); a save killed before its tracker file leaves the last one."""
     result = _megatron_save_checkpoint(iteration, *args, **kwargs)
     flags = megatron.training.get_args()
     if (_checksummed(flags) and not flags.async_save

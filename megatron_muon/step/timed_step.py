@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..distribution.phases import GRADS, SCALAR, STEP, phase, started, timed_by
-from .step_report import PhaseTimes, report
+from ..distribution.step_report import PhaseTimes, report
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from megatron_muon.plan import (Matrix, RowLayout, StepCost, applies_gram_twice,
                                 team_all_reduces, team_blocks, team_members, team_sizes,
                                 whole_matrix_owners, with_teams)
 from megatron_muon.plan.layouts import team_ns_flops
-from megatron_muon.step.step_report import step_scalars
+from megatron_muon.distribution.step_report import step_scalars
 from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
 from tolerances import ATOL, muon_drift, reordering_error

@@ -4,6 +4,7 @@ with experts and tensor parallelism (HSDP and HFSDP against Megatron DDP, in pro
 sweep, tests/e2e/test_flag_sweep.py); a script laid out like Megatron-LM's own pretrain_gpt.py trains
 with only the README's additions (e2e_harness runs them)."""
 
+import json
 import re
 
 import pytest
@@ -16,7 +17,9 @@ from e2e_harness import (ITERATIONS, NO_DROPOUT, SMALL, STRATEGIES,
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
 from tolerances import RTOL, printed_within
 
-from megatron_muon.step.step_report import SCALARS
+from benchmarks import scale_model
+from megatron_muon.distribution.step_report import SCALARS
+from megatron_muon.step.rates_file import RATES_FILE
 
 PHASES = ('muon-grads', 'muon-update', 'muon-gather', 'muon-newton-schulz', 'muon-scatter',
           'muon-scalar-optimizer', 'muon-param-sync', 'muon-check')
@@ -32,7 +35,7 @@ def test_muon_on_megatron_fsdp_loss_falls(tmp_path):
     --timing-log-level 2 each iteration's log has our step and its phases among Megatron's
     timers, each with its (min, max) over the ranks (distribution.phases); with
     --log-timers-to-tensorboard TensorBoard's event file has them (each one's max over ranks)
-    and the step's scalars (step.step_report) every iteration."""
+    and the step's scalars (distribution.step_report) every iteration."""
     log = torchrun_log('--optimizer', 'muon', '--muon-check-interval', '10',
                        '--timing-log-level', '2', '--logging-level', '20',
                        '--log-timers-to-tensorboard', '--tensorboard-dir', str(tmp_path),
@@ -76,6 +79,10 @@ def test_muon_on_megatron_fsdp_loss_falls(tmp_path):
     check = dict(written['muon/check-max-difference'])
     assert sorted(check) == list(range(10, ITERATIONS + 1))
     assert check[ITERATIONS] == pytest.approx(float(checks[-1][1]), rel=1e-3)
+    # Beside the event file, the rates the run measured at construction, as `make scale` reads
+    # them (step.rates_file; tests/plan/test_scale_model.py holds them to the measurements).
+    rates = scale_model.Rates(json.loads((tmp_path / RATES_FILE).read_text()))
+    assert rates.all_to_all_gbps > 0 and rates.newton_schulz_seconds(1e9) > 0
 
 
 def _timer_blocks(log: str) -> list[dict[str, tuple[float, float]]]:

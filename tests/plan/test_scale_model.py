@@ -2,6 +2,8 @@
 rows it derives from Megatron-FSDP's bucketing are the rows each rank's main weights hold, and its
 plan has the matrices and owners ZeROTensorParallelMuon chose."""
 
+import json
+
 import pytest
 import torch
 from megatron.core import parallel_state
@@ -9,6 +11,7 @@ from megatron.core import parallel_state
 from benchmarks import scale_model
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.step.model_chunks import named_main_weights
+from megatron_muon.step.rates_file import rates_table
 from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, gpt, init_parallel_state,
                                          optimizer_config)
 from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
@@ -71,6 +74,23 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
         # every part).
         assert plan.matrices == part.matrices
         assert [route.batches for route in plan.routes] == part.exchanges
+    # What the run measured, as its rates file says it (step.rates_file): the scale model's
+    # rates give each measured call back, and the all-to-all as its bandwidth.
+    table = rates_table(optimizer) if owner_choice == "time" else None
+    assert (table is None) == (owner_choice == "bytes")
+    if table is not None:
+        rates = scale_model.Rates(json.loads(json.dumps(table)))  # through JSON, as a file
+        measured = {}  # {FLOPs of a call: its seconds, each shape's}
+        for muon in muons:
+            for calls, _ in muon.planner.measured:
+                for flops, seconds in calls:
+                    measured.setdefault(flops, []).append(seconds)
+        assert measured and all(
+            rates.newton_schulz_seconds(flops) == pytest.approx(sum(times) / len(times))
+            for flops, times in measured.items())
+        assert rates.all_to_all_gbps > 0 and rates.newton_schulz_precision == "highest"
+        assert min(rates.matmul_tflops, rates.adam_ns_per_element,
+                   rates.muon_elementwise_ns_per_element) > 0
 
 
 # Each --muon-tp-mode that plans differently: duplicated gathers over the one TP rank; None is

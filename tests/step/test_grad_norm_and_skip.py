@@ -11,8 +11,8 @@ from fsdp_models import full_tensor
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.step.chained import FSDPMuonChainedOptimizer
 from megatron_muon.step.model_chunks import named_main_weights
-from megatron_muon.step.step_report import step_scalars
 from megatron_muon.distribution.exchange import Traffic, observed
+from megatron_muon.distribution.step_report import step_scalars
 from megatron_muon.tools.testing import (GLOBAL_BATCH, TINY, fsdp_gpt, global_batch_loss, gpt,
                                          init_parallel_state, lm_loss, optimizer_config)
 from tolerances import adam_drift, assert_within, muon_drift, reordering_error

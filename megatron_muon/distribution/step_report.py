@@ -1,10 +1,11 @@
-"""What a chain's step reports. The scalars megatron.training's logs get (TensorBoard, W&B;
-integrations.megatron_lm writes them every --log-interval): what one step exchanges on this
-rank, as its plans count it at construction (exchanges, collectives, bytes received; tests hold
-a step's observed traffic to these counts), how evenly Newton-Schulz falls on the ranks this
-rank's exchange groups span (the busiest rank's FLOPs over their mean), the steps skipped so far
-and the check interval's last result. Outside megatron.training (the standalone and Automodel
-paths) PhaseTimes takes the place of Megatron's timers, and `report` gives both at once."""
+"""What a Muon chain's step reports (FSDPMuonChainedOptimizer's, read by duck typing). The
+scalars megatron.training's logs get (TensorBoard, W&B; integrations.megatron_lm writes them
+every --log-interval): what one step exchanges on this rank, as its plans count it at
+construction (exchanges, collectives, bytes received; tests hold a step's observed traffic to
+these counts), how evenly Newton-Schulz falls on the ranks this rank's exchange groups span (the
+busiest rank's FLOPs over their mean), the steps skipped so far and the check interval's last
+result. Outside megatron.training (the standalone and Automodel paths) PhaseTimes takes the
+place of Megatron's timers, and `report` gives both at once."""
 
 import time
 from collections import Counter
