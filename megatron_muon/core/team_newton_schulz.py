@@ -74,9 +74,8 @@ def newton_schulz_gain(coefficient_type: str, steps: int) -> float:
 def reordering_bound(block: Matrix, settings: dict) -> float:
     """The most a team's update may lie from the whole matrix's, elementwise, at fp32: the team
     sums the norm and each Gram matrix over its members, reordering fp32 sums of up to the long
-    side's length (and a member applying the Gram matrix twice associates sums of the Gram
-    side's length otherwise), which changes them by at most that many units of 2^-24 of their
-    scale;
+    side's length (a member applying the Gram matrix twice associates sums of the Gram side's
+    length otherwise), which changes them by at most that many units of 2^-24 of their scale;
     normalizing at most doubles that, Newton-Schulz amplifies it at most by its gain
     (newton_schulz_gain), and Muon's scale factor scales the update. `settings`:
     TensorParallelMuon's arguments."""

@@ -15,8 +15,8 @@ from ..distribution.dtensor_rows import ParamAttributes
 from ..distribution.exchange import OwnerRoutes, owner_exchange, run_overlapped
 from ..distribution.group_plan import GroupPlan
 from ..distribution.group_planner import GroupPlanner
-from ..distribution.teams import whole_results
 from ..distribution.phases import UPDATE, phase
+from ..distribution.teams import whole_results
 from ..plan import MAX_EXCHANGE_BYTES
 from . import syrk
 from .checks import CheckResult
