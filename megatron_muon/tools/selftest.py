@@ -80,11 +80,14 @@ class _NewtonSchulzClock:
         muon.orthogonalize = timed
 
 
-def run_configuration(config: dict, args, corrupt: bool) -> dict:
-    """Train one configuration; its row's figures (collective: every rank returns the same)."""
+def run_configuration(config: dict, args, corrupt: bool, rates_dir: str | None = None) -> dict:
+    """Train one configuration; its row's figures (collective: every rank returns the same);
+    with `rates_dir`, the rates its optimizer measured at construction written there
+    (step.rates_file; `rates`: the file, or None where nothing was measured)."""
     from megatron.core import parallel_state
 
     from ..integrations.factory import get_megatron_optimizer
+    from ..step.rates_file import write_rates
     from .memory import measure_train_step
     from .testing import GPTShape, fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 
@@ -99,6 +102,7 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
                                 adaptive_muon_moment2_method=args.adaptive_muon_moment2_method,
                                 muon_fp32_matmul_prec=args.muon_fp32_matmul_prec)
     optimizer = get_megatron_optimizer(settings, [model], muon_check_interval=CHECK_INTERVAL)
+    rates = write_rates(optimizer, rates_dir) if rates_dir else None
     clocks = [_NewtonSchulzClock(muon, settings.muon_num_ns_steps)
               for muon in optimizer.muon_optimizers]
     if corrupt:
@@ -139,7 +143,8 @@ def run_configuration(config: dict, args, corrupt: bool) -> dict:
     work = torch.tensor([sum(c.flops for c in clocks), sum(c.seconds for c in clocks)],
                         dtype=torch.float64, device=device)
     dist.all_reduce(work)
-    return dict(worst=worst, step_ms=figures[0].item() * 1e3, bytes=int(figures[1].item()),
+    return dict(worst=worst, rates=rates, step_ms=figures[0].item() * 1e3,
+                bytes=int(figures[1].item()),
                 peak_mib=figures[2].item() / 2**20,
                 tflops=work[0].item() / work[1].item() / 1e12 if work[1] else 0.0)
 
@@ -179,6 +184,18 @@ def time_limit(seconds: float, name: str):
         timer.cancel()
 
 
+def _rates_line(path) -> str:
+    """What a rates file holds, in one line, and how the scale model takes it."""
+    import json
+
+    table = json.loads(path.read_text())
+    rates = [tflops for _, tflops in table["newton_schulz"]]
+    return (f"  rates measured at construction: Newton-Schulz {min(rates):.3g}-{max(rates):.3g} "
+            f"TFLOP/s, all-to-all {table['all_to_all_gbps'] or 0:.3g} GB/s, matmul "
+            f"{table['matmul_tflops']:.3g} TFLOP/s; written to {path} (estimates at any W: "
+            f"make scale SCALE_ARGS=\"--rates {path}\")")
+
+
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="python -m megatron_muon.selftest", description=__doc__,
@@ -197,6 +214,10 @@ def parse_args(argv=None):
                         choices=tuple(SECOND_MOMENTS), help="--optimizer adaptive_muon's variant")
     parser.add_argument("--time-limit", type=float, default=600,
                         help="seconds one configuration may take before the run stops as hung")
+    parser.add_argument("--rates-dir", default=None,
+                        help="write the rates the first configuration measured at construction "
+                             "(megatron_muon_rates.json) here, for the scale model: make scale "
+                             "SCALE_ARGS=\"--rates FILE\"")
     parser.add_argument("--corrupt", action="store_true",
                         help="corrupt one owner result in the first configuration, to see a "
                              "failure caught (the run then exits 1)")
@@ -230,13 +251,16 @@ def main(argv=None) -> int:
     for index, config in enumerate(configurations(world_size)):
         with time_limit(args.time_limit, config["name"]):
             try:
-                row = run_configuration(config, args, corrupt=args.corrupt and index == 0)
+                row = run_configuration(config, args, corrupt=args.corrupt and index == 0,
+                                        rates_dir=args.rates_dir if index == 0 else None)
             except MuonCheckError as error:  # every rank raises it together
                 failed.append(config["name"])
                 say(f"{config['name']:<30} {'-':>10}  {'FAIL':<6}\n{error}", flush=True)
                 continue
         say(f"{config['name']:<30} {row['worst']:>10.3e}  {'pass':<6} {row['step_ms']:>9.1f} "
             f"{row['tflops']:>10.4f} {row['bytes']:>15,} {row['peak_mib']:>9.1f}", flush=True)
+        if row["rates"] is not None and rank == 0:
+            say(_rates_line(row["rates"]), flush=True)
     say(f"self-test {'FAILED: ' + ', '.join(failed) if failed else 'passed'}", flush=True)
     dist.destroy_process_group()
     return 1 if failed else 0

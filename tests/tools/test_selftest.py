@@ -2,14 +2,19 @@
 table with every configuration the world size allows, each exact (0 with fp32 Newton-Schulz) and
 passed, with its peak memory, exit status 0; a corrupted owner result makes its configuration fail
 and the run exit 1 (run with --optimizer adaptive_muon);
-a configuration past the time limit stops the run with status 2, named."""
+a configuration past the time limit stops the run with status 2, named; --rates-dir writes the
+rates measured at construction for the scale model."""
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks import scale_model
+from megatron_muon.step.rates_file import RATES_FILE
 
 pytestmark = pytest.mark.e2e  # torchrun, as a user runs it
 
@@ -34,10 +39,17 @@ def rows(stdout: str) -> dict:
     return {m["name"]: m for m in ROW.finditer(stdout) if m["name"] != "configuration"}
 
 
-def test_every_configuration_is_exact_and_passes():
-    """At W=4, every configuration W=2 runs and those W=4 adds (the run at W=2: the next test)."""
-    run = selftest(4)
+def test_every_configuration_is_exact_and_passes(tmp_path):
+    """At W=4, every configuration W=2 runs and those W=4 adds (the run at W=2: the next test);
+    with --rates-dir, the first configuration's measured rates written as the scale model's
+    rates file and said in a line."""
+    run = selftest(4, "--rates-dir", str(tmp_path))
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-4000:]}"
+    said = re.findall(r"^  rates measured at construction: Newton-Schulz \S+ TFLOP/s, all-to-all "
+                      r"\S+ GB/s, matmul \S+ TFLOP/s; written to (\S+) ", run.stdout, re.MULTILINE)
+    assert said == [str(tmp_path / RATES_FILE)], run.stdout
+    rates = scale_model.Rates(json.loads((tmp_path / RATES_FILE).read_text()))
+    assert rates.all_to_all_gbps > 0 and rates.newton_schulz_seconds(1e9) > 0
     table = rows(run.stdout)
     assert list(table) == CONFIGURATIONS[4], run.stdout
     for name, row in table.items():
