@@ -247,7 +247,8 @@ def measure_rates(ns_steps: int) -> dict:
 
     from megatron_muon.compat.cpu import fast_newton_schulz_precision
     from megatron_muon.plan import ns_flops
-    from megatron_muon.step.rates_file import device_rates, seconds_of
+    from megatron_muon.distribution.measured_cost import median_seconds
+    from megatron_muon.step.rates_file import device_rates
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     big = device.type == "cuda"
@@ -262,7 +263,7 @@ def measure_rates(ns_steps: int) -> dict:
         for batch, rows, cols in shapes:
             x = torch.randn(batch, rows, cols, device=device).squeeze(0)
             flops = batch * ns_flops(rows, cols, ns_steps)
-            s = seconds_of(lambda: muon.orthogonalize(param, x), device)
+            s = median_seconds(lambda: muon.orthogonalize(param, x), device)
             newton_schulz.append([flops / 1e9, flops / s / 1e12])
             print(f"  Newton-Schulz {batch}x{rows}x{cols}: {flops / s / 1e12:.3f} TFLOP/s", flush=True)
     return dict(device=torch.cuda.get_device_name() if big else f"CPU ({os.cpu_count()} cores, "

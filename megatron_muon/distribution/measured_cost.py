@@ -44,6 +44,12 @@ def _samples(runs: list[Callable[[], object]], device: torch.device) -> list[lis
     return times
 
 
+def median_seconds(run: Callable[[], object], device: torch.device) -> float:
+    """The median wall time of one call of `run` on this rank, its device work included
+    (_samples' rounds)."""
+    return statistics.median(_samples([run], device)[0])
+
+
 def _all_to_all_samples(group, device: torch.device) -> list[float]:
     world = group.size()
     elements = PROBE_BYTES // 4 // world * world

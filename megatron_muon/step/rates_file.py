@@ -9,26 +9,15 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..core.muon_math import momentum_update_
+from ..distribution.measured_cost import median_seconds
 
 RATES_FILE = "megatron_muon_rates.json"
-
-
-def seconds_of(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """Median wall time of `fn` after one warm-up call, its device work included."""
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[repeats // 2]
 
 
 def device_rates(muon: Any, device: torch.device, precision: str) -> dict:
@@ -38,7 +27,7 @@ def device_rates(muon: Any, device: torch.device, precision: str) -> dict:
     big = device.type == "cuda"
     n = 4096 if big else 1024
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if precision == "medium" else None)
-    matmul_tflops = 2 * n ** 3 / seconds_of(lambda: a @ a, device) / 1e12
+    matmul_tflops = 2 * n ** 3 / median_seconds(lambda: a @ a, device) / 1e12
     # 64 MiB a tensor on a GPU (five of them: param, grad, momentum, Adam's two), 16 on a CPU.
     param = torch.nn.Parameter(torch.zeros(1 << 24 if big else 1 << 22, device=device))
     param.grad = torch.randn_like(param)
@@ -50,8 +39,8 @@ def device_rates(muon: Any, device: torch.device, precision: str) -> dict:
                         alpha=-group["lr"])
 
     return dict(matmul_tflops=matmul_tflops,
-                adam_ns_per_element=seconds_of(adam.step, device) / param.numel() * 1e9,
-                muon_elementwise_ns_per_element=seconds_of(muon_elementwise, device)
+                adam_ns_per_element=median_seconds(adam.step, device) / param.numel() * 1e9,
+                muon_elementwise_ns_per_element=median_seconds(muon_elementwise, device)
                 / param.numel() * 1e9)
 
 
