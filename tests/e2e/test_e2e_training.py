@@ -52,11 +52,12 @@ def test_muon_on_megatron_fsdp_loss_falls(tmp_path):
         assert set(block) == {'optimizer', 'muon-step', *PHASES} - (
             set() if i in checked else {'muon-check'}), (i, block)
         assert all(0 < low <= high for low, high in block.values()), (i, block)
-        lows, highs = (sum(block[name][k] for name in PHASES if name in block) for k in (0, 1))
-        assert lows <= block["muon-step"][1] and block["muon-step"][0] <= block["optimizer"][1], (i, block)
-        # and cover it but for the moments between them (about 2% here; each phase's max is
-        # another rank's, so the maxima may add up to more)
-        assert highs >= 0.85 * block['muon-step'][0], (i, block)
+        # Nested on every rank, so the phases' minima add up to at most the step's maximum. How
+        # much of the step they cover (97-98% on the demo here) is a figure for the docs, not
+        # an assertion: a test holds no timing.
+        lows = sum(block[name][0] for name in PHASES if name in block)
+        assert lows <= block['muon-step'][1] and block['muon-step'][0] <= block['optimizer'][1], (
+            i, block)
     board = EventAccumulator(str(tmp_path))
     board.Reload()
     written = {name: [(e.step, e.value) for e in board.Scalars(name)]

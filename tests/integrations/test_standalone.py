@@ -454,8 +454,9 @@ def _reports_its_steps(rank, world_size):
     report = step_report(optimizer)
     phases = [name for name in PHASES if f"{name}-time" in report]
     assert set(phases) >= set(PHASES) - {"muon-check"}, report  # no check interval here
-    step = report["muon-step-time"]  # s; disjoint phases that cover it (96% here)
-    assert 0.8 * step <= sum(report[f"{name}-time"] for name in phases) <= step, report
+    # Disjoint phases nested in the step: at most its time (how much of it they cover, 96% here,
+    # is a figure for the docs: a test holds no timing).
+    assert sum(report[f"{name}-time"] for name in phases) <= report["muon-step-time"], report
     assert report["muon/collectives"] > 0 and report["muon/skipped-steps"] == 0
     # every second step, on rank 0: STEPS = 3, so step 2's
     assert [line.split(":")[0] for line in logged] == ["muon step 2"] * (rank == 0), logged
