@@ -140,7 +140,7 @@ test-megatron-main:
 	$(MAIN_VENV)/bin/python -m pytest -q tests
 
 test-gpu: venv
-	$(PY) -m pytest -q -rs tests_gpu
+	$(PY) -m pytest -q -rs --durations 15 tests_gpu
 
 bench: venv
 	$(PY) benchmarks/bench_muon_step.py

@@ -10,7 +10,6 @@ optimizer and sharding strategy for the tests of every e2e module that compare w
 
 import functools
 import os
-import runpy
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import pytest
 
 import demo_log
 from conftest import close_pools, first_failure, run_distributed
+from script_rank import run_as_torchrun_would
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = 'examples/pretrain_gpt.py'
@@ -60,29 +60,6 @@ def torchrun_log(*flags: str, iterations: int = ITERATIONS, stderr: bool = False
 def torchrun(*flags: str, iterations: int = ITERATIONS) -> list[float]:
     """The training losses of torchrun_log's run."""
     return demo_log.losses(torchrun_log(*flags, iterations=iterations), 1, iterations)
-
-
-def run_as_torchrun_would(rank, world_size, argv, log_dir):
-    """This rank of `torchrun --nproc-per-node world_size argv...` (the pool's worker has set
-    MASTER_ADDR/MASTER_PORT and joined the gloo group, which megatron.training then adopts);
-    stdout and stderr go to log_dir/<rank>.log."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    os.chdir(REPO)
-    log = os.open(f'{log_dir}/{rank}.log', os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    script = str(REPO / argv[0])
-    sys.path.insert(0, os.path.dirname(script))
-    sys.argv = [script, *argv[1:]]
-    try:
-        runpy.run_path(script, run_name='__main__')
-    except SystemExit as exit:  # --exit-interval ends the run with sys.exit(0)
-        if exit.code not in (None, 0):
-            raise
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 def train(*flags: str, iterations: int = ITERATIONS, processes: int = 2,

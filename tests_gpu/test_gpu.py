@@ -17,21 +17,23 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
   what the plan counts for it (plan.newton_schulz_bytes), as on CPU (tests/tools/test_memory.py);
 - --optimizer-cpu-offload: the memory allocated between steps falls by the optimizer state's
   size (Muon's momentum, Adam's moments), the step's peak does not rise, and every weight after
-  three steps is the run's without offload, bit for bit (W=1 on NCCL).
+  three steps is the run's without offload, bit for bit (W=1 on NCCL);
+- a team's Newton-Schulz on CUDA tensors (two ranks over gloo) is megatron-core's distributed
+  form.
 
-The demo's command lines are data (DEMO_RUNS): tests/integrations/test_command_lines.py parses each of them
+Every rank of every run forks from one server (launcher.py: torch and megatron imported once, no
+torchrun), which tests/test_gpu_launches.py holds to on CPU. The demo's command lines are data (DEMO_RUNS): tests/integrations/test_command_lines.py parses each of them
 with megatron.training's parser on CPU, so that a flag or value it refuses fails there first."""
 
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "tests" / "tools"))  # test_memory
+import launcher  # first: every process below starts from its server
+from gpu_ranks import offloaded_state_rank, team_rank
+
+sys.path.insert(0, str(launcher.REPO / "tests" / "tools"))  # test_memory
 
 import demo_log  # noqa: E402
 import fake_paths  # noqa: E402
@@ -47,6 +49,14 @@ from megatron_muon.tools.memory import AllocationTracker  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (this machine has none)")
 COMPARED_ITERATIONS = 5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_launcher():
+    """Every rank below forks from launcher.py's server, fake_ranks' included."""
+    launcher.prepare()
+
+
 FP32_NEWTON_SCHULZ = ("--muon-fp32-matmul-prec", "highest")
 MEGATRON_DDP = ("--no-use-megatron-fsdp", "--ckpt-format", "torch_dist")
 # Adam with experts over expert-parallel 2, micro-batches of 4, dropout off; the global batch
@@ -140,54 +150,10 @@ def test_newton_schulz_holds_at_most_what_the_plan_counts_on_cuda(shape):
     assert held <= planned, (held, planned)
 
 
-OFFLOAD_SHAPE = "GPTShape(layers=4, hidden=512, ffn=2048, heads=8, vocab=1024, seq=64)"
-# One process, W=1 on NCCL: a GPT on Megatron-FSDP ZeRO-3 and its Muon chain, with and without
-# the state offloaded, three steps each on the same batches; prints what each measured.
-OFFLOAD_RUN = f"""
-import json, os, torch
-from megatron_muon import get_megatron_optimizer
-from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, init_parallel_state, lm_loss,
-                                         optimizer_config)
-from megatron_muon.step.model_chunks import named_main_weights
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
-torch.cuda.set_device(0)
-torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-init_parallel_state()
-shape = {OFFLOAD_SHAPE}
-found = {{}}
-for offload in (False, True):
-    torch.cuda.synchronize(); base = torch.cuda.memory_allocated()
-    model = fsdp_gpt(shape)
-    optimizer = get_megatron_optimizer(optimizer_config(
-        clip_grad=0.0, optimizer_cpu_offload=offload, optimizer_offload_fraction=1.0), [model])
-    for step in range(3):
-        optimizer.zero_grad()
-        lm_loss(model, step, 0, shape).backward()
-        torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-        optimizer.step()
-        torch.cuda.synchronize()
-    state = sum(v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
-                for part in optimizer.chained_optimizers for s in part.optimizer.state.values()
-                for k, v in s.items() if k != "step")
-    found[offload] = dict(
-        between=torch.cuda.memory_allocated() - base, peak=torch.cuda.max_memory_allocated() - base,
-        state=state, weights={{n: p.to_local().cpu() for n, p in named_main_weights(model)}})
-    del model, optimizer
-    import gc; gc.collect(); torch.cuda.empty_cache()
-same = all(torch.equal(found[False]["weights"][n], w) for n, w in found[True]["weights"].items())
-print(json.dumps(dict(same=same, **{{str(k): {{x: y for x, y in v.items() if x != "weights"}}
-                                    for k, v in found.items()}})))
-"""
-
-
 def test_offloaded_state_leaves_the_gpu_between_steps_and_the_step_exact():
-    run = subprocess.run([sys.executable, "-c", OFFLOAD_RUN], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
-    import json
-
-    found = json.loads(run.stdout.strip().splitlines()[-1])
-    without, offloaded = found["False"], found["True"]
+    """W=1 on NCCL (gpu_ranks.offloaded_state_rank)."""
+    [found] = launcher.run_ranks(offloaded_state_rank, 1, timeout=300)
+    without, offloaded = found["without"], found["offloaded"]
     print(found)
     assert found["same"]
     # The allocator rounds each block up to 512 bytes: one block per state tensor at most.
@@ -196,56 +162,9 @@ def test_offloaded_state_leaves_the_gpu_between_steps_and_the_step_exact():
     assert offloaded["peak"] <= without["peak"], found
 
 
-# Two processes on the one GPU over gloo (NCCL refuses two ranks on one GPU): a team's
-# Newton-Schulz (--muon-max-team-size) on CUDA tensors, row and column blocks, at fp32 and bf16;
-# rank 0 prints, for each, whether it is megatron-core's distributed form bit for bit, its fp32
-# distance from the whole matrix's, and its bf16 one from the whole's fp32 beside bf16's own
-# error there (|bf16 - fp32| of the whole matrix).
-TEAM_RUN = """
-import json, torch, torch.distributed as dist
-from types import SimpleNamespace
-from emerging_optimizers.utils import fp32_matmul_precision
-from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-from megatron_muon.core.settings import tensor_parallel_muon_settings
-from megatron_muon.core.team_newton_schulz import team_orthogonalize
-dist.init_process_group("gloo")
-rank, world, team = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
-torch.cuda.set_device(0)
-found = {}
-# The last: 512 of a square matrix's 1024 columns a member, which applies the Gram matrix twice.
-for dim, shape in ((0, (4096, 1024)), (1, (1024, 4096)), (1, (1024, 1024))):
-    full = torch.randn(*shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    part = full.chunk(world, dim)[rank]
-    p = torch.nn.Parameter(part.clone())
-    p.partition_dim = dim
-    muon = TensorParallelMuon([p], pg_collection=SimpleNamespace(tp=team, gtp_remat=None),
-                              tp_mode="distributed")
-    results = {}
-    for precision in ("highest", "medium"):
-        with fp32_matmul_precision(precision):
-            ours = team_orthogonalize(part, shape, dim, team, tensor_parallel_muon_settings({}))
-            results[precision] = dict(
-                ours=ours, exact=torch.equal(ours, muon.orthogonalize(p, part)),
-                whole=muon.scaled_orthogonalize_fn(full, None, None).chunk(world, dim)[rank])
-    found[f"{dim} {shape}"] = dict(shape=shape,
-        device=results["medium"]["ours"].device.type,
-        exact={k: r["exact"] for k, r in results.items()},
-        fp32_gap=(results["highest"]["ours"] - results["highest"]["whole"]).abs().max().item(),
-        bf16_gap=(results["medium"]["ours"] - results["highest"]["whole"]).abs().max().item(),
-        bf16_error=(results["medium"]["whole"] - results["highest"]["whole"]).abs().max().item())
-if rank == 0:
-    print(json.dumps(found))
-"""
-
-
 def test_a_teams_newton_schulz_on_cuda_is_megatron_cores_distributed_form():
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "--no-python", sys.executable, "-c", TEAM_RUN],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
-    import json
-
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    """Two ranks on the one GPU over gloo (gpu_ranks.team_rank)."""
+    found = launcher.run_ranks(team_rank, 2, timeout=300)[0]
     print(found)
     for case, figures in found.items():
         shape = tuple(figures["shape"])
@@ -267,14 +186,9 @@ def demo_losses(name: str, iterations: int, processes: int = 1) -> list[float]:
 
 
 def demo_log_of(name: str, iterations: int, processes: int) -> str:
-    """What the demo printed running DEMO_RUNS[name]."""
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(processes), "examples/pretrain_gpt.py", "--train-iters", str(iterations),
-         "--eval-iters", "0", *DEMO_RUNS[name]],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, f"training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
-    return run.stdout
+    """What the demo printed running DEMO_RUNS[name] on `processes` ranks."""
+    return launcher.script_log(["examples/pretrain_gpt.py", "--train-iters", str(iterations),
+                                "--eval-iters", "0", *DEMO_RUNS[name]], processes)
 
 
 @pytest.mark.parametrize("run", ["fp32", "bf16", "syrk"])
