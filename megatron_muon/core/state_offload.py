@@ -14,7 +14,7 @@ where and as it runs without offload.
 
 The optimizer's own accounting, per step: the bytes copied each way, those of them copied an
 exchange ahead, and the most state on the device at once (HostState.moved_to_device, moved_to_host,
-moved_ahead, most_on_device)."""
+moved_ahead, most_on_device); the copies and the waits for them in their own phase (OFFLOAD)."""
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,24 +23,8 @@ from contextlib import AbstractContextManager
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..distribution.group_plan import GroupPlan
+from ..distribution.phases import OFFLOAD, phase
 from ..plan import offloaded
-
-
-def offloaded_params(plans: Sequence[GroupPlan], fraction: float) -> list[DTensor]:
-    """The params whose state goes to host memory: plan.offloaded's pick over the params in the
-    order the step visits their matrices, each sized by its whole state (a stacked expert
-    weight's matrices together: a param's state is one tensor), so that every rank picks the
-    same params. Where each param is one matrix, as in the scale model's plans, these are the
-    matrices plan.offload_figures picks."""
-    sizes: dict[DTensor, int] = {}
-    for plan in plans:
-        for routes in plan.routes:
-            for i in (i for batch in routes.batches for i in batch):
-                matrix = plan.matrices[i]
-                elements = matrix.layout.num_rows * (matrix.cols + matrix.moment2_cols)
-                sizes[plan.param_of(i)] = sizes.get(plan.param_of(i), 0) + elements
-    return [p for p, picked in zip(sizes, offloaded(list(sizes.values()), fraction)) if picked]
 
 
 class HostState:
@@ -76,7 +60,7 @@ class HostState:
         for name, value, local in _tensors(state):
             if not self._at_home(local):
                 host = self._new_home(local)
-                host.copy_(local)
+                _copy(host, local)
                 state[name] = _placed_like(value, host)
 
     def new_step(self) -> None:
@@ -102,7 +86,7 @@ class HostState:
         for name, value, host in _tensors(state):
             if self._at_home(host):
                 local = self._device_buffer(host)
-                local.copy_(host)
+                _copy(local, host)
                 homes[name] = host
                 self._hold(host.nbytes)
                 state[name] = _placed_like(value, local)
@@ -119,7 +103,7 @@ class HostState:
                 continue
             else:
                 host = self._new_home(local)
-            host.copy_(local)
+            _copy(host, local)
             self.moved_to_host += local.nbytes
             state[name] = _placed_like(value, host)
 
@@ -131,6 +115,7 @@ class HostState:
             return self.rows_on_device(state_rows, read, write)
         return contextlib.nullcontext(state_rows)
 
+    @phase(OFFLOAD)
     def prefetch(self, p: DTensor, host_rows: torch.Tensor) -> None:
         """Start bringing rows of `p`'s state to the device if `p` is offloaded (on CUDA on the
         copy stream, after the work issued so far: the copy runs beside what the step issues
@@ -168,11 +153,11 @@ class HostState:
         if prefetched is not None:
             on_device, event = prefetched
             if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
+                _wait(torch.cuda.current_stream(self.device), event)
         else:
             on_device = self._device_buffer(host_rows)
             if read:
-                on_device.copy_(host_rows)
+                _copy(on_device, host_rows)
             self._hold(nbytes, copied=read)
         try:
             yield on_device
@@ -181,6 +166,7 @@ class HostState:
         finally:
             self._on_device -= nbytes
 
+    @phase(OFFLOAD)
     def _write_back(self, on_device: torch.Tensor, host_rows: torch.Tensor) -> None:
         self.moved_to_host += host_rows.nbytes
         if self._copies is None:
@@ -191,6 +177,7 @@ class HostState:
             host_rows.copy_(on_device, non_blocking=True)
         on_device.record_stream(self._copies)  # not reused before the copy has read it
 
+    @phase(OFFLOAD)
     def wait_for_copies(self) -> None:
         """Every copy issued so far done: the host may read and write the state."""
         if self._copies is not None:
@@ -203,6 +190,11 @@ class HostState:
         for on_device, _ in self._prefetched.values():
             self._on_device -= on_device.nbytes
         self._prefetched.clear()
+
+
+# The copies between host and device, and the waits for them, in the OFFLOAD phase.
+_copy = phase(OFFLOAD)(torch.Tensor.copy_)
+_wait = phase(OFFLOAD)(torch.cuda.Stream.wait_event)
 
 
 def _where(host_rows: torch.Tensor) -> tuple:

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from ..compat import tensor_parallel
 from ..distribution.dtensor_rows import ParamAttributes
 from ..distribution.exchange import OwnerRoutes, owner_exchange, run_overlapped
-from ..distribution.group_plan import GroupPlan
+from ..distribution.group_plan import GroupPlan, offloaded_params
 from ..distribution.group_planner import GroupPlanner
 from ..distribution.phases import UPDATE, phase
 from ..distribution.teams import whole_results
@@ -25,7 +25,7 @@ from .owner_check import ApplyUpdate, OwnerCheck
 from .second_moment import SecondMoment
 from .settings import (DistMode, OwnerChoice, check_hooks, check_params, check_settings,
                        tensor_parallel_muon_settings)
-from .state_offload import HostState, offloaded_params
+from .state_offload import HostState
 from .team_newton_schulz import orthogonalized_by_team
 
 

@@ -2,14 +2,15 @@
 within the ranks' budgets) and the GroupPlan ZeROTensorParallelMuon carries out each step."""
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..plan import (Matrix, OwnedBatches, StepCost, alone_working, newton_schulz_flops,
-                    owned_batches, packed_beside, packed_plan, state_saved, team_all_reduces)
+                    offloaded, owned_batches, packed_beside, packed_plan, state_saved,
+                    team_all_reduces)
 from .dtensor_rows import as_rows
 from .exchange import OwnerRoutes
 
@@ -124,3 +125,19 @@ class Draft:
         owned = owned_batches(self.matrices, self.params[0].element_size(),
                               cost=self.cost, base=base, **self.choosing)
         return dataclasses.replace(self, owned=owned, team_groups={})
+
+
+def offloaded_params(plans: Sequence[GroupPlan], fraction: float) -> list[DTensor]:
+    """The params whose state goes to host memory: plan.offloaded's pick over the params in the
+    order the step visits their matrices, each sized by its whole state (a stacked expert
+    weight's matrices together: a param's state is one tensor), so that every rank picks the
+    same params. Where each param is one matrix, as in the scale model's plans, these are the
+    matrices plan.offload_figures picks."""
+    sizes: dict[DTensor, int] = {}
+    for plan in plans:
+        for routes in plan.routes:
+            for i in (i for batch in routes.batches for i in batch):
+                matrix = plan.matrices[i]
+                elements = matrix.layout.num_rows * (matrix.cols + matrix.moment2_cols)
+                sizes[plan.param_of(i)] = sizes.get(plan.param_of(i), 0) + elements
+    return [p for p, picked in zip(sizes, offloaded(list(sizes.values()), fraction)) if picked]

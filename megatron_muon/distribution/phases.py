@@ -13,17 +13,23 @@ from typing import Any, Callable
 
 from torch.profiler import record_function
 
-STEP, GRADS, UPDATE, GATHER, NEWTON_SCHULZ, SCATTER, SCALAR, PARAM_SYNC, CHECK = (
+STEP, GRADS, UPDATE, GATHER, NEWTON_SCHULZ, SCATTER, SCALAR, PARAM_SYNC, CHECK, OFFLOAD = (
     "muon.step", "muon.grads", "muon.update", "muon.gather", "muon.newton_schulz",
-    "muon.scatter", "muon.scalar_optimizer", "muon.param_sync", "muon.check")
+    "muon.scatter", "muon.scalar_optimizer", "muon.param_sync", "muon.check",
+    "muon.offload_copies")
 # Each phase's Megatron timer and its level: the step at 1, the disjoint parts it runs at 2.
 TIMERS = {STEP: ("muon-step", 1), GRADS: ("muon-grads", 2), UPDATE: ("muon-update", 2),
           GATHER: ("muon-gather", 2), NEWTON_SCHULZ: ("muon-newton-schulz", 2),
           SCATTER: ("muon-scatter", 2), SCALAR: ("muon-scalar-optimizer", 2),
-          PARAM_SYNC: ("muon-param-sync", 2), CHECK: ("muon-check", 2)}
+          PARAM_SYNC: ("muon-param-sync", 2), CHECK: ("muon-check", 2),
+          OFFLOAD: ("muon-offload-copies", 2)}
+# Counted apart wherever they run: the offloaded state's copies happen inside the update and the
+# scalar optimizer's step, whose timers pause meanwhile (the parts still add up to the step).
+CARVED_OUT = frozenset({OFFLOAD})
 
 _timers: Any = None  # Megatron's Timers while a step runs under timed_by, else None
 _open_parts = 0  # level-2 phases open now
+_counting: Any = None  # the level-2 timer running now
 
 
 def timer_names(level: int) -> list[str]:
@@ -46,14 +52,21 @@ def timed_by(timers: Any):
 def phase(label: str):
     """The profiler range `label` and, under timed_by, its Megatron timer; a level-2 phase
     inside another (all_gather_rows inside the check's reference) counts in the outer one's
-    timer only, so the level-2 timers add up to the step."""
-    global _open_parts
+    timer only, so the level-2 timers add up to the step, but a CARVED_OUT one, for which the
+    outer one's timer pauses."""
+    global _open_parts, _counting
     name, level = TIMERS[label]
-    counted = _timers is not None and not (level > 1 and _open_parts)
+    paused = _counting if label in CARVED_OUT else None
+    counted = _timers is not None and (level == 1 or not _open_parts or paused is not None)
     timer = _timers(name, log_level=level) if counted else None
+    outer = _counting
+    if timer is not None and level > 1:
+        _counting = timer
     _open_parts += level > 1
     try:
         with record_function(label):
+            if paused is not None:
+                paused.stop()
             if timer is not None:
                 timer.start()
             try:
@@ -61,8 +74,11 @@ def phase(label: str):
             finally:
                 if timer is not None:
                     timer.stop()
+                if paused is not None:
+                    paused.start()
     finally:
         _open_parts -= level > 1
+        _counting = outer
 
 
 def started(label: str) -> Callable[[], None]:
