@@ -115,13 +115,16 @@ class HostState:
             return self.rows_on_device(state_rows, read, write)
         return contextlib.nullcontext(state_rows)
 
-    @phase(OFFLOAD)
     def prefetch(self, p: DTensor, host_rows: torch.Tensor) -> None:
         """Start bringing rows of `p`'s state to the device if `p` is offloaded (on CUDA on the
         copy stream, after the work issued so far: the copy runs beside what the step issues
         next); rows_on_device then takes them without copying again."""
         if p not in self.params or _where(host_rows) in self._prefetched:
             return
+        self._copy_ahead(host_rows)
+
+    @phase(OFFLOAD)
+    def _copy_ahead(self, host_rows: torch.Tensor) -> None:
         on_device = self._device_buffer(host_rows)
         event = None
         if self._copies is not None:
@@ -177,11 +180,10 @@ class HostState:
             host_rows.copy_(on_device, non_blocking=True)
         on_device.record_stream(self._copies)  # not reused before the copy has read it
 
-    @phase(OFFLOAD)
     def wait_for_copies(self) -> None:
         """Every copy issued so far done: the host may read and write the state."""
         if self._copies is not None:
-            self._copies.synchronize()
+            _synchronize(self._copies)
 
     def finish_step(self) -> None:
         """The end of a step: every copy back done, and rows prefetched for an exchange that did
@@ -195,6 +197,7 @@ class HostState:
 # The copies between host and device, and the waits for them, in the OFFLOAD phase.
 _copy = phase(OFFLOAD)(torch.Tensor.copy_)
 _wait = phase(OFFLOAD)(torch.cuda.Stream.wait_event)
+_synchronize = phase(OFFLOAD)(torch.cuda.Stream.synchronize)
 
 
 def _where(host_rows: torch.Tensor) -> tuple:
