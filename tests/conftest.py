@@ -129,6 +129,10 @@ def _serve(rank, world_size, port, tasks, results):
 
 
 def _leave(code, results):
+    # The processes a rank started (megatron-core's torch_dist writer's workers) end with it:
+    # os._exit skips the interpreter's exit, which would have ended them.
+    for child in mp.active_children():
+        child.kill()
     results.close()
     results.join_thread()  # what was put reaches the parent
     sys.stdout.flush()
@@ -139,13 +143,13 @@ def _leave(code, results):
 class _Pool:
     """`world_size` gloo ranks in worker processes, running one function at a time on all."""
 
-    def __init__(self, world_size):
+    def __init__(self, world_size, daemon=True):
         self.world_size = world_size
         self.results = _context.Queue()
         self.tasks = [_context.Queue() for _ in range(world_size)]
         port = _free_port()
         self.procs = [_context.Process(target=_serve, args=(r, world_size, port, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world_size)]
+                                  daemon=daemon) for r in range(world_size)]
         for p in self.procs:
             p.start()
 
@@ -226,7 +230,9 @@ def first_failure(fn, world_size: int, *args, timeout: float = 300, fresh: bool 
 def _run_once(fn, world_size, args, timeout, fresh):
     key = (fn.__module__, world_size)
     close_pools(keep=lambda other: other[0] == key[0])  # the other modules' tests are done
-    pool = _Pool(world_size) if fresh else _pools.pop(key, None) or _Pool(world_size)
+    # A fresh pool's ranks may start processes (megatron-core's torch_dist writer does), which
+    # a daemonic one may not; close() still ends them.
+    pool = _Pool(world_size, daemon=False) if fresh else _pools.pop(key, None) or _Pool(world_size)
     failure = pool.run(fn, args, timeout)
     if failure or fresh:
         pool.close()

@@ -12,8 +12,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import demo_log
-from e2e_harness import (FP32_NEWTON_SCHULZ, NO_DROPOUT, SMALL, STRATEGY_ITERATIONS, failure_of,
-                         torchrun_log, train, training_log)
+from e2e_harness import NO_DROPOUT, SMALL, STRATEGY_ITERATIONS, failure_of, train, training_log
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
 from tolerances import RTOL
 
@@ -183,11 +182,11 @@ def test_a_megatron_ddp_muon_run_continues_on_megatron_fsdp(tmp_path):
     momentum, Adam's moments, the step count, the schedule, the RNG) and computes iterations 4-6
     as the DDP run did, with SwiGLU and experts over EP=2 (their momentum under the global
     expert index). Saving needs megatron-core's torch_dist writer, which imports psutil
-    (setup.py brings it: a fresh venv saves) and starts processes of its own, which the suite's
-    forked ranks may not: the DDP run goes through torchrun."""
+    (setup.py brings it: a fresh venv saves) and starts processes of its own (the suite's fresh
+    ranks are not daemonic, so they may)."""
     flags = (*SMALL, *NO_DROPOUT, *SWIGLU_AND_EXPERTS)
-    ddp = torchrun_log(*flags, *FP32_NEWTON_SCHULZ, *MEGATRON_DDP, '--save', str(tmp_path),
-                       '--save-interval', '3', iterations=6)
+    ddp = training_log(*flags, *MEGATRON_DDP, '--save', str(tmp_path), '--save-interval', '3',
+                       iterations=6)
     assert any((tmp_path / 'iter_0000003').glob('*.distcp'))
     resumed = training_log(*flags, '--load', str(tmp_path), '--ckpt-step', '3', iterations=6)
     assert_logged_as_uninterrupted(resumed, ddp, resumed_at=4, last=6, rel=RTOL)
@@ -198,7 +197,7 @@ def test_an_adam_ddp_checkpoint_loads_into_muon_with_no_load_optim_only(tmp_path
     --no-load-optim before training; with it, the weights, iteration and schedule load and
     iteration 4's loss and grad norm are the DDP run's."""
     adam = ('--optimizer', 'adam')
-    ddp = torchrun_log(*SMALL, *NO_DROPOUT, *adam, *MEGATRON_DDP, '--save', str(tmp_path),
+    ddp = training_log(*SMALL, *NO_DROPOUT, *adam, *MEGATRON_DDP, '--save', str(tmp_path),
                        '--save-interval', '3', iterations=4)
     flags = (*SMALL, *NO_DROPOUT, '--load', str(tmp_path), '--ckpt-step', '3')
     failure = failure_of(*flags, iterations=4)
