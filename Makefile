@@ -50,7 +50,7 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; \
 	then echo $$p; break; fi; done)
 
-.PHONY: venv demo test test-fast test-lowest test-bridge test-automodel test-megatron-main test-gpu \
+.PHONY: venv demo test test-fast test-lowest test-bridge test-automodel test-megatron-main test-gpu carry-over \
 	bench bench-demo scale sweep clean
 
 # $(1): the venv's folder; $(2): the constraints file that pins its dependencies; $(3): the
@@ -154,6 +154,9 @@ scale: venv
 
 sweep: venv
 	SWEEP=all $(PY) -m pytest -q tests/e2e/test_flag_sweep.py
+
+carry-over: venv
+	CARRY_OVER=all $(PY) -m pytest -q tests/e2e/test_carry_over.py
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) $(AUTOMODEL_VENV) $(MAIN_VENV) *.egg-info
