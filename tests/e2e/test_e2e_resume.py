@@ -207,14 +207,24 @@ def test_an_adam_ddp_checkpoint_loads_into_muon_with_no_load_optim_only(tmp_path
     assert_logged_as_uninterrupted(resumed, ddp, resumed_at=4, last=4, rel=RTOL)
 
 
-def test_megatron_ddp_continues_a_megatron_fsdp_muon_checkpoint(strategy_runs):
+def test_megatron_ddp_continues_a_megatron_fsdp_muon_checkpoint(strategy_runs, tmp_path):
     """The way back: our ZeRO-3 Muon checkpoint of iteration 3, loaded by megatron-core's Muon on
     Megatron DDP with --load and the DDP run's own flags (--ckpt-format torch_dist;
     step.checkpoint_for_ddp: weights, momentum, Adam's moments and step, schedule, RNG), computes
     iterations 4-6 as our uninterrupted run (upstream: AttributeError 'NoneType' object has no
-    attribute 'items')."""
+    attribute 'items'). So does Megatron's own converter (--ckpt-convert-format torch_dist, which
+    saves what the load gave and exits): its torch_dist checkpoint, which Megatron-Bridge's
+    export to Hugging Face reads (docs/bridge.md), resumes on Megatron DDP alike."""
     uninterrupted = strategy_runs.log('muon', 'optim_grads_params')
+    ours = ('--load', str(strategy_runs.checkpoints), '--ckpt-step', '3')
+    resumed = training_log(*SMALL, *NO_DROPOUT, *MEGATRON_DDP, *ours, '--exit-interval', '6',
+                           iterations=STRATEGY_ITERATIONS)
+    assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6, rel=RTOL)
+    converted = tmp_path / 'converted'
+    training_log(*SMALL, *NO_DROPOUT, *MEGATRON_DDP, *ours, '--ckpt-convert-format', 'torch_dist',
+                 '--ckpt-convert-save', str(converted), iterations=STRATEGY_ITERATIONS)
+    assert any((converted / 'torch_dist' / 'iter_0000003').glob('*.distcp'))
     resumed = training_log(*SMALL, *NO_DROPOUT, *MEGATRON_DDP, '--load',
-                           str(strategy_runs.checkpoints), '--ckpt-step', '3', '--exit-interval',
-                           '6', iterations=STRATEGY_ITERATIONS)
+                           str(converted / 'torch_dist'), '--exit-interval', '6',
+                           iterations=STRATEGY_ITERATIONS)
     assert_logged_as_uninterrupted(resumed, uninterrupted, resumed_at=4, last=6, rel=RTOL)
