@@ -9,8 +9,8 @@ layers they feed), fsdp_dtensor by module name.
 What is read, under the keys megatron-core's own sharded_state_dict gives this run's model (the
 GPTModel inside Megatron-FSDP makes the ShardedTensors Megatron DDP saved, experts at their
 global index, SwiGLU's fc1 through its factory where that tiles it: TP 1): the weights; with
-the optimizer, megatron-core Muon's momentum, its scalar part's Adam moments and the step count
-(megatron-core's Muon chain saves them per param); the iteration, the learning-rate schedule,
+the optimizer, megatron-core Muon's momentum (and adaptive Muon's AdaMuon second moment), its
+scalar part's Adam moments and the step count (megatron-core's Muon chain saves them per param); the iteration, the learning-rate schedule,
 the RNG states and the args. Each rank reads only the rows it holds (StackedLoadPlanner), so
 nothing is gathered. Optimizer state saved in DistributedOptimizer's bucket space (Adam with
 --use-distributed-optimizer) has no per-param keys: loading it stops, before anything changes,
@@ -40,6 +40,9 @@ from .model_chunks import at_global_expert_index
 # Muon chain keys the same tensor in torch_dist ("{}": the param's ShardedTensor key).
 SECTIONS = ((("model.module.", ""), "{}"),
             (("optimizer.muon.", ".momentum_buffer"), "optimizer.state.momentum_buffer.{}"),
+            # --optimizer adaptive_muon's second moment: AdaMuon's (one per element) saves there;
+            # NorMuon's and NAMO's (per row or one) megatron-core 0.19's DDP save refuses
+            (("optimizer.muon.", ".moment2_buffer"), "optimizer.state.moment2_buffer.{}"),
             (("optimizer.state.", ".exp_avg"), "optimizer.state.exp_avg.{}"),
             (("optimizer.state.", ".exp_avg_sq"), "optimizer.state.exp_avg_sq.{}"))
 # What the chain names a param in its optimizer sections: Megatron-FSDP's two wrappers, then the
