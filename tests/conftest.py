@@ -10,7 +10,6 @@ import atexit
 import gc
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -21,6 +20,7 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from rank_processes import GRACE_SECONDS, free_port  # noqa: E402
 # This suite is gloo on CPU everywhere, also on a machine with GPUs (where it would otherwise
 # build its models on CUDA and start several ranks on one GPU): CUDA stays hidden from it and
 # from every process it starts. It says so first, also under -q.
@@ -76,8 +76,6 @@ def pytest_sessionstart(session):
 # at W=3 as heap corruption). Such a run is repeated once, in fresh processes; any other
 # failure, a hang included, is final.
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer")
-# How long the other ranks may take to report once one rank has failed or died.
-GRACE_SECONDS = 15
 # Workers fork from one server process that has imported these once: each worker started with
 # "spawn" paid 6-10 s of CPU for the same imports. The server only imports (no patches, no
 # threads, no process group), so every worker still starts as a fresh interpreter would.
@@ -85,12 +83,6 @@ _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(["megatron_muon.tools.testing",
                                  "megatron_muon.integrations.megatron_lm", "fsdp_models",
                                  "torch.distributed.checkpoint"])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(rank, world_size, port, tasks, results):
@@ -147,7 +139,7 @@ class _Pool:
         self.world_size = world_size
         self.results = _context.Queue()
         self.tasks = [_context.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [_context.Process(target=_serve, args=(r, world_size, port, self.tasks[r], self.results),
                                   daemon=daemon) for r in range(world_size)]
         for p in self.procs:

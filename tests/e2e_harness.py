@@ -19,7 +19,7 @@ import pytest
 
 import demo_log
 from conftest import close_pools, first_failure, run_distributed
-from script_rank import run_as_torchrun_would
+from rank_processes import run_as_torchrun_would
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = 'examples/pretrain_gpt.py'

@@ -8,13 +8,12 @@ runs check devices and control flow, not numbers."""
 import datetime
 import inspect
 import pickle
-import queue
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from rank_processes import run_ranks
 
 TENSOR_COLLECTIVES = ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                       "_all_gather_base", "reduce_scatter",
@@ -132,55 +131,28 @@ def _group_rank(group, global_rank, group_rank):
     return dist.get_group_rank(group or dist.group.WORLD, global_rank)
 
 
-def _rank_main(fn, rank, world_size, device_type, port, args, results):
-    try:
-        if device_type == "cpu":
-            from megatron_muon.compat.cpu import apply_cpu_compat
-            apply_cpu_compat()
-        else:
-            torch.cuda.set_device(0)
-        torch.set_num_threads(1)
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                              timeout=datetime.timedelta(seconds=120))
-        fn(rank, world_size, Guard(device_type, store), *args)
-        results.put((rank, None))
-    except BaseException:
-        results.put((rank, f"rank {rank}:\n{traceback.format_exc()}"))
+def _fake_rank(rank, world_size, fn, device_type, port, args):
+    if device_type == "cpu":
+        from megatron_muon.compat.cpu import apply_cpu_compat
+        apply_cpu_compat()
+    else:
+        torch.cuda.set_device(0)
+    torch.set_num_threads(1)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=120))
+    fn(rank, world_size, Guard(device_type, store), *args)
 
 
 def run_fake_ranks(fn, world_size: int, device_type: str, *args,
                    timeout: float = 300) -> str | None:
     """Run fn(rank, world_size, guard, *args) in one process per rank, all on this machine's one
     `device_type` device; the first failure, or None."""
-    context = mp.get_context("forkserver")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = context.Queue()
-    procs = [context.Process(target=_rank_main, daemon=True,
-                             args=(fn, r, world_size, device_type, store.port, args, results))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline, failures, finished = time.monotonic() + timeout, [], 0
     try:
-        while finished < world_size and time.monotonic() < deadline:
-            try:
-                rank, failure = results.get(timeout=1)
-            except queue.Empty:
-                if failures or any(not p.is_alive() for p in procs):
-                    deadline = min(deadline, time.monotonic() + 10)
-                continue
-            finished += 1
-            if failure:
-                failures.append(failure)
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    if failures:
-        return failures[0]
-    if finished < world_size:
-        return f"{world_size - finished} of {world_size} ranks did not finish within {timeout}s"
+        run_ranks(mp.get_context("forkserver"), _fake_rank, world_size, fn, device_type,
+                  store.port, args, timeout=timeout)
+    except RuntimeError as failure:
+        return str(failure)
     return None

@@ -12,24 +12,19 @@ them on CPU)."""
 
 import multiprocessing as mp
 import os
-import queue
-import socket
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from script_rank import run_as_torchrun_would  # noqa: E402
+import rank_processes  # noqa: E402
+from rank_processes import run_as_torchrun_would  # noqa: E402
 
 CONTEXT = mp.get_context("forkserver")  # one server in a process: fake_ranks' too
 PRELOAD = ["torch", "torch.distributed.checkpoint", "megatron.training", "megatron_muon.training",
-           "megatron_muon.tools.testing", "script_rank", "fake_ranks", "gpu_ranks"]
-# How long the other ranks may take to report once one has failed or died.
-GRACE_SECONDS = 15
+           "megatron_muon.tools.testing", "rank_processes", "fake_ranks", "gpu_ranks"]
 
 
 def prepare() -> None:
@@ -40,62 +35,11 @@ def prepare() -> None:
     CONTEXT.set_forkserver_preload(PRELOAD)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(fn, rank, world_size, port, args, results):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        results.put((rank, fn(rank, world_size, *args), None))
-    except BaseException:
-        results.put((rank, None, f"rank {rank}:\n{traceback.format_exc()}"))
-    finally:
-        results.close()
-        results.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # without a process group's teardown, as conftest's workers leave
-
-
 def run_ranks(fn, world_size: int, *args, timeout: float = 600) -> list:
-    """fn(rank, world_size, *args)'s result on each of `world_size` ranks, each forked from the
-    server with MASTER_ADDR and MASTER_PORT set; raises with the first rank's failure, or if a
-    rank dies or the ranks do not finish within `timeout` seconds."""
+    """fn(rank, world_size, *args)'s result on each of `world_size` ranks forked from the server
+    (rank_processes.run_ranks)."""
     prepare()
-    results = CONTEXT.Queue()
-    port = _free_port()
-    procs = [CONTEXT.Process(target=_rank_main, daemon=True,
-                             args=(fn, rank, world_size, port, args, results))
-             for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline, found, failures = time.monotonic() + timeout, {}, []
-    try:
-        while len(found) < world_size and time.monotonic() < deadline:
-            try:
-                rank, value, failure = results.get(timeout=1)
-            except queue.Empty:
-                if failures or any(not p.is_alive() for r, p in enumerate(procs) if r not in found):
-                    deadline = min(deadline, time.monotonic() + GRACE_SECONDS)
-                continue
-            found[rank] = value
-            if failure:
-                failures.append(failure)
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    if failures:
-        raise RuntimeError(failures[0])
-    if len(found) < world_size:
-        missing = sorted(set(range(world_size)) - set(found))
-        raise RuntimeError(f"ranks {missing} did not finish within {timeout} s (exit codes "
-                           f"{[procs[r].exitcode for r in missing]})")
-    return [found[rank] for rank in range(world_size)]
+    return rank_processes.run_ranks(CONTEXT, fn, world_size, *args, timeout=timeout)
 
 
 def script_log(argv: list[str], processes: int, timeout: float = 900) -> str:

@@ -16,7 +16,7 @@ from benchmarks import carry_over
 from conftest import first_failure
 from e2e_harness import DEMO, REPO, script_argv
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
-from script_rank import run_as_torchrun_would
+from rank_processes import run_as_torchrun_would
 
 pytestmark = pytest.mark.e2e
 EVERY_ROW = os.environ.get("CARRY_OVER") == "all"

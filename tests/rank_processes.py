@@ -1,0 +1,97 @@
+"""Ranks in processes that a launcher forked (tests/conftest.py's gloo pools, tests_gpu/launcher.py's
+server, tests/fake_ranks.py): one rank of a training script run as torchrun would run it, and
+`run_ranks`, which starts ranks and gathers what each returned. No imports of the package, so
+that both suites share it without the gloo suite's conftest (which hides CUDA)."""
+
+import os
+import queue
+import runpy
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# How long the other ranks may take to report once one has failed or died.
+GRACE_SECONDS = 15
+
+
+def run_as_torchrun_would(rank, world_size, argv, log_dir):
+    """This rank of `torchrun --nproc-per-node world_size argv...` (the launcher has set
+    MASTER_ADDR and MASTER_PORT; a gloo pool has joined its group too, which megatron.training
+    then adopts); stdout and stderr go to log_dir/<rank>.log."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    os.chdir(REPO)
+    log = os.open(f'{log_dir}/{rank}.log', os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    script = str(REPO / argv[0])
+    sys.path.insert(0, os.path.dirname(script))
+    sys.argv = [script, *argv[1:]]
+    try:
+        runpy.run_path(script, run_name='__main__')
+    except SystemExit as exit:  # --exit-interval ends the run with sys.exit(0)
+        if exit.code not in (None, 0):
+            raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, results):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        results.put((rank, fn(rank, world_size, *args), None))
+    except BaseException:
+        results.put((rank, None, f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        results.close()
+        results.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # without a process group's teardown, as conftest's workers leave
+
+
+def run_ranks(context, fn, world_size: int, *args, timeout: float = 600) -> list:
+    """fn(rank, world_size, *args)'s result on each of `world_size` ranks, each a process of the
+    multiprocessing `context` with MASTER_ADDR and MASTER_PORT set; raises RuntimeError with the
+    first rank's failure, or where a rank dies or the ranks do not finish within `timeout` s."""
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_rank_main, daemon=True,
+                             args=(fn, rank, world_size, port, args, results))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline, found, failures = time.monotonic() + timeout, {}, []
+    try:
+        while len(found) < world_size and time.monotonic() < deadline:
+            try:
+                rank, value, failure = results.get(timeout=1)
+            except queue.Empty:
+                if failures or any(not p.is_alive() for r, p in enumerate(procs) if r not in found):
+                    deadline = min(deadline, time.monotonic() + GRACE_SECONDS)
+                continue
+            found[rank] = value
+            if failure:
+                failures.append(failure)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    if failures:
+        raise RuntimeError(failures[0])
+    if len(found) < world_size:
+        missing = sorted(set(range(world_size)) - set(found))
+        raise RuntimeError(f"ranks {missing} did not finish within {timeout} s (exit codes "
+                           f"{[procs[r].exitcode for r in missing]})")
+    return [found[rank] for rank in range(world_size)]
