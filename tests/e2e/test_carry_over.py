@@ -13,6 +13,7 @@ import pytest
 
 import demo_log
 from benchmarks import carry_over
+from benchmarks.docs_table import with_table
 from conftest import first_failure
 from e2e_harness import DEMO, REPO, script_argv
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
@@ -98,11 +99,11 @@ def results():
     if EVERY_ROW and len(collected) == len(ROWS):
         ordered = [collected[row.name] for row in ROWS]
         RESULTS.write_text(json.dumps(ordered, indent=1) + "\n")
-        page = DOCS.read_text()
-        before, _, rest = page.partition(carry_over.TABLE_START)
-        _, _, after = rest.partition(carry_over.TABLE_END)
-        DOCS.write_text(f"{before}{carry_over.TABLE_START}\n"
-                        f"{carry_over.markdown_table(ordered)}\n{carry_over.TABLE_END}{after}")
+        DOCS.write_text(_with_table(DOCS.read_text(), carry_over.markdown_table(ordered)))
+
+
+def _with_table(page: str, table: str) -> str:
+    return with_table(page, carry_over.TABLE_START, carry_over.TABLE_END, table)
 
 
 @pytest.mark.skipif(EVERY_ROW, reason="make carry-over writes them once its rows have run")
@@ -113,8 +114,8 @@ def test_the_docs_show_the_committed_carry_over():
     assert [result["row"] for result in results] == [row.name for row in carry_over.ROWS]
     assert all(result["as_expected"] for result in results), [
         result["row"] for result in results if not result["as_expected"]]
-    assert (f"{carry_over.TABLE_START}\n{carry_over.markdown_table(results)}\n"
-            f"{carry_over.TABLE_END}") in DOCS.read_text()
+    page = DOCS.read_text()
+    assert _with_table(page, carry_over.markdown_table(results)) == page
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)

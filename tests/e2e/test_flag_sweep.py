@@ -10,6 +10,7 @@ import pytest
 from conftest import close_pools, run_distributed
 
 from benchmarks import sweep
+from benchmarks.docs_table import with_table
 from megatron_muon.compat import upstream, upstream_fixes
 
 EVERY_ROW = os.environ.get("SWEEP") == "all"
@@ -45,9 +46,7 @@ def results():
 
 
 def _with_table(page: str, table: str) -> str:
-    before, _, rest = page.partition(sweep.TABLE_START)
-    _, _, after = rest.partition(sweep.TABLE_END)
-    return f"{before}{sweep.TABLE_START}\n{table}\n{sweep.TABLE_END}{after}"
+    return with_table(page, sweep.TABLE_START, sweep.TABLE_END, table)
 
 
 @pytest.mark.skipif(EVERY_ROW, reason="make sweep writes them once its rows have run")
