@@ -290,21 +290,23 @@ def observed(observer: Observer) -> Iterator[Observer]:
         _observers.remove(observer)
 
 
-@contextlib.contextmanager
-def _held(*tensors):
-    """Report `tensors` (None skipped) alive while the block runs."""
-    global _live_bytes
-    if not _observers:
-        yield
-        return
-    nbytes = _nbytes(t for t in tensors if t is not None)
-    _live_bytes += nbytes
-    for observer in _observers:
-        observer.buffers(_live_bytes)
-    try:
-        yield
-    finally:
-        _live_bytes -= nbytes
+class _held:
+    """Report `tensors` (None skipped) alive while the block runs, holding no reference to them:
+    the block may free them (the assembled matrices, batch by batch; a generator context
+    manager would keep its arguments, and every one of them, until the block ends)."""
+
+    def __init__(self, *tensors):
+        self.nbytes = _nbytes(t for t in tensors if t is not None) if _observers else 0
+
+    def __enter__(self) -> None:
+        global _live_bytes
+        _live_bytes += self.nbytes
+        for observer in _observers:
+            observer.buffers(_live_bytes)
+
+    def __exit__(self, *exc) -> None:
+        global _live_bytes
+        _live_bytes -= self.nbytes
 
 
 def _nbytes(tensors) -> int:
