@@ -288,25 +288,28 @@ class Part:
     rank's budget (`pack`, as planned_parts calls it), how long one rank took to plan them, and
     the owners of the other placements. `base`: {mode: each rank's load in the dense part}
     (plan.rank_loads: seconds for "owner", FLOPs for "owner-by-bytes"), for an expert part
-    planned beside it (distribution.interleaving); None: planned alone."""
+    planned beside it (distribution.interleaving); None: planned alone. `nodes`: the node of
+    each of its ranks (plan.Nodes), where teams' blocks go (plan.TeamRule)."""
 
-    def __init__(self, matrices, world, cost, team_cost=None, base=None):
+    def __init__(self, matrices, world, cost, team_cost=None, base=None, nodes=None):
         from megatron_muon.plan import (choose_owners, owned_batches, whole_matrix_owners,
                                         with_teams)
 
         start = time.perf_counter()
         if team_cost:  # --muon-max-team-size W: the plan sizes each team
             matrices = [matrix for _, _, matrix in with_teams(matrices, world, world, team_cost)]
-        self.matrices, self.world, self.cost = matrices, world, cost
+        self.matrices, self.world, self.cost, self.nodes = matrices, world, cost, nodes
         base = base or {}
-        self.owned = owned_batches(matrices, ELEMENT_BYTES, cost=cost, base=base.get("owner"))
+        self.owned = owned_batches(matrices, ELEMENT_BYTES, cost=cost, base=base.get("owner"),
+                                   nodes=nodes)
         self.batches = self.owned.batches
         self.plan_seconds = time.perf_counter() - start
         self.owners = {"owner": self.owned.owners,
                        "owner-by-bytes": choose_owners(matrices, ELEMENT_BYTES,
-                                                       base=base.get("owner-by-bytes"))}
+                                                       base=base.get("owner-by-bytes"),
+                                                       nodes=nodes)}
         if not base:  # megatron-core's placement: the parts apart
-            self.owners["whole-matrix-per-rank"] = whole_matrix_owners(matrices)
+            self.owners["whole-matrix-per-rank"] = whole_matrix_owners(matrices, nodes)
 
     def loads(self) -> dict:
         """Each rank's load in this part as the owners of "owner" and "owner-by-bytes" weigh it
@@ -371,7 +374,7 @@ class Planned(list):
 
 
 def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
-                  expert_rank: int | None = None, team_cost=None,
+                  expert_rank: int | None = None, teams=None,
                   interleave: bool = True) -> Planned:
     """(Part, rank of dp_cp -> its rank in the part) for the dense matrices and the experts (rank
     r of dp_cp is rank r // EP of its expert data-parallel group: megatron-core's order, expert
@@ -380,19 +383,41 @@ def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
     both. The experts part stands for the expert data-parallel group of expert-parallel rank
     `expert_rank` (dp_cp ranks r with r % EP == expert_rank), or where None for every group at
     once: each of its ranks the least saving of the dp_cp ranks it stands for. `expert_cost`:
-    the experts' StepCost where it is not `cost` (a run measures one per group). `team_cost`:
-    teams split what one rank's share cannot hold (Part), sized by it. Then, `interleave`, as the
-    factory plans them together (distribution.interleave): `beside` (Planned)."""
-    parts = Planned([(Part(dense, world, cost, team_cost), lambda r: r)])
+    the experts' StepCost where it is not `cost` (a run measures one per group). `teams`: teams
+    split what one rank's share cannot hold (Part): teams(ranks, stride) gives (the StepCost
+    owners weigh, the cost teams are sized by, plan.Nodes) for a part of `ranks` whose ranks lie
+    `stride` dp_cp ranks apart (1 for the dense part, EP for an expert group: megatron-core's
+    order). Then, `interleave`, as the factory plans them together (distribution.interleave):
+    `beside` (Planned)."""
+    def part(matrices, ranks, stride, part_cost, base=None):
+        planned = teams(ranks, stride) if teams else (part_cost, None, None)
+        return Part(matrices, ranks, *planned[:2], base, planned[2])
+
+    parts = Planned([(part(dense, world, 1, cost), lambda r: r)])
     parts.ep = ep
     if expert:
-        parts.append((Part(expert, world // ep, expert_cost or cost, team_cost),
-                      lambda r: r // ep))
+        parts.append((part(expert, world // ep, ep, expert_cost or cost), lambda r: r // ep))
     _pack(parts, world, ep, expert_rank)
     if expert and interleave:
-        parts.beside = _beside(parts, expert, world, ep, expert_cost or cost, team_cost,
-                               expert_rank)
+        loads = parts[0][0].loads()
+        beside = {e: part(expert, world // ep, ep, expert_cost or cost,
+                          {mode: load[e::ep] for mode, load in loads.items()})
+                  for e in range(ep)}
+        parts.beside = _beside(parts, beside, world, ep, expert_rank)
     return parts
+
+
+def group_nodes(ranks: int, stride: int, rates: Rates, args):
+    """The node of each rank of a group whose ranks lie `stride` ranks apart from rank 0 (a TP
+    rank's dp_cp group: TP apart; an expert group: EP x TP), `args.gpus_per_node` to a node,
+    all-reducing at the rates file's `node_all_reduce_gbps` inside one (plan.Nodes); None where
+    the file has none, or one rank a node."""
+    from megatron_muon.plan import Nodes
+
+    gbps = rates.table.get("node_all_reduce_gbps")
+    if not gbps or stride >= args.gpus_per_node:
+        return None
+    return Nodes(tuple(r * stride // args.gpus_per_node for r in range(ranks)), gbps * 1e9)
 
 
 def _pack(parts, world: int, ep: int, expert_rank: int | None, groups=None) -> None:
@@ -438,15 +463,11 @@ def _pack(parts, world: int, ep: int, expert_rank: int | None, groups=None) -> N
         part.pack(beside, [saving[r] for r in ranks], [held[r] for r in ranks])
 
 
-def _beside(parts, expert, world: int, ep: int, cost, team_cost, expert_rank: int | None):
-    """Each expert group's Part planned beside the dense part as distribution.interleave plans
-    it (owners counting its ranks' dense loads, packed beside the dense part's working memory),
-    or None where some rank cannot hold both (the parts then packed apart again, the experts'
-    for `expert_rank` as planned_parts says)."""
-    loads = parts[0][0].loads()
-    beside = {e: Part(expert, world // ep, cost, team_cost,
-                      base={mode: load[e::ep] for mode, load in loads.items()})
-              for e in range(ep)}
+def _beside(parts, beside: dict, world: int, ep: int, expert_rank: int | None):
+    """`beside`, each expert group's Part planned beside the dense part as
+    distribution.interleave plans it (owners counting its ranks' dense loads), packed beside
+    the dense part's working memory; or None where some rank cannot hold both (the parts then
+    packed apart again, the experts' for `expert_rank` as planned_parts says)."""
     _pack(parts, world, ep, None, beside)
     if parts[0][0].fits and all(part.fits for part in beside.values()):
         return beside
@@ -472,10 +493,8 @@ def part_step(part: Part, mode: str, cost, args) -> dict:
     figures = rank_figures(part, mode, cost, args.ns_steps, args.gram_bytes)
     collectives, latency = collective_latency(part, mode, args.latency_us_per_rank, args.ns_steps)
     return dict(figures=figures, collectives=collectives, latency=latency,
-                seconds=max(f["ns_seconds"] + max(f["received"], f["sent"]) / cost.bytes_per_second
-                            for f in figures),
-                syrk_seconds=max(f["syrk_seconds"] + max(f["received"], f["sent"])
-                                 / cost.bytes_per_second for f in figures))
+                seconds=max(f["ns_seconds"] + f["network_seconds"] for f in figures),
+                syrk_seconds=max(f["syrk_seconds"] + f["network_seconds"] for f in figures))
 
 
 # The modes whose owners a part planned beside the dense part changes (Part's `base`).
@@ -517,8 +536,7 @@ def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
         """Together: the slowest rank's `rank_key` seconds and network; apart: the dense part's
         `part_key` (its slowest rank's) and the slowest expert group's."""
         if together:
-            return max(f[rank_key] + max(f["received"], f["sent"]) / cost.bytes_per_second
-                       for f in per_rank)
+            return max(f[rank_key] + f["network_seconds"] for f in per_rank)
         return figures[id(dense)][part_key] + max([f[part_key] for f in parts], default=0.0)
 
     return dict(per_rank=per_rank, together=together,
@@ -554,9 +572,9 @@ def collective_latency(part: Part, mode: str, us_per_rank: float,
         return len(part.matrices), len(part.matrices) * part.world * us_per_rank * 1e-6
     count = 2 * len(part.exchanges)
     teams = team_all_reduces(part.matrices, _owners(part, mode), ns_steps).values()
-    slowest = max(teams, default=[], key=lambda calls: sum(size for _, size in calls))
+    slowest = max(teams, default=[], key=lambda calls: sum(size for _, size, _ in calls))
     return (count + len(slowest),
-            (count * part.world + sum(size for _, size in slowest)) * us_per_rank * 1e-6)
+            (count * part.world + sum(size for _, size, _ in slowest)) * us_per_rank * 1e-6)
 
 
 def _owners(part: Part, mode: str) -> list[int]:
@@ -567,10 +585,13 @@ def _owners(part: Part, mode: str) -> list[int]:
 def rank_figures(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int = 4) -> list[dict]:
     """Per rank of `part`: Newton-Schulz FLOPs (a team member's: plan.newton_schulz_flops) and
     seconds (and seconds with the SYRK kernel: each owned matrix in its own call, at the plain
-    call's rate on the FLOPs it keeps), bytes received and sent: the exchange's, and its teams'
-    all-reduces (plan.ring_bytes of each Gram matrix, `gram_bytes` an element, each way)."""
+    call's rate on the FLOPs it keeps), bytes received and sent over the network: the
+    exchange's, and its teams' all-reduces' between nodes (plan.ring_bytes of each Gram matrix,
+    `gram_bytes` an element, each way, over the nodes its team is on: part.nodes, else one a
+    rank); and its network seconds, those bytes' at the bandwidth and the all-reduces' inside
+    nodes at theirs (plan.tiered_seconds)."""
     from megatron_muon.plan import (newton_schulz_flops, newton_schulz_seconds, owner_traffic,
-                                    ring_bytes, team_all_reduces)
+                                    ring_bytes, team_all_reduces, tiered_seconds)
 
     world, matrices = part.world, part.matrices
     flops = [m.ns_flops(ns_steps) for m in matrices]
@@ -590,12 +611,19 @@ def rank_figures(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int = 4
         # an owner's matrices of one batch: one batched call (plan.newton_schulz_seconds)
         ns_seconds = newton_schulz_seconds(matrices, owners, part.batches, cost)
         received, sent = owner_traffic(matrices, owners, ELEMENT_BYTES)
-        for rank, calls in team_all_reduces(matrices, owners, ns_steps).items():
-            wire = round(sum(ring_bytes(elements, size, gram_bytes) for elements, size in calls))
-            received[rank] += wire
-            sent[rank] += wire
+    network = [max(into, out) / cost.bytes_per_second for into, out in zip(received, sent)]
+    for rank, calls in (team_all_reduces(matrices, owners, ns_steps, part.nodes).items()
+                        if mode != "allgather" else ()):
+        wire = round(sum(ring_bytes(elements * spanned / k, spanned, gram_bytes)
+                         for elements, k, spanned in calls))
+        received[rank] += wire
+        sent[rank] += wire
+        network[rank] += sum(tiered_seconds(elements, k, spanned, gram_bytes,
+                                            cost.bytes_per_second, part.nodes)
+                             for elements, k, spanned in calls)
     return [dict(ns_flops=ns_flops[r], ns_seconds=ns_seconds[r], syrk_seconds=syrk_seconds[r],
-                 received=received[r], sent=sent[r]) for r in range(world)]
+                 received=received[r], sent=sent[r], network_seconds=network[r])
+            for r in range(world)]
 
 
 def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: int = 1) -> dict:
@@ -617,10 +645,13 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
     # Teams sized, and their blocks placed, with their all-reduces weighed (with their latency);
     # reported below with Newton-Schulz at the rates and the all-reduces' bytes over the network
     # (rank_figures) and their latency (collective_latency).
-    team_plan_cost = team_step_cost(cost, args.ns_steps, args.gram_bytes,
-                                    args.latency_us_per_rank * 1e-6)
-    team_parts = planned_parts(dense, expert, ranks, ep, team_plan_cost,
-                               team_cost=lambda matrix, k: team_plan_cost.call_seconds(matrix, 1))
+    def teams(group_ranks, stride):
+        nodes = group_nodes(group_ranks, stride * tensor_parallel, rates, args)
+        plan_cost = team_step_cost(cost, args.ns_steps, args.gram_bytes,
+                                   args.latency_us_per_rank * 1e-6, nodes=nodes)
+        return plan_cost, lambda matrix, k: plan_cost.call_seconds(matrix, 1), nodes
+
+    team_parts = planned_parts(dense, expert, ranks, ep, cost, teams=teams)
 
     muon_elements, adam_elements, all_elements = [0] * ranks, [0] * ranks, [0] * ranks
     active = 0
@@ -672,7 +703,7 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
         per_rank, collectives, latency = (planned[key] for key in ("per_rank", "collectives",
                                                                    "latency"))
         step, syrk_step = (elementwise + planned[key] for key in ("seconds", "syrk_seconds"))
-        network = [max(f["received"], f["sent"]) / cost.bytes_per_second for f in per_rank]
+        network = [f["network_seconds"] for f in per_rank]
         result["modes"][mode] = dict(
             busiest_ns_gflop=max(f["ns_flops"] for f in per_rank) / 1e9,
             ideal_ns_gflop=ideal / 1e9,
@@ -840,11 +871,16 @@ def assumptions(rates: Rates, args) -> list[str]:
         "over a team along its long side, sized and placed by seconds with its all-reduces "
         "weighed (each member: its share of X X^T and B X and all of A A, or, with its share "
         "shorter than the Gram side, 6 g^2 l with the Gram matrix applied twice; "
-        f"newton_schulz_tp's norm and {args.ns_steps} Gram all-reduces, ring, {args.gram_bytes} "
-        "bytes an element, each with its k ranks' latency); the busiest rank's FLOPs count "
-        "each member's repeated A A where it forms it; "
-        "'ideal' is the whole matrices' FLOPs over W; the optimizer sizes them alike with its "
-        "measured rates (no latency)",
+        f"newton_schulz_tp's norm and {args.ns_steps} Gram all-reduces, {args.gram_bytes} "
+        "bytes an element, each with its k ranks' latency); a team on as few nodes as hold it "
+        f"({args.gpus_per_node} ranks a node, megatron-core's rank order: a TP rank's dp_cp "
+        "ranks TP apart, an expert group's EP apart), its all-reduces in two tiers "
+        "(plan.tiered_seconds: a ring inside each node at "
+        f"{rates.table.get('node_all_reduce_gbps', args.bandwidth_gbps):g} GB/s, then one "
+        "between nodes over each member's share at the network's rate); the busiest rank's "
+        "FLOPs count each member's repeated A A where it forms it; 'ideal' is the whole "
+        "matrices' FLOPs over W; the optimizer sizes them alike with its measured rates (no "
+        "latency; inside a node at the rate it measures over its group)",
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "
         "no communication)",
         "--optimizer-cpu-offload (plan.offload_figures): Muon's state streamed to the device "
@@ -1027,6 +1063,9 @@ def main():
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
                         help="per rank, each way (default: the rates file's all_to_all_gbps, "
                         "measured by a run, else 50)")
+    parser.add_argument("--gpus-per-node", type=int, default=8,
+                        help="ranks a node (teams' all-reduces inside one at the rates file's "
+                        "node_all_reduce_gbps)")
     parser.add_argument("--latency-us-per-rank", type=float, default=LATENCY_US_PER_RANK,
                         help="a collective's latency per rank of its group, microseconds")
     parser.add_argument("--tokens-per-step", type=int, default=None,

@@ -16,7 +16,7 @@ from emerging_optimizers import utils as eo_utils
 from torch.distributed.tensor import DTensor
 
 from ..compat import tensor_parallel, upstream
-from ..plan import (Matrix, RowLayout, StepCost, batch_bytes, batch_matrices, cost_key,
+from ..plan import (Matrix, Nodes, RowLayout, StepCost, batch_bytes, batch_matrices, cost_key,
                     flops_cost, orthogonalization_key, owned_batches, owner_bytes,
                     per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices,
                     team_step_cost, with_teams)
@@ -25,7 +25,7 @@ from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_dims, data_pa
 from .exchange import all_gather_ints
 from .group_plan import Draft, GroupPlan
 from .measured_cost import measure, seconds_beyond_noise
-from .teams import create_team_groups
+from .teams import create_team_groups, group_nodes
 
 class GroupPlanner:
     """Plans a ZeROTensorParallelMuon's exchange groups (`plan`), using what the optimizer
@@ -154,14 +154,17 @@ class GroupPlanner:
             cost = self._measure_cost(matrices, representatives, batchable, group, element_bytes,
                                       batch_bytes(matrices, element_bytes, max_exchange_bytes))
         self.batched_newton_schulz.update((key[:2], True) for key in batchable)
+        # Without a measured cost nothing weighs seconds: the nodes place teams, no more.
+        nodes = (group_nodes(group, cost.bytes_per_second if cost else math.inf)
+                 if self.muon.max_team_size > 1 else None)
         matrices, pieces, cost = _split_over_teams(whole, layouts, rank, group.size(), self.muon,
-                                                   cost)
+                                                   cost, nodes)
         # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
         # measured cost, so they pick the same owners: TP Newton-Schulz then meets its TP peers
         # on the same matrix.
-        owned = owned_batches(matrices, element_bytes, byte_slack, max_exchange_bytes, cost)
-        return Draft(params, matrices, pieces, owned, group, cost,
-                     dict(byte_slack=byte_slack, max_exchange_bytes=max_exchange_bytes))
+        choosing = dict(byte_slack=byte_slack, max_exchange_bytes=max_exchange_bytes, nodes=nodes)
+        owned = owned_batches(matrices, element_bytes, cost=cost, **choosing)
+        return Draft(params, matrices, pieces, owned, group, cost, choosing)
 
     @torch.no_grad()
     def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,
@@ -273,13 +276,15 @@ def _say_which_go_alone(muon: Any, plans: list[GroupPlan], max_exchange_bytes: i
           f"MiB), needs {largest / 2**20:.1f} MiB on its owner", flush=True)
 
 
-def _with_teams_cost(cost: StepCost | None, matrices: list[Matrix], muon: Any) -> tuple:
+def _with_teams_cost(cost: StepCost | None, matrices: list[Matrix], muon: Any,
+                     nodes: Nodes | None) -> tuple:
     """(what teams are sized by, what owners by time weigh): every matrix's FLOPs at the measured
     rate of the group's largest (whole or a member's part: a small matrix's measured call is
     mostly fixed cost, which a split does not shrink), a team's all-reduces at the measured
     all-to-all bandwidth, no latency (the Gram matrix bf16 at `medium`, newton_schulz's cast,
-    else fp32: plan.team_step_cost); owners weigh a team's block by it, any other matrix by its
-    measured call. Without a measured cost (owners by bytes): FLOPs, and no StepCost."""
+    else fp32: plan.team_step_cost, on `nodes`); owners weigh a team's block by it, any other
+    matrix by its measured call. Without a measured cost (owners by bytes): FLOPs, and no
+    StepCost."""
     if cost is None or muon.max_team_size == 1:
         return flops_cost, cost
     largest = max(matrices, key=lambda matrix: matrix.ns_flops(steps=1))
@@ -287,19 +292,20 @@ def _with_teams_cost(cost: StepCost | None, matrices: list[Matrix], muon: Any) -
     by_flops = StepCost(lambda matrix, count: count * matrix.ns_flops(steps=1) * per_flop,
                         cost.bytes_per_second)
     teams = [muon.newton_schulz_settings["num_ns_steps"],
-             2 if muon.fp32_matmul_prec == "medium" else 4, 0.0, per_flop]
+             2 if muon.fp32_matmul_prec == "medium" else 4, 0.0, per_flop, nodes]
     sized = team_step_cost(by_flops, *teams)
     return (lambda matrix, k: sized.call_seconds(matrix, 1)), team_step_cost(cost, *teams)
 
 
 def _split_over_teams(whole: list[tuple[int, int, Matrix]], layouts: list[RowLayout], rank: int,
-                      ranks: int, muon: Any, measured: StepCost | None) -> tuple:
+                      ranks: int, muon: Any, measured: StepCost | None,
+                      nodes: Nodes | None) -> tuple:
     """(matrices, pieces, cost): the group's matrices, `whole` ((param index, first row in the
     param, matrix)) with those a team takes split into its blocks (plan.with_teams, sized as
     _with_teams_cost says from the `measured` cost); where this rank's rows of each sit in its
     param's local shard ((param index, first, end): GroupPlan.pieces); the cost owners by time
     weigh them by."""
-    sized, cost = _with_teams_cost(measured, [matrix for _, _, matrix in whole], muon)
+    sized, cost = _with_teams_cost(measured, [matrix for _, _, matrix in whole], muon, nodes)
     matrices, pieces = [], []
     for j, start, matrix in with_teams([matrix for _, _, matrix in whole], ranks,
                                        muon.max_team_size, sized):

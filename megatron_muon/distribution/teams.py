@@ -1,14 +1,15 @@
 """The process groups of the teams that orthogonalize a split matrix together (plan/teams.py),
-created once, at construction; and every matrix assembled whole on every rank, a team's as the
-matrix its blocks make (the check interval's reference)."""
+created once, at construction, and the nodes they go on; and every matrix assembled whole on
+every rank, a team's as the matrix its blocks make (the check interval's reference)."""
 
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..plan import team_members
+from ..plan import Nodes, team_members
 from .exchange import all_gather_rows
 
 
@@ -17,6 +18,17 @@ def _global_members(draft: Any) -> dict[int, tuple[int, ...]]:
     the teams whose blocks more than one rank owns)."""
     return {team: tuple(sorted(dist.get_global_rank(draft.group, rank) for rank in ranks))
             for team, ranks in team_members(draft.matrices, draft.owned.owners).items()}
+
+
+def group_nodes(group, bytes_per_second: float) -> Nodes:
+    """The node (host) of each rank of `group`, numbered in the order they first appear (one
+    all_gather_object at construction), for owners to place teams on as few nodes as hold them
+    (plan.TeamRule). Inside a node an all-reduce is taken at `bytes_per_second`, the rate
+    measured over the group: not measured apart, so teams are sized as over the network."""
+    names: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    number = {name: i for i, name in enumerate(dict.fromkeys(names))}
+    return Nodes(tuple(number[name] for name in names), bytes_per_second)
 
 
 def create_team_groups(drafts: Sequence[Any]) -> None:

@@ -188,6 +188,25 @@ class TeamBlock:
 
 
 @dataclass(frozen=True)
+class Nodes:
+    """The node (host) of each rank of an exchange group, and what a rank moves a second in an
+    all-reduce inside one (NVLink), for teams (owners.TeamRule, teams.tiered_seconds)."""
+
+    of_rank: tuple[int, ...]
+    bytes_per_second: float
+
+    @cached_property
+    def ranks_on(self) -> dict[int, list[int]]:
+        return {node: [r for r, on in enumerate(self.of_rank) if on == node]
+                for node in dict.fromkeys(self.of_rank)}
+
+    def fewest(self, k: int) -> int:
+        """The fewest nodes that hold k of the group's ranks."""
+        held = accumulate(sorted(map(len, self.ranks_on.values()), reverse=True))
+        return next(n for n, ranks in enumerate(held, 1) if ranks >= k)
+
+
+@dataclass(frozen=True)
 class Matrix:
     """One matrix to orthogonalize: how its rows are spread, its width, which matrices it may
     share a batched Newton-Schulz with (same shape and same orthogonalization), and, when it is

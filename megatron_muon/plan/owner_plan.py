@@ -5,7 +5,7 @@ from typing import Sequence
 
 from .budget import (MAX_EXCHANGE_BYTES, batch_bytes, batch_matrices, exchange_batches,
                      rank_budgets, step_headroom, working_memory)
-from .layouts import Matrix
+from .layouts import Matrix, Nodes
 from .owners import BYTE_SLACK, StepCost, choose_owners, choose_owners_by_time
 
 
@@ -30,20 +30,21 @@ class OwnerPlan:
 
 def owned_batches(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float | None = None,
                   max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
-                  cost: StepCost | None = None,
-                  base: Sequence[float] | None = None) -> OwnedBatches:
+                  cost: StepCost | None = None, base: Sequence[float] | None = None,
+                  nodes: Nodes | None = None) -> OwnedBatches:
     """Batches within batch_bytes, and owners by estimated time where `cost` is given
     (choose_owners_by_time; `byte_slack` caps the extra bytes, None: no cap), else fewest bytes
-    first (choose_owners, balancing within `byte_slack`, by default BYTE_SLACK); each rank's
-    load starting at `base` (its seconds with `cost`, else its FLOPs of one iteration, in the
-    groups planned before this one, whose exchanges run interleaved with these; None: 0)."""
+    first (choose_owners, balancing within `byte_slack`, by default BYTE_SLACK); each rank's load
+    starting at `base` (its seconds with `cost`, else its FLOPs of one iteration, in the groups
+    planned before, run interleaved with these; None: 0); teams on `nodes` (owners.TeamRule)."""
     batches = batch_matrices(matrices, batch_bytes(matrices, element_bytes, max_exchange_bytes),
                              element_bytes)
     if cost is None:
         owners = choose_owners(matrices, element_bytes,
-                               BYTE_SLACK if byte_slack is None else byte_slack, base)
+                               BYTE_SLACK if byte_slack is None else byte_slack, base, nodes)
     else:
-        owners = choose_owners_by_time(matrices, batches, element_bytes, cost, byte_slack, base)
+        owners = choose_owners_by_time(matrices, batches, element_bytes, cost, byte_slack, base,
+                                       nodes)
     return OwnedBatches(owners, batches)
 
 

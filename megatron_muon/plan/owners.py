@@ -6,33 +6,63 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .layouts import Matrix
+from .layouts import Matrix, Nodes
 from .traffic import layout_min_bytes, matrix_traffic, owner_traffic
 
 # ZeROTensorParallelMuon's defaults, which the scale model plans with too.
 BYTE_SLACK = 0.05  # byte-first owners may move this fraction more than the layout's minimum
 
 
-def team_peers(matrices: Sequence[Matrix]) -> list[tuple[int, ...]]:
-    """For each matrix the other blocks of its team (plan/teams.py; none for a whole matrix):
-    every owner choice keeps a team's blocks on distinct ranks, so that it is split as planned."""
-    by_team: dict[int, list[int]] = {}
-    for i, matrix in enumerate(matrices):
-        if matrix.team:
+class TeamRule:
+    """Where a team's block may go, in every owner choice (`barred(i, owners, load)`: the ranks
+    matrix i may not go to): off its other blocks' ranks (split as planned) and, with `nodes`,
+    on their nodes while those have a rank left, else also on the node whose least loaded ranks
+    for the rest of the team have the least `load(rank)`: whole nodes, as few as hold it."""
+
+    def __init__(self, matrices: Sequence[Matrix], nodes: Nodes | None = None):
+        by_team: dict[int, list[int]] = {}
+        for i, matrix in ((i, m) for i, m in enumerate(matrices) if m.team):
             by_team.setdefault(matrix.team.team, []).append(i)
-    return [tuple(j for j in by_team[m.team.team] if j != i) if m.team else ()
-            for i, m in enumerate(matrices)]
+        self.peers = [tuple(j for j in by_team[m.team.team] if j != i) if m.team else ()
+                      for i, m in enumerate(matrices)]
+        self.nodes = nodes
+
+    def barred(self, i: int, owners: Sequence[int | None],
+               load: Callable[[int], float]) -> "_Barred":
+        held = {owners[j] for j in self.peers[i] if owners[j] is not None}
+        if not self.nodes or not self.peers[i]:
+            return _Barred(held)
+        ranks_on, left = self.nodes.ranks_on, len(self.peers[i]) + 1 - len(held)
+        used = {self.nodes.of_rank[r] for r in held}
+        if all(r in held for node in used for r in ranks_on[node]):
+            used.add(min((node for node in ranks_on if node not in used), key=lambda node: (
+                sum(sorted(map(load, ranks_on[node]))[:left]), node)))
+        return _Barred(held, {r for node in used for r in ranks_on[node]})
+
+    def largest_first(self, cost: Sequence[float]) -> list[int]:
+        """Matrices by `cost`, largest first, a team's blocks one after another at its largest's."""
+        keys = [(-max(cost[j] for j in (i, *p)), min((i, *p)), i) for i, p in enumerate(self.peers)]
+        return sorted(range(len(cost)), key=keys.__getitem__)
 
 
-def taken(peers: Sequence[int], owners: Sequence[int | None]) -> set[int]:
-    """The ranks already owning one of `peers` (a matrix's team_peers)."""
-    return {owners[j] for j in peers if owners[j] is not None}
+@dataclass(frozen=True)
+class _Barred:
+    """Ranks owning a peer, and every rank off the team's nodes (`allowed`: theirs; None: all)."""
+    held: set
+    allowed: set | None = None
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self.held or (self.allowed is not None and rank not in self.allowed)
+
+    def open(self) -> list[int]:
+        """The ranks left on the team's nodes."""
+        return sorted(self.allowed - self.held) if self.allowed else []
 
 
 def choose_owners(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float = 0.05,
-                  base: Sequence[float] | None = None) -> list[int]:
+                  base: Sequence[float] | None = None, nodes: Nodes | None = None) -> list[int]:
     """One owner per matrix: fewest bytes first, Newton-Schulz load balanced second (a team's
-    blocks on distinct ranks: team_peers), each rank's load starting at `base` (its
+    blocks placed as TeamRule says, on `nodes`), each rank's load starting at `base` (its
     Newton-Schulz FLOPs, one iteration's, in the groups planned before this one; None: 0).
 
     1. Every matrix goes to a rank holding most of its rows (the layout minimum of bytes); where
@@ -49,9 +79,9 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int, byte_slack: fl
     cost = [[m.bytes_to_owner(r, element_bytes) for r in range(world)] for m in matrices]
     load = list(base) if base else [0] * world
     owners: list = [None] * len(matrices)
-    peers = team_peers(matrices)
-    for i in sorted(range(len(matrices)), key=lambda i: -flops[i]):
-        blocked = taken(peers[i], owners)
+    rule = TeamRule(matrices, nodes)
+    for i in rule.largest_first(flops):
+        blocked = rule.barred(i, owners, load.__getitem__)
         allowed = [r for r in range(world) if r not in blocked]
         cheapest = min(cost[i][r] for r in allowed)
         owners[i] = min((r for r in allowed if cost[i][r] == cheapest), key=lambda r: (load[r], r))
@@ -62,7 +92,7 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int, byte_slack: fl
         busiest = max(range(world), key=lambda r: (load[r], -r))
         moves = [((cost[i][r] - cost[i][busiest]) / flops[i], -flops[i], i, r)
                  for i in range(len(matrices)) if owners[i] == busiest and flops[i]
-                 for blocked in [taken(peers[i], owners)]
+                 for blocked in [rule.barred(i, owners, load.__getitem__)]
                  for r in range(world)
                  if r != busiest and load[r] + flops[i] < load[busiest]
                  and cost[i][r] - cost[i][busiest] <= budget and r not in blocked]
@@ -75,15 +105,15 @@ def choose_owners(matrices: Sequence[Matrix], element_bytes: int, byte_slack: fl
         owners[i] = r
 
 
-def whole_matrix_owners(matrices: Sequence[Matrix]) -> list[int]:
+def whole_matrix_owners(matrices: Sequence[Matrix], nodes: Nodes | None = None) -> list[int]:
     """megatron-core's LayerWiseDistributedOptimizer placement: whole matrices, largest first,
-    each to the rank holding the fewest elements so far; where the rows lie plays no part (a
-    team's blocks on distinct ranks)."""
+    each to the rank holding the fewest elements so far; where the rows lie plays no part (teams
+    as TeamRule places them)."""
     world = matrices[0].layout.ranks if matrices else 0
     load, owners = [0] * world, [None] * len(matrices)
-    peers = team_peers(matrices)
-    for i in sorted(range(len(matrices)), key=lambda i: -math.prod(matrices[i].shape)):
-        blocked = taken(peers[i], owners)
+    rule = TeamRule(matrices, nodes)
+    for i in rule.largest_first([math.prod(matrix.shape) for matrix in matrices]):
+        blocked = rule.barred(i, owners, load.__getitem__)
         owners[i] = min((r for r in range(world) if r not in blocked), key=lambda r: (load[r], r))
         load[owners[i]] += math.prod(matrices[i].shape)
     return owners
@@ -152,7 +182,7 @@ class _Loads:
     CANDIDATES = 16
 
     def __init__(self, matrices: Sequence[Matrix], element_bytes: int, cost: StepCost,
-                 base: Sequence[float] | None = None):
+                 base: Sequence[float] | None = None, nodes: Nodes | None = None):
         self.matrices, self.element_bytes, self.cost = matrices, element_bytes, cost
         self.world = matrices[0].layout.ranks
         self.single = [cost.call_seconds(m, 1) for m in matrices]
@@ -160,7 +190,7 @@ class _Loads:
         self.busy = list(base) if base else [0.0] * self.world
         self.received, self.sent = [0] * self.world, [0] * self.world
         self.owners: list[int | None] = [None] * len(matrices)
-        self.peers = team_peers(matrices)
+        self.rule = TeamRule(matrices, nodes)
         self.extra_bytes = 0
 
     def seconds(self, rank: int, change=(0.0, 0, 0)) -> float:
@@ -217,13 +247,15 @@ class _Loads:
         return heapq.nsmallest(self.CANDIDATES, range(self.world), key=lambda r: (self.seconds(r), r))
 
     def best_owner(self, i: int, budget: float, least_busy: list[int], below: float = math.inf):
-        """(seconds, extra bytes, rank) of the owner of matrix i, among `least_busy` and the
-        ranks holding its rows, that leaves the old and new owner least busy (move_seconds), its
-        extra bytes within `budget`, both below `below`; None if no rank does."""
+        """(seconds, extra bytes, rank) of the owner of matrix i, among `least_busy`, its rows'
+        holders and what its team's nodes leave (TeamRule), that leaves the old and new owner
+        least busy (move_seconds), extra bytes within `budget`, both below `below`; else None."""
         layout = self.matrices[i].layout
         holders = (r for shard, _ in layout.nonempty_shards for r in layout.holders(shard))
-        options = []
-        for r in sorted(set(least_busy).union(holders) - taken(self.peers[i], self.owners)):
+        options, barred = [], self.rule.barred(i, self.owners, self.seconds)
+        for r in sorted(set(least_busy).union(holders, barred.open())):
+            if r in barred:
+                continue
             if r == self.owners[i]:
                 continue
             extra = self.extra(i, r) - self.extra(i, self.owners[i])
@@ -236,26 +268,28 @@ class _Loads:
 
 
 def _lpt_by_time(matrices: Sequence[Matrix], element_bytes: int, cost: StepCost,
-                 budget: float, base: Sequence[float] | None) -> list[int]:
+                 budget: float, base: Sequence[float] | None, nodes: Nodes | None) -> list[int]:
     """Longest-processing-time-first on estimated seconds: each matrix, slowest first, to the
     rank whose choice leaves the ranks it moves bytes for least busy (_Loads.best_owner), extra
     bytes within `budget` (else where it moves the fewest bytes)."""
-    loads = _Loads(matrices, element_bytes, cost, base)
-    for i in sorted(range(len(matrices)), key=lambda i: (-loads.single[i], i)):
+    loads = _Loads(matrices, element_bytes, cost, base, nodes)
+    for i in loads.rule.largest_first(loads.single):
         best = loads.best_owner(i, budget, loads.least_busy())
+        barred = loads.rule.barred(i, loads.owners, loads.seconds)
         loads.place(i, best[2] if best else min(
-            set(range(loads.world)) - taken(loads.peers[i], loads.owners),
+            (r for r in range(loads.world) if r not in barred),
             key=lambda r: (matrices[i].bytes_to_owner(r, element_bytes), r)))
     return loads.owners
 
 
 def _improved(matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int,
-              cost: StepCost, budget: float, base: Sequence[float] | None) -> list[int]:
+              cost: StepCost, budget: float, base: Sequence[float] | None,
+              nodes: Nodes | None) -> list[int]:
     """`owners` with matrices moved off the busiest rank while a move leaves the old and the new
     owner below that rank's seconds, extra bytes within `budget`; at most as many moves as
     matrices (moves are judged on the two owners alone, so a bound keeps replicas' shifts from
     cycling)."""
-    loads = _Loads(matrices, element_bytes, cost, base)
+    loads = _Loads(matrices, element_bytes, cost, base, nodes)
     for i, owner in enumerate(owners):
         loads.place(i, owner)
     owned: list[set[int]] = [set() for _ in range(loads.world)]
@@ -278,7 +312,8 @@ def _improved(matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: 
 
 def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]],
                           element_bytes: int, cost: StepCost, byte_slack: float | None = None,
-                          base: Sequence[float] | None = None) -> list[int]:
+                          base: Sequence[float] | None = None,
+                          nodes: Nodes | None = None) -> list[int]:
     """One owner per matrix, for the shortest estimated step (`estimated_seconds`' busiest
     rank), among: the byte-first owners (choose_owners), whole matrices spread by size
     (whole_matrix_owners), and the byte-first and longest-processing-time-first owners each
@@ -287,16 +322,17 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     Extra bytes over the layout's minimum stay within `byte_slack` times it (None: no cap; the
     byte-first owners always qualify); ties go to fewer bytes. `base`: each rank's seconds in
     the groups planned before this one, whose exchanges run interleaved with this one's (the
-    byte-first owners balance FLOPs and weigh none)."""
+    byte-first owners balance FLOPs and weigh none). Teams go on `nodes` as TeamRule says."""
     if not matrices:
         return []
     minimum = layout_min_bytes(matrices, element_bytes)
     budget = math.inf if byte_slack is None else byte_slack * minimum
     byte_first = choose_owners(matrices, element_bytes, BYTE_SLACK if byte_slack is None
-                               else min(byte_slack, BYTE_SLACK))
-    candidates = [byte_first, whole_matrix_owners(matrices)] + [
-        _improved(matrices, start, element_bytes, cost, budget, base)
-        for start in (byte_first, _lpt_by_time(matrices, element_bytes, cost, budget, base))]
+                               else min(byte_slack, BYTE_SLACK), nodes=nodes)
+    candidates = [byte_first, whole_matrix_owners(matrices, nodes)] + [
+        _improved(matrices, start, element_bytes, cost, budget, base, nodes)
+        for start in (byte_first,
+                      _lpt_by_time(matrices, element_bytes, cost, budget, base, nodes))]
 
     def moved(owners):
         return sum(m.bytes_to_owner(o, element_bytes) for m, o in zip(matrices, owners))
@@ -308,10 +344,9 @@ def choose_owners_by_time(matrices: Sequence[Matrix], batches: Sequence[Sequence
     scored = [(makespan(owners), moved(owners), owners) for owners in candidates]
     allowed = [score for score in scored if score[1] - minimum <= budget]
     _, _, fastest = min(allowed, key=lambda score: score[:2])
-    # Measured figures may be off by their spread. Newton-Schulz seconds follow one rate (but
-    # for shapes apart beyond the noise: measured_cost.seconds_beyond_noise), so an error in it
-    # scales every placement's alike; what can reorder two placements is Newton-Schulz against
-    # bytes. With no spread (given rates) this is the fastest.
+    # Measured figures may be off by their spread. Newton-Schulz seconds follow one rate (but for
+    # shapes apart beyond the noise: measured_cost.seconds_beyond_noise), so only Newton-Schulz
+    # against bytes can reorder two placements. With no spread (given rates): the fastest.
     dearer = 1 + cost.spread
     return fastest if all(
         makespan(fastest, weighed) < makespan(byte_first, weighed)

@@ -1,18 +1,15 @@
 """Teams: a matrix whose Newton-Schulz alone is more than balance allows a rank, split over k
-ranks along its long side (rows of a tall or square matrix, columns of a wide one) and
-orthogonalized by them together in the distributed form megatron-core runs over
-tensor-parallel groups (newton_schulz_tp's "distributed" mode: each member's part, the Gram
-matrix X X^T summed over the team every iteration). Which matrices, and k (team_sizes); the
-blocks that stand for a split matrix in the plan (team_blocks: each a Matrix with its
-TeamBlock, owned by one member); the rest of the plan (owners, batches, exchanges) takes the
-blocks as it takes any matrix, a team's blocks in one batch. Shapes alone, as the rest of the
-plan."""
+ranks along its long side (rows of a tall or square matrix, columns of a wide one), orthogonalized
+together in newton_schulz_tp's "distributed" form (the Gram matrix summed over the team each
+iteration). Which matrices, and k (team_sizes); the blocks standing for a split matrix
+(team_blocks: each a Matrix with its TeamBlock, owned by one member), which the rest of the plan
+takes as any matrix, a team's blocks in one batch; what their all-reduces cost."""
 
 import dataclasses
 from collections import Counter
 from typing import Callable, Sequence
 
-from .layouts import Matrix, RowLayout, TeamBlock, team_ns_flops
+from .layouts import Matrix, Nodes, RowLayout, TeamBlock, team_ns_flops
 from .owners import StepCost
 
 # Nothing is split where every matrix alone costs at most this times the balanced share (the
@@ -128,34 +125,44 @@ def _largest_block(matrix: Matrix, k: int) -> Matrix:
 
 
 def ring_bytes(elements: int, ranks: int, element_bytes: int) -> float:
-    """What each member of a ring all-reduce over `ranks` sends, and receives: 2 (k - 1) / k of
-    the tensor."""
+    """What each member of a ring all-reduce over `ranks` sends, and receives: 2 (k-1)/k of it."""
     return 2 * (ranks - 1) * elements * element_bytes / ranks
 
 
+def tiered_seconds(elements: float, k: int, spanned: int, element_bytes: int,
+                   bytes_per_second: float, nodes: Nodes | None) -> float:
+    """One all-reduce over k ranks on `spanned` nodes, as NCCL's hierarchy runs it: a ring inside
+    each node over its k / spanned members (at the nodes' rate), and one between nodes over each
+    member's share of the tensor (at `bytes_per_second`); one member a node: a ring (ring_bytes)."""
+    here = k / spanned
+    inside = ring_bytes(elements, here, element_bytes) / nodes.bytes_per_second if here > 1 else 0
+    return inside + ring_bytes(elements / here, spanned, element_bytes) / bytes_per_second
+
+
 def all_reduce_seconds(block: Matrix, bytes_per_second: float, steps: int, gram_bytes: int,
-                       latency: float) -> float:
-    """A team member's all-reduces in one Newton-Schulz call of a team's `block`
-    (newton_schulz_tp's norm and each of its `steps` Gram matrices, ring_bytes at
-    `bytes_per_second`, `gram_bytes` an element), each with `latency` seconds per rank of the
-    team."""
+                       latency: float, nodes: Nodes | None = None) -> float:
+    """A team member's all-reduces in one Newton-Schulz call of its `block` (the norm and `steps`
+    Gram matrices, `gram_bytes` an element, tiered_seconds on the fewest `nodes` that hold the
+    team), each with `latency` seconds per rank of the team."""
     k = block.team.size
-    gram = ring_bytes(block.gram_side ** 2, k, gram_bytes)
-    return steps * gram / bytes_per_second + (steps + 1) * k * latency
+    spanned = nodes.fewest(k) if nodes else k
+    gram = tiered_seconds(block.gram_side ** 2, k, spanned, gram_bytes, bytes_per_second, nodes)
+    return steps * gram + (steps + 1) * k * latency
 
 
 def team_step_cost(cost: StepCost, steps: int, gram_bytes: int, latency: float,
-                   seconds_per_flop: float | None = None) -> StepCost:
+                   seconds_per_flop: float | None = None, nodes: Nodes | None = None) -> StepCost:
     """`cost` with a team's block's call counted whole: its Newton-Schulz (its FLOPs at
     `seconds_per_flop`; None: `cost`'s own call seconds) and its all-reduces
-    (all_reduce_seconds), which the exchange's bytes do not count. Owners by time weigh teams'
-    blocks by it, and team_sizes (with k = its blocks) sizes teams by it."""
+    (all_reduce_seconds, on `nodes`), which the exchange's bytes do not count. Owners by time
+    weigh teams' blocks by it, and team_sizes (with k = its blocks) sizes teams by it."""
     def call_seconds(matrix: Matrix, count: int) -> float:
         if not matrix.team:
             return cost.call_seconds(matrix, count)
         ns = (cost.call_seconds(matrix, count) if seconds_per_flop is None
               else count * matrix.ns_flops(steps=1) * seconds_per_flop)
-        return ns + all_reduce_seconds(matrix, cost.bytes_per_second, steps, gram_bytes, latency)
+        return ns + all_reduce_seconds(matrix, cost.bytes_per_second, steps, gram_bytes, latency,
+                                       nodes)
 
     return StepCost(call_seconds, cost.bytes_per_second, cost.spread)
 
@@ -203,15 +210,17 @@ def newton_schulz_flops(matrices: Sequence[Matrix], owners: Sequence[int], steps
     return flops
 
 
-def team_all_reduces(matrices: Sequence[Matrix], owners: Sequence[int],
-                     steps: int) -> dict[int, list[tuple[int, int]]]:
-    """{rank: (elements, team size) of each all-reduce it takes part in}: per team of several
-    members, newton_schulz_tp's norm (one element) and each iteration's Gram matrix (the whole
-    matrix's Gram side squared)."""
+def team_all_reduces(matrices: Sequence[Matrix], owners: Sequence[int], steps: int,
+                     nodes: Nodes | None = None) -> dict[int, list[tuple[int, int, int]]]:
+    """{rank: (elements, team size, nodes its members are on) of each all-reduce it takes part
+    in}: per team of several members, newton_schulz_tp's norm (one element) and each iteration's
+    Gram matrix (the whole matrix's Gram side squared). Without `nodes`, a node each."""
     gram = {matrix.team.team: matrix.gram_side ** 2 for matrix in matrices if matrix.team}
-    found: dict[int, list[tuple[int, int]]] = {}
+    found: dict[int, list[tuple[int, int, int]]] = {}
     for team, members in team_members(matrices, owners).items():
+        k = len(members)
+        spanned = len({nodes.of_rank[r] for r in members}) if nodes else k
         for rank in members:
-            found.setdefault(rank, []).extend([(1, len(members))]
-                                              + [(gram[team], len(members))] * steps)
+            found.setdefault(rank, []).extend([(1, k, spanned)] + [(gram[team], k, spanned)] * steps)
     return found
+

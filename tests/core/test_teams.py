@@ -30,10 +30,11 @@ from megatron_muon.compat.newton_schulz_loop import distributed_newton_schulz
 from megatron_muon.core.team_newton_schulz import (orthogonalized_by_team, reordering_bound,
                                                    team_orthogonalize)
 from megatron_muon.distribution.exchange import Traffic, observed
-from megatron_muon.plan import (Matrix, RowLayout, StepCost, applies_gram_twice, batch_matrices,
-                                choose_owners, choose_owners_by_time, newton_schulz_flops,
-                                team_all_reduces, team_blocks, team_members, team_sizes,
-                                whole_matrix_owners, with_teams)
+from megatron_muon.plan import (Matrix, Nodes, RowLayout, StepCost, applies_gram_twice,
+                                batch_matrices, choose_owners, choose_owners_by_time,
+                                newton_schulz_flops, ring_bytes, team_all_reduces, team_blocks,
+                                team_members, team_sizes, tiered_seconds, whole_matrix_owners,
+                                with_teams)
 from megatron_muon.plan.layouts import team_ns_flops
 from megatron_muon.distribution.step_report import step_scalars
 from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm_loss,
@@ -120,6 +121,41 @@ def test_every_owner_choice_puts_a_teams_blocks_on_distinct_ranks():
     for owners in (choose_owners(matrices, 4), whole_matrix_owners(matrices),
                    choose_owners_by_time(matrices, batches, 4, cost)):
         assert len({o for m, o in zip(matrices, owners) if m.team}) == k, owners
+
+
+def test_teams_go_on_as_few_nodes_as_hold_them():
+    """Eight ranks on four nodes of two: every owner choice keeps a team of two on one node and a
+    team of four on two (the fewest that hold it), and a move off the busiest rank keeps it so.
+    Without the nodes, the owners by time below spread them (the test fails without TeamRule's
+    nodes)."""
+    nodes = Nodes((0, 0, 1, 1, 2, 2, 3, 3), 1e12)
+    tall = _matrix(4096, 64, shards=8)
+    matrices = ([block for _, block in team_blocks(tall, 4, 0)]
+                + [block for _, block in team_blocks(tall, 2, 1)] + [_matrix(64, 64, shards=8)] * 6)
+    cost = StepCost(lambda matrix, count: count * matrix.ns_flops(1) * 1e-12, 1e9)
+    batches = batch_matrices(matrices, 1 << 30, 4)
+    spread = []
+    for owners in (choose_owners(matrices, 4, nodes=nodes), whole_matrix_owners(matrices, nodes),
+                   choose_owners_by_time(matrices, batches, 4, cost, nodes=nodes),
+                   choose_owners_by_time(matrices, batches, 4, cost)):
+        members = team_members(matrices, owners)
+        assert sorted(len(ranks) for ranks in members.values()) == [2, 4], owners
+        spread.append(sorted(len({nodes.of_rank[r] for r in ranks}) for ranks in members.values()))
+    assert spread[:3] == [[1, 2]] * 3 and spread[3] != [1, 2]
+
+
+def test_an_all_reduce_inside_nodes_costs_their_rate_and_a_ring_at_one_rate():
+    """tiered_seconds: at one rate for both tiers it is the ring over all k ranks; a team of 16 on
+    two nodes of 8 moves 2 * 7/8 of the tensor over NVLink and 1/8 of it over the network."""
+    elements, gram_bytes = 1 << 20, 2
+    same = Nodes(tuple(r // 8 for r in range(16)), 50e9)
+    ring = ring_bytes(elements, 16, gram_bytes) / 50e9
+    assert tiered_seconds(elements, 16, 2, gram_bytes, 50e9, same) == pytest.approx(ring)
+    assert tiered_seconds(elements, 16, 16, gram_bytes, 50e9, None) == pytest.approx(ring)
+    fast = Nodes(same.of_rank, 450e9)
+    expected = (2 * 7 / 8 * elements * gram_bytes / 450e9 + elements / 8 * gram_bytes / 50e9)
+    assert tiered_seconds(elements, 16, 2, gram_bytes, 50e9, fast) == pytest.approx(expected)
+    assert fast.fewest(16) == 2 and fast.fewest(9) == 2 and fast.fewest(8) == 1
 
 
 def _team_newton_schulz_as_megatron_core_distributed(rank, world_size, dim, rows):
@@ -302,18 +338,24 @@ def _a_step_does_what_the_plan_counts(rank, world_size):
     counts = {}
     # Teams sized by FLOPs (owners by bytes): by time they follow this machine's measured rates.
     teams = dict(muon_max_team_size=world_size, muon_owner_choice="bytes")
+    # Two ranks a node (0 and 2, 1 and 3), as hosts name them: each team of two on one node
+    # (plan.TeamRule; by bytes alone the teams are 0 and 1, 2 and 3).
     for name, settings in (("teams", teams), ("adam", {})):
         model = fsdp_gpt(TEAM_GPT)
-        optimizer = get_megatron_optimizer(
-            optimizer_config(**({"optimizer": "adam"} if name == "adam" else {})), [model],
-            **settings)
+        with mock.patch("socket.gethostname", return_value=f"node{rank % 2}"):
+            optimizer = get_megatron_optimizer(
+                optimizer_config(**({"optimizer": "adam"} if name == "adam" else {})), [model],
+                **settings)
         counts[name] = _step_counts(model, optimizer, rank)
         if name == "teams":
             (plan,) = [plan for muon in optimizer.muon_optimizers for plan in muon.plans]
-            assert len(team_members(plan.matrices, plan.owners)) == 2  # fc1 and fc2 split
+            members = team_members(plan.matrices, plan.owners)
+            assert len(members) == 2  # fc1 and fc2 split
+            assert {tuple(r % 2 for r in ranks) for ranks in members.values()} <= {(0, 0), (1, 1)}
             steps = optimizer.muon_optimizers[0].newton_schulz_settings["num_ns_steps"]
             flops = newton_schulz_flops(plan.matrices, plan.owners, steps, world_size)[rank]
-            all_reduces = Counter(team_all_reduces(plan.matrices, plan.owners, steps).get(rank, []))
+            all_reduces = Counter((elements, k) for elements, k, _ in team_all_reduces(
+                plan.matrices, plan.owners, steps).get(rank, []))
             all_to_alls = sum(route.moves for routes in plan.routes
                               for route in (routes.gather, routes.scatter))
             received = plan.bytes_received()
@@ -336,7 +378,8 @@ def _a_step_does_what_the_plan_counts(rank, world_size):
 def test_a_step_with_teams_does_what_the_plan_counts(distributed):
     """The FLOPs of its matrix products (torch's FlopCounterMode), its collectives and the
     elements and group of each all-reduce, and the bytes it receives: on every rank of W=4, what
-    the plan (plan.newton_schulz_flops, plan.team_all_reduces, the routes) counts."""
+    the plan (plan.newton_schulz_flops, plan.team_all_reduces, the routes) counts; on two
+    nodes of two ranks (their host names), each team on one."""
     distributed(_a_step_does_what_the_plan_counts, 4)
 
 
