@@ -24,7 +24,7 @@ from .dtensor_rows import (ParamAttributes, as_rows, data_parallel_dims, data_pa
                            num_experts, shard_index, tp_local_rows)
 from .exchange import all_gather_ints
 from .group_plan import Draft, GroupPlan
-from .measured_cost import measure, seconds_beyond_noise
+from .measured_cost import measure, node_bytes_per_second, seconds_beyond_noise
 from .teams import create_team_groups, group_nodes
 
 class GroupPlanner:
@@ -45,6 +45,7 @@ class GroupPlanner:
         # the step makes it, all its iterations], the all-to-all's bytes per second); a rates
         # file's (step.rates_file).
         self.measured: list[tuple[list[tuple[int, float]], float]] = []
+        self.node_rates: list[float] = []  # per group with teams: inside a node, bytes a second
 
     def plan(self, byte_slack: float | None, max_exchange_bytes: int | None,
              headroom: bool = True) -> list[GroupPlan]:
@@ -154,9 +155,7 @@ class GroupPlanner:
             cost = self._measure_cost(matrices, representatives, batchable, group, element_bytes,
                                       batch_bytes(matrices, element_bytes, max_exchange_bytes))
         self.batched_newton_schulz.update((key[:2], True) for key in batchable)
-        # Without a measured cost nothing weighs seconds: the nodes place teams, no more.
-        nodes = (group_nodes(group, cost.bytes_per_second if cost else math.inf)
-                 if self.muon.max_team_size > 1 else None)
+        nodes = self._nodes(group, cost) if self.muon.max_team_size > 1 else None
         matrices, pieces, cost = _split_over_teams(whole, layouts, rank, group.size(), self.muon,
                                                    cost, nodes)
         # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
@@ -165,6 +164,19 @@ class GroupPlanner:
         choosing = dict(byte_slack=byte_slack, max_exchange_bytes=max_exchange_bytes, nodes=nodes)
         owned = owned_batches(matrices, element_bytes, cost=cost, **choosing)
         return Draft(params, matrices, pieces, owned, group, cost, choosing)
+
+    def _nodes(self, group, cost: StepCost | None) -> Nodes:
+        """The nodes of `group`'s ranks (distribution.teams.group_nodes), with the rate measured
+        between two ranks of one node (measured_cost.node_bytes_per_second), else the group's;
+        without a measured cost nothing weighs seconds: the nodes place teams, no more."""
+        nodes = group_nodes(group, cost.bytes_per_second if cost else math.inf)
+        if cost is None:
+            return nodes
+        rate = node_bytes_per_second(group, nodes, self.muon.device())
+        if rate is None:
+            return nodes
+        self.node_rates.append(rate)
+        return dataclasses.replace(nodes, bytes_per_second=rate)
 
     @torch.no_grad()
     def _measure_cost(self, matrices: list[Matrix], representatives: dict, batchable: set,

@@ -14,6 +14,8 @@ from typing import Callable, Hashable
 import torch
 import torch.distributed as dist
 
+from ..plan import Nodes
+
 # An all-to-all of this many bytes per rank measures the exchange group's bandwidth.
 PROBE_BYTES = 8 << 20
 # Timed rounds of every figure on each rank, after a warm-up round.
@@ -86,6 +88,26 @@ def measure(runs: list[tuple[int, Callable[[], object]]], group: dist.ProcessGro
     received = PROBE_BYTES // 4 // world * (world - 1) * 4
     return ([Measured(s, spread) for s, spread in zip(seconds, spreads)],
             received / max(probe_seconds, 1e-9) if received else math.inf)
+
+
+def node_bytes_per_second(group: dist.ProcessGroup, nodes: Nodes,
+                          device: torch.device) -> float | None:
+    """What a rank moves a second to another rank of its node: PROBE_BYTES sent between the
+    first two ranks of `group` on one of its `nodes`, the median of REPEATS
+    after a warm-up, the slower side's figure for every rank of the group; None where no node
+    holds two of its ranks. Inside a node the link is the same for an all-reduce (NVLink: a
+    ring's bus bandwidth is each GPU's link), so teams take it for their all-reduces there."""
+    pair = next((ranks[:2] for ranks in nodes.ranks_on.values() if len(ranks) > 1), None)
+    if pair is None:
+        return None
+    me, seconds = dist.get_rank(group), torch.zeros(1, dtype=torch.float64, device=device)
+    if me in pair:
+        buffer = torch.zeros(PROBE_BYTES // 4, device=device)
+        peer = dist.get_global_rank(group, pair[1 - pair.index(me)])
+        move = dist.send if me == pair[0] else dist.recv
+        seconds[0] = median_seconds(lambda: move(buffer, peer, group=group), device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    return PROBE_BYTES / max(seconds.item(), 1e-9)
 
 
 def seconds_beyond_noise(flops: dict[Hashable, int],

@@ -23,8 +23,7 @@ def _global_members(draft: Any) -> dict[int, tuple[int, ...]]:
 def group_nodes(group, bytes_per_second: float) -> Nodes:
     """The node (host) of each rank of `group`, numbered in the order they first appear (one
     all_gather_object at construction), for owners to place teams on as few nodes as hold them
-    (plan.TeamRule). Inside a node an all-reduce is taken at `bytes_per_second`, the rate
-    measured over the group: not measured apart, so teams are sized as over the network."""
+    (plan.TeamRule); an all-reduce inside one at `bytes_per_second`."""
     names: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(names, socket.gethostname(), group=group)
     number = {name: i for i, name in enumerate(dict.fromkeys(names))}

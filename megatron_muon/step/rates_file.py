@@ -48,7 +48,8 @@ def rates_table(chain: Any) -> dict | None:
     """The scale model's rates from what `chain`'s Muon parts measured at construction (None:
     nothing measured, owners by bytes): Newton-Schulz [GFLOP per call, TFLOP/s] of each shape
     (the mean where shapes' calls have equal FLOPs), the slowest exchange group's all-to-all in
-    GB/s (`all_to_all_gbps`: the scale model's --bandwidth-gbps), and device_rates."""
+    GB/s (`all_to_all_gbps`: the scale model's --bandwidth-gbps), with teams the slowest send
+    inside a node (`node_all_reduce_gbps`: its teams' rate there), and device_rates."""
     muons = chain.muon_optimizers
     measured = [figures for muon in muons for figures in muon.planner.measured]
     if not measured:
@@ -60,6 +61,7 @@ def rates_table(chain: Any) -> dict | None:
             by_flops.setdefault(flops, []).append(seconds)
     calls = sorted((flops, sum(times) / len(times)) for flops, times in by_flops.items())
     bandwidths = [rate for _, rate in measured if rate != float("inf")]
+    inside = [rate for muon in muons for rate in muon.planner.node_rates]
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")
     return dict(
@@ -68,6 +70,7 @@ def rates_table(chain: Any) -> dict | None:
         newton_schulz_precision=muon.fp32_matmul_prec,
         newton_schulz=[[flops / 1e9, flops / seconds / 1e12] for flops, seconds in calls],
         all_to_all_gbps=min(bandwidths) / 1e9 if bandwidths else None,
+        **({"node_all_reduce_gbps": min(inside) / 1e9} if inside else {}),
         **device_rates(muon, device, muon.fp32_matmul_prec))
 
 

@@ -30,6 +30,8 @@ from megatron_muon.compat.newton_schulz_loop import distributed_newton_schulz
 from megatron_muon.core.team_newton_schulz import (orthogonalized_by_team, reordering_bound,
                                                    team_orthogonalize)
 from megatron_muon.distribution.exchange import Traffic, observed
+from megatron_muon.distribution.measured_cost import node_bytes_per_second
+from megatron_muon.step.rates_file import rates_table
 from megatron_muon.plan import (Matrix, Nodes, RowLayout, StepCost, applies_gram_twice,
                                 batch_matrices, choose_owners, choose_owners_by_time,
                                 newton_schulz_flops, ring_bytes, team_all_reduces, team_blocks,
@@ -244,9 +246,22 @@ def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, 
     ref_opts = reference_optimizers(ref)
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
-    muon = ZeROTensorParallelMuon(muon_param_groups(matrices), max_team_size=world_size,
-                                  owner_choice=owner_choice, offload_fraction=offload,
-                                  **MUON_KWARGS)
+    # By time on two hosts of two ranks (by name): the rate inside a node is measured for the
+    # teams, a send between ranks 0 and 1 agreed over the group, and written for make scale.
+    with mock.patch("socket.gethostname", return_value=f"node{rank // 2}"):
+        muon = ZeROTensorParallelMuon(muon_param_groups(matrices), max_team_size=world_size,
+                                      owner_choice=owner_choice, offload_fraction=offload,
+                                      **MUON_KWARGS)
+    if owner_choice == "time":
+        (rate,) = muon.planner.node_rates
+        rates = [None] * world_size
+        dist.all_gather_object(rates, rate)
+        assert 0 < rate < float("inf") and rates == [rate] * world_size
+        chain = SimpleNamespace(muon_optimizers=[muon])
+        assert rates_table(chain)["node_all_reduce_gbps"] == rate / 1e9
+        # One rank a node: nothing to measure, nothing sent.
+        assert node_bytes_per_second(dist.group.WORLD, Nodes(tuple(range(world_size)), 1.0),
+                                     torch.device("cpu")) is None
     (plan,) = muon.plans
     teamed = {plan.param_of(i) for i, m in enumerate(plan.matrices) if m.team}
     names = {id(p): n.removeprefix("module.") for n, p in fsdp.named_parameters()}
