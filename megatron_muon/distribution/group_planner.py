@@ -155,7 +155,7 @@ class GroupPlanner:
             cost = self._measure_cost(matrices, representatives, batchable, group, element_bytes,
                                       batch_bytes(matrices, element_bytes, max_exchange_bytes))
         self.batched_newton_schulz.update((key[:2], True) for key in batchable)
-        nodes = self._nodes(group, cost) if self.muon.max_team_size > 1 else None
+        nodes = self._nodes(group, cost, params[0]) if self.muon.max_team_size > 1 else None
         matrices, pieces, cost = _split_over_teams(whole, layouts, rank, group.size(), self.muon,
                                                    cost, nodes)
         # TP ranks hold equally shaped TP-local matrices laid out alike and agree on the
@@ -165,14 +165,16 @@ class GroupPlanner:
         owned = owned_batches(matrices, element_bytes, cost=cost, **choosing)
         return Draft(params, matrices, pieces, owned, group, cost, choosing)
 
-    def _nodes(self, group, cost: StepCost | None) -> Nodes:
+    def _nodes(self, group, cost: StepCost | None, param: DTensor) -> Nodes:
         """The nodes of `group`'s ranks (distribution.teams.group_nodes), with the rate measured
-        between two ranks of one node (measured_cost.node_bytes_per_second), else the group's;
-        without a measured cost nothing weighs seconds: the nodes place teams, no more."""
+        between two ranks of one node (measured_cost.node_bytes_per_second, agreed with the TP
+        peers of `param`'s group), else the group's; without a measured cost nothing weighs
+        seconds: the nodes place teams, no more."""
         nodes = group_nodes(group, cost.bytes_per_second if cost else math.inf)
         if cost is None:
             return nodes
-        rate = node_bytes_per_second(group, nodes, self.muon.device())
+        tp_group = self.muon.tp_group_of(ParamAttributes(param))
+        rate = node_bytes_per_second(group, nodes, self.muon.device(), [tp_group])
         if rate is None:
             return nodes
         self.node_rates.append(rate)

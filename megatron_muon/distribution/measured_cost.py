@@ -90,13 +90,14 @@ def measure(runs: list[tuple[int, Callable[[], object]]], group: dist.ProcessGro
             received / max(probe_seconds, 1e-9) if received else math.inf)
 
 
-def node_bytes_per_second(group: dist.ProcessGroup, nodes: Nodes,
-                          device: torch.device) -> float | None:
+def node_bytes_per_second(group: dist.ProcessGroup, nodes: Nodes, device: torch.device,
+                          agree_over: list[dist.ProcessGroup | None]) -> float | None:
     """What a rank moves a second to another rank of its node: PROBE_BYTES sent between the
-    first two ranks of `group` on one of its `nodes`, the median of REPEATS
-    after a warm-up, the slower side's figure for every rank of the group; None where no node
-    holds two of its ranks. Inside a node the link is the same for an all-reduce (NVLink: a
-    ring's bus bandwidth is each GPU's link), so teams take it for their all-reduces there."""
+    first two ranks of `group` on one of its `nodes`, the median of REPEATS after a warm-up,
+    the slowest figure for every rank of the group and of each group in `agree_over` (TP peers
+    plan alike, as measure's figures); None where no node holds two of its ranks. Inside a
+    node the link is the same for an all-reduce (NVLink: a ring's bus bandwidth is each GPU's
+    link), so teams take it for their all-reduces there."""
     pair = next((ranks[:2] for ranks in nodes.ranks_on.values() if len(ranks) > 1), None)
     if pair is None:
         return None
@@ -106,7 +107,9 @@ def node_bytes_per_second(group: dist.ProcessGroup, nodes: Nodes,
         peer = dist.get_global_rank(group, pair[1 - pair.index(me)])
         move = dist.send if me == pair[0] else dist.recv
         seconds[0] = median_seconds(lambda: move(buffer, peer, group=group), device)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    for agreeing in [group, *agree_over]:
+        if agreeing is not None and agreeing.size() > 1:
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=agreeing)
     return PROBE_BYTES / max(seconds.item(), 1e-9)
 
 

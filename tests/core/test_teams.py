@@ -261,7 +261,7 @@ def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, 
         assert rates_table(chain)["node_all_reduce_gbps"] == rate / 1e9
         # One rank a node: nothing to measure, nothing sent.
         assert node_bytes_per_second(dist.group.WORLD, Nodes(tuple(range(world_size)), 1.0),
-                                     torch.device("cpu")) is None
+                                     torch.device("cpu"), []) is None
     (plan,) = muon.plans
     teamed = {plan.param_of(i) for i, m in enumerate(plan.matrices) if m.team}
     names = {id(p): n.removeprefix("module.") for n, p in fsdp.named_parameters()}
