@@ -407,7 +407,7 @@ def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
     return parts
 
 
-def group_nodes(ranks: int, stride: int, rates: Rates, args):
+def nodes_in_rank_order(ranks: int, stride: int, rates: Rates, args):
     """The node of each rank of a group whose ranks lie `stride` ranks apart from rank 0 (a TP
     rank's dp_cp group: TP apart; an expert group: EP x TP), `args.gpus_per_node` to a node,
     all-reducing at the rates file's `node_all_reduce_gbps` inside one (plan.Nodes); None where
@@ -646,7 +646,7 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
     # reported below with Newton-Schulz at the rates and the all-reduces' bytes over the network
     # (rank_figures) and their latency (collective_latency).
     def teams(group_ranks, stride):
-        nodes = group_nodes(group_ranks, stride * tensor_parallel, rates, args)
+        nodes = nodes_in_rank_order(group_ranks, stride * tensor_parallel, rates, args)
         plan_cost = team_step_cost(cost, args.ns_steps, args.gram_bytes,
                                    args.latency_us_per_rank * 1e-6, nodes=nodes)
         return plan_cost, lambda matrix, k: plan_cost.call_seconds(matrix, 1), nodes
