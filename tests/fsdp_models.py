@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from megatron_muon.compat import upstream, upstream_fixes
 from megatron_muon.plan import offload_figures
 from megatron_muon.step.model_chunks import find_megatron_fsdp
+from megatron_muon.tools.testing import TINY, GPTShape, loss_on
 from torch.distributed.tensor import DTensor, Shard
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -268,3 +269,15 @@ def load_checkpoint(model, optimizer, path):
     # installs the loaded main weights as the weights the model computes with.
     find_megatron_fsdp(model).install_optimized_model_weights()
     optimizer.load_state_dict(raw["optimizer"])
+
+
+GLOBAL_BATCH = 4  # sequences
+
+
+def global_batch_loss(model, step, rank, world_size, shape: GPTShape = TINY):
+    """Mean LM loss on this rank's slice of a global batch fixed by step (GLOBAL_BATCH
+    sequences): the same data, hence the same mean gradient, at world sizes 1, 2 and 4."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, shape.vocab, (GLOBAL_BATCH, shape.seq), generator=g, device="cpu")
+    per_rank = len(tokens) // world_size
+    return loss_on(model, tokens[rank * per_rank:(rank + 1) * per_rank])

@@ -96,6 +96,10 @@ get_megatron_optimizer_based_on_param_groups = _borrow(
 get_qkv_split_shapes = _borrow(
     "megatron.core.optimizer.emerging_optimizers._get_qkv_split_shapes",
     "the q/k/v row counts of a fused QKV weight, as megatron-core's Muon splits it")
+megatron_fsdp_parameter_groups = _borrow(
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer._get_parameter_groups",
+    "Megatron-FSDP's buckets of a model's params, which the scale estimate (tools.scale) shards as "
+    "Megatron-FSDP does")
 EMERGING_OPTIMIZERS = _borrow(
     "megatron.core.optimizer.emerging_optimizers._EMERGING_OPTIMIZERS",
     "megatron-core's Muon family: its param overrides (replaced by ours for Megatron-FSDP's main "

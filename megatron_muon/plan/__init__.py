@@ -1,8 +1,8 @@
-"""The plan: pure functions on shapes and ranks, shared by the optimizer and the scale model
-(benchmarks/scale_model.py): rows held (layouts), what travels (traffic), owners (owners), working
-memory and budgets (budget), teams (teams), one exchange group's plan (owner_plan), the offloaded
-state (offload). No communication, no tensors: unit-tested without processes. Imports nothing
-else of megatron_muon; what it offers is what this module imports."""
+"""The plan: pure functions on shapes and ranks, shared by the optimizer and the scale estimate
+(tools/scale): rows held (layouts), what travels (traffic), owners (owners), working memory and
+budgets (budget), teams (teams), one exchange group's plan (owner_plan), the offloaded state
+(offload). No communication, no tensors: unit-tested without processes. Imports nothing else of
+megatron_muon; what it offers is what this module imports."""
 
 from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, alone_working, batch_bytes,
                      batch_matrices, exchange_batches, fewest_exchanges, largest_alone,

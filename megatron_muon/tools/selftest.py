@@ -19,9 +19,11 @@ status is 0 only when every configuration passed; 1 when one failed; 2 when one 
 import argparse
 import contextlib
 import io
+import json
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
@@ -32,6 +34,9 @@ from ..compat import versions
 from ..core.checks import MuonCheckError
 from ..core.second_moment import SECOND_MOMENTS
 from ..integrations.arguments import FSDP_OPTIMIZERS
+from .scale.estimate import assumed, estimated_steps, newton_schulz_shapes
+from .scale.model import MODEL_FLAGS, MODELS, spec_from_flags
+from .scale.parts import Rates, measure_rates
 
 ITERATIONS, CHECK_INTERVAL = 6, 2
 
@@ -186,8 +191,6 @@ def time_limit(seconds: float, name: str):
 
 def _rates_line(path) -> str:
     """What a rates file holds, in one line, and how the scale model takes it."""
-    import json
-
     table = json.loads(path.read_text())
     rates = [tflops for _, tflops in table["newton_schulz"]]
     return (f"  rates measured at construction: Newton-Schulz {min(rates):.3g}-{max(rates):.3g} "
@@ -221,7 +224,86 @@ def parse_args(argv=None):
     parser.add_argument("--corrupt", action="store_true",
                         help="corrupt one owner result in the first configuration, to see a "
                              "failure caught (the run then exits 1)")
-    return parser.parse_args(argv)
+    estimate = parser.add_argument_group(
+        "the step's estimate for your model (megatron_muon.tools.scale, as `make scale`), at "
+        "this run's rates (Newton-Schulz timed on your model's shapes here, the network "
+        "measured by the first configuration): a named model or Megatron's model flags")
+    estimate.add_argument("--estimate-model", choices=tuple(MODELS),
+                          help="a model the scale model knows")
+    estimate.add_argument("--estimate-world-size", type=int, default=None,
+                          help="W to estimate at, and 4 W and 16 W (default: this run's)")
+    estimate.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                          help="your run's TP (the ranks data parallel: W / TP)")
+    estimate.add_argument("--expert-model-parallel-size", type=int, default=None,
+                          help="your run's EP (default: as many data-parallel ranks as divide "
+                               "the experts, up to 64)")
+    estimate.add_argument("--swiglu", action="store_true", help="as Megatron's flag")
+    for flag in MODEL_FLAGS:
+        estimate.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
+                              help="as Megatron's flag")
+    args = parser.parse_args(argv)
+    try:
+        custom = spec_from_flags({flag: getattr(args, flag) for flag in MODEL_FLAGS},
+                                 args.swiglu)
+    except ValueError as error:
+        parser.error(str(error))
+    if custom and args.estimate_model:
+        parser.error("give --estimate-model or Megatron's model flags (--num-layers, ...), "
+                     "not both")
+    args.estimate = (args.estimate_model, MODELS[args.estimate_model]) if args.estimate_model \
+        else ("your model", custom) if custom else None
+    return args
+
+
+def _estimate_problem(args, world_size: int) -> str | None:
+    """Why args.estimate's layout cannot be built, or None."""
+    world = args.estimate_world_size or world_size
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size or 1
+    experts = args.estimate[1].config.get("num_moe_experts")
+    if world % (tp * ep):
+        return (f"--estimate-world-size {world} is not a multiple of --tensor-model-parallel-size "
+                f"{tp} x --expert-model-parallel-size {ep}")
+    if ep > 1 and (not experts or experts % ep):
+        return (f"--expert-model-parallel-size {ep} does not divide the model's experts "
+                f"({experts or 'it has none'})")
+    return None
+
+
+def print_estimates(args, world_size: int, run_rates) -> None:
+    """Rank 0, in a group of its own (megatron-core builds the meta model under its parallel
+    state): args.estimate's step at W, 4 W and 16 W (scale.estimate.estimated_steps), its
+    Newton-Schulz timed here, the rest from `run_rates` (the first configuration's file)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from .testing import init_parallel_state
+
+    name, spec = args.estimate
+    tp = args.tensor_model_parallel_size
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_parallel_state()
+    table = json.loads(run_rates.read_text()) if run_rates else {}
+    shapes = newton_schulz_shapes(spec, tp, OptimizerConfig.muon_tp_mode)
+    steps = OptimizerConfig.muon_num_ns_steps
+    table.update(measure_rates(steps, shapes, report=None, device_too=not table))
+    rates = Rates(table)
+    assumptions = assumed(rates, steps)
+    measured = [tflops for _, tflops in table["newton_schulz"]]
+    print(f"estimated optimizer step of {name} (TP {tp}), ms, collectives' latency counted: "
+          f"Newton-Schulz timed here on its {len(shapes)} shapes ({min(measured):.3g}-"
+          f"{max(measured):.3g} TFLOP/s), network {assumptions.bandwidth_gbps:.3g} GB/s per "
+          f"rank{'' if table.get('all_to_all_gbps') else ' (assumed: nothing measured)'}",
+          flush=True)
+    header = (f"{'W':>7} {'DP':>6} {'EP':>4} {'Adam ms':>9} {'Muon ms':>9} {'busiest/ideal':>13} "
+              f"{'teams ms':>9} {'busiest/ideal':>13}")
+    print(header + "\n" + "=" * len(header), flush=True)
+    for row in estimated_steps(spec, args.estimate_world_size or world_size, rates, assumptions,
+                               tp, args.expert_model_parallel_size):
+        owner, teams = row["owner"], row["teams"]
+        print(f"{row['world']:>7} {row['data_parallel']:>6} {row['expert_parallel']:>4} "
+              f"{row['adam_step_ms']:>9.3g} {owner['step_ms']:>9.3g} "
+              f"{owner['busiest_over_ideal']:>13.2f} {teams['step_ms']:>9.3g} "
+              f"{teams['busiest_over_ideal']:>13.2f}", flush=True)
+    dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
@@ -235,6 +317,10 @@ def main(argv=None) -> int:
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
+    if args.estimate and (problem := _estimate_problem(args, world_size)):
+        say(f"megatron-muon self-test: {problem}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
     device = (f"{torch.cuda.get_device_name()} x {world_size}" if torch.cuda.is_available()
               else f"CPU, {world_size} processes")
     say(f"megatron-muon self-test: {backend} on {device}; torch {torch.__version__}, megatron-core "
@@ -247,12 +333,15 @@ def main(argv=None) -> int:
     header = (f"{'configuration':<30} {'max |diff|':>10}  {'result':<6} {'step ms':>9} "
               f"{'NS TFLOP/s':>10} {'bytes recv/rank':>15} {'peak MiB':>9}")
     say(header + "\n" + "=" * len(header), flush=True)
-    failed = []
+    failed, run_rates = [], None
+    # The estimate takes the first configuration's measured rates, written where asked or to a
+    # directory of its own.
+    rates_dir = args.rates_dir or (tempfile.mkdtemp() if args.estimate else None)
     for index, config in enumerate(configurations(world_size)):
         with time_limit(args.time_limit, config["name"]):
             try:
                 row = run_configuration(config, args, corrupt=args.corrupt and index == 0,
-                                        rates_dir=args.rates_dir if index == 0 else None)
+                                        rates_dir=rates_dir if index == 0 else None)
             except MuonCheckError as error:  # every rank raises it together
                 failed.append(config["name"])
                 say(f"{config['name']:<30} {'-':>10}  {'FAIL':<6}\n{error}", flush=True)
@@ -260,7 +349,10 @@ def main(argv=None) -> int:
         say(f"{config['name']:<30} {row['worst']:>10.3e}  {'pass':<6} {row['step_ms']:>9.1f} "
             f"{row['tflops']:>10.4f} {row['bytes']:>15,} {row['peak_mib']:>9.1f}", flush=True)
         if row["rates"] is not None and rank == 0:
-            say(_rates_line(row["rates"]), flush=True)
+            run_rates = row["rates"]
+            say(_rates_line(run_rates), flush=True)
     say(f"self-test {'FAILED: ' + ', '.join(failed) if failed else 'passed'}", flush=True)
     dist.destroy_process_group()
+    if args.estimate and rank == 0:
+        print_estimates(args, world_size, run_rates)
     return 1 if failed else 0

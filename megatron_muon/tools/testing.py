@@ -162,18 +162,6 @@ def lm_loss(model, step, rank, shape: GPTShape = TINY):
                                         device="cpu"))
 
 
-GLOBAL_BATCH = 4  # sequences
-
-
-def global_batch_loss(model, step, rank, world_size, shape: GPTShape = TINY):
-    """Mean LM loss on this rank's slice of a global batch fixed by step (GLOBAL_BATCH
-    sequences): the same data, hence the same mean gradient, at world sizes 1, 2 and 4."""
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, shape.vocab, (GLOBAL_BATCH, shape.seq), generator=g, device="cpu")
-    per_rank = len(tokens) // world_size
-    return loss_on(model, tokens[rank * per_rank:(rank + 1) * per_rank])
-
-
 def loss_on(model, tokens):
     """Mean next-token loss of `model` on a batch of token sequences (drawn on the CPU, so every
     machine trains on the same ones)."""

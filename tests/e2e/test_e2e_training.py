@@ -17,9 +17,9 @@ from e2e_harness import (ITERATIONS, NO_DROPOUT, SMALL, STRATEGIES,
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
 from tolerances import RTOL, printed_within
 
-from benchmarks import scale_model
 from megatron_muon.distribution.step_report import SCALARS
 from megatron_muon.step.rates_file import RATES_FILE
+from megatron_muon.tools.scale.parts import Rates
 
 PHASES = ('muon-grads', 'muon-update', 'muon-gather', 'muon-newton-schulz', 'muon-scatter',
           'muon-scalar-optimizer', 'muon-param-sync', 'muon-check')
@@ -82,7 +82,7 @@ def test_muon_on_megatron_fsdp_loss_falls(tmp_path):
     assert check[ITERATIONS] == pytest.approx(float(checks[-1][1]), rel=1e-3)
     # Beside the event file, the rates the run measured at construction, as `make scale` reads
     # them (step.rates_file; tests/plan/test_scale_model.py holds them to the measurements).
-    rates = scale_model.Rates(json.loads((tmp_path / RATES_FILE).read_text()))
+    rates = Rates(json.loads((tmp_path / RATES_FILE).read_text()))
     assert rates.all_to_all_gbps > 0 and rates.newton_schulz_seconds(1e9) > 0
 
 

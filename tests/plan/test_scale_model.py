@@ -1,6 +1,7 @@
-"""The scale model (benchmarks/scale_model.py) plans from shapes alone what a real run plans: the
-rows it derives from Megatron-FSDP's bucketing are the rows each rank's main weights hold, and its
-plan has the matrices and owners ZeROTensorParallelMuon chose."""
+"""The scale estimate (megatron_muon.tools.scale: `make scale`, the self-test) plans from shapes
+alone what a real run plans: the rows it derives from Megatron-FSDP's bucketing are the rows each
+rank's main weights hold, and its plan has the matrices and owners ZeROTensorParallelMuon
+chose."""
 
 import json
 
@@ -8,10 +9,12 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from benchmarks import scale_model
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.step.model_chunks import named_main_weights
 from megatron_muon.step.rates_file import rates_table
+from megatron_muon.tools.scale.model import fsdp_rows, muon_matrices, tensor_parallel_part
+from megatron_muon.tools.scale.parts import Part, Rates, planned_parts
+from megatron_muon.tools.scale.step import collective_latency, syrk_share
 from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, gpt, init_parallel_state,
                                          optimizer_config)
 from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
@@ -35,9 +38,9 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
         whole = torch.empty(main_weights[name].shape, device="meta")
         tags = ("tensor_model_parallel", "partition_dim")
         whole.__dict__.update({key: getattr(p, key) for key in tags if hasattr(p, key)})
-        assert scale_model.tensor_parallel_part(whole, tensor_parallel) == tuple(p.shape), name
+        assert tensor_parallel_part(whole, tensor_parallel) == tuple(p.shape), name
     data_parallel = world_size // tensor_parallel
-    derived = scale_model.fsdp_rows(reference, data_parallel, data_parallel // expert_parallel)
+    derived = fsdp_rows(reference, data_parallel, data_parallel // expert_parallel)
     by_name = {name: derived[p] for name, p in reference.named_parameters()}
     dense_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     expert_rank = parallel_state.get_expert_data_parallel_rank()
@@ -48,8 +51,7 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
         group_rank = expert_rank if ".experts." in name else dense_rank
         assert by_name[name][group_rank] == rows, (name, by_name[name], rank, rows)
 
-    dense, expert = scale_model.muon_matrices(reference, derived, config.muon_tp_mode,
-                                              tensor_parallel)
+    dense, expert = muon_matrices(reference, derived, config.muon_tp_mode, tensor_parallel)
     muons = [part.optimizer for part in optimizer.chained_optimizers
              if isinstance(part.optimizer, ZeROTensorParallelMuon)]
     assert len(muons) == (2 if expert else 1)
@@ -59,9 +61,9 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
     # Planned as the factory plans the parts: the expert part beside the dense part
     # (distribution.interleaving) where every rank holds both, each rank's budget its saving
     # over both parts plus the headroom over both.
-    parts = scale_model.planned_parts(
-        dense, expert, data_parallel, expert_parallel, plans[0].cost, plans[-1].cost,
-        expert_rank=parallel_state.get_expert_model_parallel_rank())
+    parts = planned_parts(dense, expert, data_parallel, expert_parallel, plans[0].cost,
+                          plans[-1].cost,
+                          expert_rank=parallel_state.get_expert_model_parallel_rank())
     assert (parts.beside is not None) == (muons[0].interleaved is not None) == bool(expert)
     modelled = [parts[0][0]] + ([] if not expert else [
         parts.beside[parallel_state.get_expert_model_parallel_rank()] if parts.beside
@@ -79,7 +81,7 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
     table = rates_table(optimizer) if owner_choice == "time" else None
     assert (table is None) == (owner_choice == "bytes")
     if table is not None:
-        rates = scale_model.Rates(json.loads(json.dumps(table)))  # through JSON, as a file
+        rates = Rates(json.loads(json.dumps(table)))  # through JSON, as a file
         measured = {}  # {FLOPs of a call: its seconds, each shape's}
         for muon in muons:
             for calls, _ in muon.planner.measured:
@@ -117,7 +119,7 @@ def test_the_syrk_kernel_keeps_the_share_of_flops_its_symmetric_products_leave(r
     from megatron_muon.plan import Matrix, RowLayout
 
     matrix = Matrix(RowLayout((rows,)), cols, row_blocks=blocks)
-    assert scale_model.syrk_share(matrix) == pytest.approx(kept)
+    assert syrk_share(matrix) == pytest.approx(kept)
 
 
 def test_each_collective_costs_its_latency_per_rank_of_its_group():
@@ -126,10 +128,33 @@ def test_each_collective_costs_its_latency_per_rank_of_its_group():
     from megatron_muon.plan import Matrix, RowLayout
 
     matrices = [Matrix(RowLayout((3, 1, 0, 4)), 8) for _ in range(5)]
-    part = scale_model.Part(matrices, 4, None)
+    part = Part(matrices, 4, None)
     part.pack(headroom=0)
     exchanges = len(part.exchanges)
     assert exchanges >= 1
-    count, seconds = scale_model.collective_latency(part, "owner", 2.5)
+    count, seconds = collective_latency(part, "owner", 2.5)
     assert count == 2 * exchanges and seconds == pytest.approx(2 * exchanges * 4 * 2.5e-6)
-    assert scale_model.collective_latency(part, "allgather", 1.0) == (5, pytest.approx(20e-6))
+    assert collective_latency(part, "allgather", 1.0) == (5, pytest.approx(20e-6))
+
+
+def test_megatron_flags_give_the_model_megatron_builds_from_them():
+    """The self-test's model from Megatron's flags: the defaults megatron.training's
+    validate_args fills in (an FFN of 4 x hidden, 8/3 x with --swiglu as a multiple of 64; as many
+    query groups as heads; an expert's FFN the dense one's, top-2 routing), a clear error
+    naming the flags a model needs, and None where no flag is given."""
+    from megatron_muon.tools.scale.model import MODEL_FLAGS, spec_from_flags
+
+    none = dict.fromkeys(MODEL_FLAGS)
+    llama = dict(none, num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=32000)
+    assert spec_from_flags(none, swiglu=False) is None
+    swiglu = spec_from_flags(llama, swiglu=True)
+    assert swiglu.config == dict(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                                 num_query_groups=32, ffn_hidden_size=10880,
+                                 gated_linear_unit=True)
+    assert swiglu.gpt == dict(vocab_size=32000)
+    assert spec_from_flags(llama, swiglu=False).config["ffn_hidden_size"] == 16384
+    moe = spec_from_flags(dict(llama, num_experts=8, num_query_groups=8), swiglu=False).config
+    assert (moe["num_moe_experts"], moe["moe_ffn_hidden_size"], moe["moe_router_topk"],
+            moe["num_query_groups"]) == (8, 16384, 2, 8)
+    with pytest.raises(ValueError, match="needs --num-attention-heads, --vocab-size"):
+        spec_from_flags(dict(none, num_layers=2, hidden_size=64), swiglu=False)

@@ -9,11 +9,11 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_
 from torch.distributed.tensor import DTensor
 
 from conftest import run_distributed
-from fsdp_models import ForwardReads, full_tensor, load_checkpoint, save_checkpoint
+from fsdp_models import (GLOBAL_BATCH, ForwardReads, full_tensor, global_batch_loss,
+                         load_checkpoint, save_checkpoint)
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.step.model_chunks import find_megatron_fsdp, named_main_weights
-from megatron_muon.tools.testing import (GLOBAL_BATCH, TINY, fsdp_gpt, global_batch_loss,
-                                         init_parallel_state, optimizer_config)
+from megatron_muon.tools.testing import TINY, fsdp_gpt, init_parallel_state, optimizer_config
 from tolerances import adam_drift, assert_within, muon_drift, reordering_error, state_drift
 
 CASES = {  # name: (sharding strategy, Muon dist mode, experts over expert-parallel 2,

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_models import full_tensor
+from fsdp_models import GLOBAL_BATCH, full_tensor, global_batch_loss
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.step.chained import FSDPMuonChainedOptimizer
 from megatron_muon.step.model_chunks import named_main_weights
 from megatron_muon.distribution.exchange import Traffic, observed
 from megatron_muon.distribution.step_report import step_scalars
-from megatron_muon.tools.testing import (GLOBAL_BATCH, TINY, fsdp_gpt, global_batch_loss, gpt,
-                                         init_parallel_state, lm_loss, optimizer_config)
+from megatron_muon.tools.testing import (TINY, fsdp_gpt, gpt, init_parallel_state, lm_loss,
+                                         optimizer_config)
 from tolerances import adam_drift, assert_within, muon_drift, reordering_error
 
 CLIP = 0.05  # well below the gradient norm (~1), so every step is clipped

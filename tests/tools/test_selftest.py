@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import scale_model
 from megatron_muon.step.rates_file import RATES_FILE
+from megatron_muon.tools.scale.parts import Rates
 
 pytestmark = pytest.mark.e2e  # torchrun, as a user runs it
 
@@ -39,16 +39,34 @@ def rows(stdout: str) -> dict:
     return {m["name"]: m for m in ROW.finditer(stdout) if m["name"] != "configuration"}
 
 
+# The user's model in Megatron's flags: a SwiGLU MoE with grouped queries, at TP = EP = 2.
+MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--num-query-groups", "2", "--vocab-size", "256", "--swiglu", "--num-experts", "4",
+               "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
+ESTIMATE = re.compile(r"^ +(\d+) +(\d+) +(\d+)" + r" +(\S+)" * 5 + "$", re.MULTILINE)
+
+
 def test_every_configuration_is_exact_and_passes(tmp_path):
     """At W=4, every configuration W=2 runs and those W=4 adds (the run at W=2: the next test);
     with --rates-dir, the first configuration's measured rates written as the scale model's
-    rates file and said in a line."""
-    run = selftest(4, "--rates-dir", str(tmp_path))
+    rates file and said in a line; with the user's model in Megatron's flags, its estimated step
+    at W, 4 W and 16 W (tools.scale; tests/plan/test_scale_model.py holds the estimate to a
+    run's plan) in the layout the flags give."""
+    run = selftest(4, "--rates-dir", str(tmp_path), *MODEL_FLAGS)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-4000:]}"
+    assert re.search(r"^estimated optimizer step of your model \(TP 2\), .* on its 6 shapes",
+                     run.stdout, re.MULTILINE), run.stdout
+    estimates = [m.groups() for m in ESTIMATE.finditer(run.stdout)]
+    assert [tuple(map(int, row[:3])) for row in estimates] == [(4, 2, 2), (16, 8, 2),
+                                                                (64, 32, 2)], run.stdout
+    for row in estimates:
+        adam_ms, muon_ms, busiest, teams_ms, teams_busiest = map(float, row[3:])
+        assert adam_ms > 0 and muon_ms > 0 and teams_ms > 0, row
+        assert busiest >= 1 and teams_busiest >= 1, row
     said = re.findall(r"^  rates measured at construction: Newton-Schulz \S+ TFLOP/s, all-to-all "
                       r"\S+ GB/s, matmul \S+ TFLOP/s; written to (\S+) ", run.stdout, re.MULTILINE)
     assert said == [str(tmp_path / RATES_FILE)], run.stdout
-    rates = scale_model.Rates(json.loads((tmp_path / RATES_FILE).read_text()))
+    rates = Rates(json.loads((tmp_path / RATES_FILE).read_text()))
     assert rates.all_to_all_gbps > 0 and rates.newton_schulz_seconds(1e9) > 0
     table = rows(run.stdout)
     assert list(table) == CONFIGURATIONS[4], run.stdout
@@ -58,7 +76,7 @@ def test_every_configuration_is_exact_and_passes(tmp_path):
         assert float(step_ms) > 0 and float(tflops) > 0, (name, row[0])
         assert int(received.replace(",", "")) >= 0, (name, row[0])
         assert float(peak_mib) > 0, (name, row[0])
-    assert run.stdout.rstrip().endswith("self-test passed"), run.stdout
+    assert re.search(r"^self-test passed$", run.stdout, re.MULTILINE), run.stdout
 
 
 def test_a_corrupted_owner_result_fails_its_configuration_and_the_run():
