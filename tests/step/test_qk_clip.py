@@ -16,16 +16,15 @@ from megatron.core import parallel_state
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
-from fsdp_models import ForwardReads, full_tensor
+from fsdp_models import ForwardReads, full_tensor, global_batch_loss
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.step.model_chunks import find_megatron_fsdp, named_main_weights
 from megatron_muon.integrations.factory import _held_rows_in
 from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron_muon.step.qk_clip import (_self_attentions, observe_max_attention_logits,
                                         take_max_attention_logit)
-from megatron_muon.tools.testing import (MLA, MLA_WITHOUT_Q_LORA, TINY, fsdp_gpt,
-                                         global_batch_loss, gpt, init_parallel_state,
-                                         optimizer_config)
+from megatron_muon.tools.testing import (MLA, MLA_WITHOUT_Q_LORA, TINY, fsdp_gpt, gpt,
+                                         init_parallel_state, optimizer_config)
 
 ALPHA = 0.3
 FIRES = 0.04  # between the tiny GPT's per-group max logits (0.03 to 0.05) on the first batch
