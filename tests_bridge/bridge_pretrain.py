@@ -117,8 +117,13 @@ def main():
     parser.add_argument("--moment2-method", help="adaptive_muon's, in place of muon")
     parser.add_argument("--offload", action="store_true",
                         help="optimizer_cpu_offload, all of the state (optimizer_offload_fraction 1)")
+    parser.add_argument("--tensorboard-dir",
+                        help="cfg.logger's, with timing_log_level 2 and log_timers_to_tensorboard")
     args = parser.parse_args()
     cfg = config(args)
+    if args.tensorboard_dir:
+        cfg.logger.tensorboard_dir, cfg.logger.timing_log_level = args.tensorboard_dir, 2
+        cfg.logger.log_timers_to_tensorboard = True
     if args.offload:
         cfg.optimizer.optimizer_cpu_offload, cfg.optimizer.optimizer_offload_fraction = True, 1.0
     if args.moment2_method:

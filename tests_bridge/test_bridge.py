@@ -7,6 +7,7 @@ Muon on Megatron-FSDP does not support."""
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import re
 import subprocess
@@ -216,6 +217,33 @@ def _config(**changes):
         section, field = name.split(".")
         setattr(getattr(cfg, section), field, value)
     return cfg
+
+
+def test_bridges_logs_get_our_timers_and_scalars_and_the_rates_beside_them(tmp_path):
+    """With cfg.logger's tensorboard_dir, timing_log_level 2 and log_timers_to_tensorboard,
+    Bridge's log has our step and its phases among its timers at every iteration, its event file
+    has them and the step's scalars (distribution.step_report) at every iteration, and the rates
+    measured at construction lie beside it, as `make scale` reads them (as megatron.training's
+    run: tests/e2e/test_e2e_training.py)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_muon.distribution.phases import timer_names
+    from megatron_muon.distribution.step_report import SCALARS
+    from megatron_muon.step.rates_file import RATES_FILE
+    from megatron_muon.tools.scale.parts import Rates
+
+    log = _train("--tensorboard-dir", str(tmp_path))
+    every = list(range(1, ITERATIONS + 1))
+    timers = set(timer_names(2)) - {"muon-check", "muon-offload-copies"}  # neither asked for
+    logged = re.findall(r"^ +(muon-[a-z-]+) \.+: \(", log, re.MULTILINE)
+    assert set(logged) == timers and len(logged) == len(timers) * ITERATIONS, logged
+    board = EventAccumulator(str(tmp_path))
+    board.Reload()
+    written = {name: [e.step for e in board.Scalars(name)] for name in board.Tags()["scalars"]}
+    for name in [f"{timer}-time" for timer in timers] + list(SCALARS[:-1]):
+        assert written.get(name) == every, (name, sorted(written))
+    rates = Rates(json.loads((tmp_path / RATES_FILE).read_text()))
+    assert rates.all_to_all_gbps > 0 and rates.newton_schulz_seconds(1e9) > 0
 
 
 @pytest.mark.parametrize("changes, refusal", [

@@ -336,8 +336,8 @@ PATCHES = {
     "megatron.training.training.save_checkpoint": "records each file's checksum after a save",
     "megatron.training.training.load_checkpoint": "verifies the checksums before a load",
     "megatron.training.training.clip_qk": "the optimizer's step has clipped: log only",
-    "megatron.training.training.training_log": "logs the max attention logit (and, in the demo, "
-                                               "each iteration's exact values)",
+    "megatron.training.training.training_log": "logs the max attention logit, our step's timers "
+                                               "and scalars (the demo: exact values too)",
     "megatron.training.training.get_megatron_optimizer": "megatron_muon's factory",
     # Megatron-Bridge (megatron_muon.bridge.install, and its CPU layer).
     "builtins.__import__": "without CUDA, placeholders for the GPU-only packages Bridge's modules "
@@ -347,6 +347,7 @@ PATCHES = {
     "megatron.bridge.training.initialize.compile_helpers": "the wheel's helper is prebuilt and it "
                                                            "ships no Makefile",
     "megatron.bridge.training.train.clip_qk": "the optimizer's step has clipped: log only",
+    "megatron.bridge.training.train.training_log": "then our step's timers and scalars",
 }
 _TORCH_FUNCTION_MODE = "torch.overrides.TorchFunctionMode"
 

@@ -1,6 +1,6 @@
 """What a Muon chain's step reports (FSDPMuonChainedOptimizer's, read by duck typing). The
-scalars megatron.training's logs get (TensorBoard, W&B; integrations.megatron_lm writes them
-every --log-interval): what one step exchanges on this rank, as its plans count it at
+scalars megatron.training's and Bridge's logs get (TensorBoard, W&B; log_beside_megatron, every
+--log-interval): what one step exchanges on this rank, as its plans count it at
 construction (exchanges, collectives, bytes received; tests hold a step's observed traffic to
 these counts), how evenly Newton-Schulz falls on the ranks this rank's exchange groups span (the
 busiest rank's FLOPs over their mean), the steps skipped so far and the check interval's last
@@ -11,6 +11,8 @@ import time
 from collections import Counter
 
 import torch
+
+from . import phases
 
 SCALARS = ("muon/exchanges", "muon/collectives", "muon/bytes-received",
            "muon/newton-schulz-busiest-over-mean", "muon/skipped-steps",
@@ -37,6 +39,24 @@ def step_scalars(chain) -> dict[str, float]:
     if checks:
         scalars["muon/check-max-difference"] = max(checks, key=lambda c: c.iteration).worst
     return scalars
+
+
+def log_beside_megatron(chain, timers, level: int, timers_to_writers: bool, writers,
+                        iteration: int, interval: int, reset: bool) -> None:
+    """What a logging iteration of megatron.training's or Bridge's training_log leaves out (it
+    names none of ours): our step's phases' `timers` (phases.timer_names(`level`)) logged as it
+    logs its own and, `timers_to_writers` (--log-timers-to-tensorboard), written to `writers`
+    (TensorBoard's, W&B's; None where off); `chain`'s scalars written to them."""
+    names, (board, wandb) = phases.timer_names(level), writers
+    for writer in (board, wandb) if names and timers_to_writers else ():
+        timers.write(names, writer, iteration, normalizer=interval, reset=False)
+    if names:
+        timers.log(names, normalizer=interval, reset=reset)
+    scalars = step_scalars(chain) if board or wandb else {}
+    for name, value in scalars.items() if board else ():
+        board.add_scalar(name, value, iteration)
+    if wandb and scalars:
+        wandb.log(scalars, iteration)
 
 
 class PhaseTimes:

@@ -21,6 +21,8 @@ Without CUDA it applies the CPU layer for Bridge (compat.cpu); with CUDA it touc
 """
 
 import dataclasses
+import functools
+import inspect
 import os
 import warnings
 from pathlib import Path
@@ -30,8 +32,10 @@ import megatron.core.datasets.utils
 from ..compat import cpu_training, upstream, upstream_fixes
 from ..core.zero_adaptive_muon import check_adaptive_settings
 from ..core.settings import DIST_MODES, OWNER_CHOICES
+from ..distribution import step_report
 from ..plan import MAX_EXCHANGE_BYTES
-from ..step import checksums, qk_clip
+from ..step import checksums, qk_clip, rates_file
+from ..step.chained import FSDPMuonChainedOptimizer
 from ..step.model_chunks import find_megatron_fsdp
 from . import factory, rules
 from .arguments import FSDP_OPTIMIZERS
@@ -54,6 +58,10 @@ from megatron.bridge.utils.instantiate_utils import register_allowed_target_pref
 from .megatron_lm import dataset_helper_is_prebuilt, skip_dataset_helper_build  # noqa: E402
 
 _megatron_clip_qk = megatron.bridge.training.train.clip_qk
+_bridge_training_log = megatron.bridge.training.train.training_log
+_TRAINING_LOG_PARAMETERS = inspect.signature(_bridge_training_log)
+_optimizers: list = []  # the run's Muon chain on Megatron-FSDP, once built
+_logger: list = []  # the installed ConfigContainer's LoggerConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -93,7 +101,7 @@ class MuonOptimizerConfig(OptimizerConfig):
     def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False,
                 pg_collection=None):
         chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
-        return factory.get_megatron_optimizer(
+        optimizer = factory.get_megatron_optimizer(
             self, chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
             muon_dist_mode=self.muon_dist_mode, muon_owner_choice=self.muon_owner_choice,
@@ -101,6 +109,11 @@ class MuonOptimizerConfig(OptimizerConfig):
             muon_check_interval=self.muon_check_interval,
             muon_max_exchange_bytes=self.muon_max_exchange_bytes,
             muon_use_syrk=self.muon_use_syrk, muon_max_team_size=self.muon_max_team_size)
+        if isinstance(optimizer, FSDPMuonChainedOptimizer):  # its step's scalars go to the logs
+            _optimizers[:] = [optimizer]
+            if _logger and _logger[0].tensorboard_dir:  # and the rates it measured, beside them
+                rates_file.write_rates(optimizer, _logger[0].tensorboard_dir)
+        return optimizer
 
 
 class ChecksummedCheckpointManager(DefaultCheckpointManager):
@@ -175,6 +188,8 @@ def install(cfg) -> None:
             field.name: getattr(cfg.optimizer, field.name)
             for field in dataclasses.fields(cfg.optimizer) if field.init})
     upstream.patch("megatron.bridge.training.train.clip_qk", _clip_qk)
+    upstream.patch("megatron.bridge.training.train.training_log", _training_log)
+    _logger[:] = [cfg.logger]
     _checksum_checkpoints(cfg)
     if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
         # Bridge's initialize imports compile_helpers by name: patch its copy.
@@ -231,3 +246,18 @@ def _clip_qk(model, log_max_only=False):
     if not all(find_megatron_fsdp(chunk) for chunk in chunks):
         return _megatron_clip_qk(model, log_max_only)
     return qk_clip.take_max_attention_logit(chunks)
+
+
+@functools.wraps(_bridge_training_log)
+def _training_log(*args, **kwargs):
+    """Bridge's training_log, then, every log interval, our step's timers and scalars where it
+    logs and writes its own (step_report.log_beside_megatron)."""
+    report_memory_flag = _bridge_training_log(*args, **kwargs)
+    logged = _TRAINING_LOG_PARAMETERS.bind(*args, **kwargs).arguments
+    logger, state = logged["config"].logger, logged["global_state"]
+    if _optimizers and state.train_state.step % logger.log_interval == 0:
+        step_report.log_beside_megatron(
+            _optimizers[-1], state.timers, logger.timing_log_level,
+            logger.log_timers_to_tensorboard, (state.tensorboard_logger, state.wandb_logger),
+            state.train_state.step, logger.log_interval, reset=True)
+    return report_memory_flag

@@ -59,7 +59,6 @@ from megatron.training.utils import print_rank_0, print_rank_last
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..compat import cpu, upstream, upstream_fixes
-from ..distribution import phases
 from ..compat.cpu_training import apply_megatron_training_compat
 from ..plan import MAX_EXCHANGE_BYTES
 from ..distribution import step_report
@@ -262,19 +261,12 @@ def _training_log(*args, **kwargs):
     if flags.log_max_attention_logit and (logging or first):
         print_rank_last(f' iteration {iteration:8d} | max attention logit: '
                         f'{logged["max_attention_logit"]:.4f} |')
-    if not ((logging or first) and muon_on_megatron_fsdp(flags)):
-        return report_memory_flag
-    timers, names = megatron.training.get_timers(), phases.timer_names(flags.timing_log_level)
-    board, wandb = megatron.training.get_tensorboard_writer(), megatron.training.get_wandb_writer()
-    for writer in (board, wandb) if names and flags.log_timers_to_tensorboard else ():
-        timers.write(names, writer, iteration, normalizer=flags.log_interval, reset=False)
-    if names:
-        timers.log(names, normalizer=flags.log_interval, reset=not first)
-    scalars = step_report.step_scalars(_optimizers[-1]) if (board or wandb) and _optimizers else {}
-    for name, value in scalars.items() if board else ():
-        board.add_scalar(name, value, iteration)
-    if wandb and scalars:
-        wandb.log(scalars, iteration)
+    if (logging or first) and muon_on_megatron_fsdp(flags) and _optimizers:
+        step_report.log_beside_megatron(
+            _optimizers[-1], megatron.training.get_timers(), flags.timing_log_level,
+            flags.log_timers_to_tensorboard, (megatron.training.get_tensorboard_writer(),
+                                              megatron.training.get_wandb_writer()),
+            iteration, flags.log_interval, reset=not first)
     return report_memory_flag
 
 

@@ -387,7 +387,7 @@ def test_muon_leaves_to_the_scalar_optimizer_what_megatron_cores_own_muon_does()
     """Which params go to the scalar optimizer is megatron-core's own rule, as the installed
     version states it (0.19: not 2-D, or embedding or output; main also a param marked
     use_muon=False, as Mamba's and GDN's in_proj are), with stacked experts Muon's."""
-    from megatron_muon.integrations.factory import is_scalar_param
+    from megatron_muon.distribution.param_tags import is_scalar_param
 
     (theirs,) = [key.predicate.fn for key in
                  upstream.EMERGING_OPTIMIZERS["muon"].default_param_overrides]

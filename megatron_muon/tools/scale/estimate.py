@@ -6,7 +6,7 @@ import dataclasses
 import time
 from types import SimpleNamespace
 
-from ...integrations.factory import is_expert_param, is_scalar_param
+from ...distribution.param_tags import is_expert_param, is_scalar_param
 from ...plan import team_step_cost
 from .model import ModelSpec, expert_parallel, fsdp_rows, meta_model, muon_matrices
 from .parts import (LATENCY_US_PER_RANK, Planned, Rates, nodes_in_rank_order, planned_parts,

@@ -10,7 +10,7 @@ import torch
 
 from ...compat import upstream
 from ...compat.tensor_parallel import orthogonalized_partition_dim
-from ...integrations.factory import is_expert_param, is_scalar_param, tag_params
+from ...distribution.param_tags import is_expert_param, is_scalar_param, tag_params
 from ...plan import RowLayout, orthogonalization_key, qkv_row_blocks, split_matrices
 
 
