@@ -96,3 +96,24 @@ def team_rank(rank, world_size):
             bf16_gap=(medium["ours"] - highest["whole"]).abs().max().item(),
             bf16_error=(medium["whole"] - highest["whole"]).abs().max().item())
     return found
+
+
+def estimate_rank(rank, world_size):
+    """The self-test's estimate on a GPU (tools/selftest.print_estimates' calls): Newton-Schulz
+    timed on CUDA on Llama-8B's shapes, then its step at W=8, 32 and 128 planned from it."""
+    from megatron_muon.tools.scale.estimate import assumed, estimated_steps, newton_schulz_shapes
+    from megatron_muon.tools.scale.model import MODELS
+    from megatron_muon.tools.scale.parts import Rates, measure_rates
+    from megatron_muon.tools.testing import init_parallel_state
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_parallel_state()
+    spec = MODELS["llama-8b"]
+    shapes = newton_schulz_shapes(spec, 1, "blockwise")
+    table = measure_rates(5, shapes, report=None)
+    rates = Rates(table)
+    rows = estimated_steps(spec, 8, rates, assumed(rates))
+    dist.destroy_process_group()
+    return dict(device=table["device"], shapes=shapes, newton_schulz=table["newton_schulz"],
+                rows=rows)

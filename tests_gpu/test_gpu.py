@@ -19,7 +19,9 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
   size (Muon's momentum, Adam's moments), the step's peak does not rise, and every weight after
   three steps is the run's without offload, bit for bit (W=1 on NCCL);
 - a team's Newton-Schulz on CUDA tensors (two ranks over gloo) is megatron-core's distributed
-  form.
+  form;
+- the self-test's step estimate times Newton-Schulz on the GPU on a model's shapes and plans
+  its step from those rates.
 
 Every rank of every run forks from one server (launcher.py: torch and megatron imported once, no
 torchrun), which tests/test_gpu_launches.py holds to on CPU. The demo's command lines are data (DEMO_RUNS): tests/integrations/test_command_lines.py parses each of them
@@ -31,7 +33,7 @@ import pytest
 import torch
 
 import launcher  # first: every process below starts from its server
-from gpu_ranks import offloaded_state_rank, team_rank
+from gpu_ranks import estimate_rank, offloaded_state_rank, team_rank
 
 sys.path.insert(0, str(launcher.REPO / "tests" / "tools"))  # test_memory
 
@@ -178,6 +180,21 @@ def test_a_teams_newton_schulz_on_cuda_is_megatron_cores_distributed_form():
         # At bf16 (its Gram summed in bf16, as upstream's distributed mode sums it) as far from
         # exact as bf16 Newton-Schulz on the whole matrix is, within a factor of two.
         assert figures["bf16_gap"] <= 2 * figures["bf16_error"], (case, figures)
+
+
+def test_the_self_tests_estimate_times_newton_schulz_on_the_gpu():
+    """The self-test's step estimate for a user's model (tools.scale) on CUDA: Newton-Schulz
+    timed on the GPU on each of Llama-8B's shapes, and its step at W, 4 W and 16 W planned at
+    those rates (gpu_ranks.estimate_rank)."""
+    [found] = launcher.run_ranks(estimate_rank, 1, timeout=300)
+    print(found)
+    assert found["device"] == torch.cuda.get_device_name(), found
+    assert len(found["newton_schulz"]) == len(found["shapes"]) >= 4, found
+    assert all(tflops > 1 for _, tflops in found["newton_schulz"]), found  # a GPU's, not a CPU's
+    assert [row["world"] for row in found["rows"]] == [8, 32, 128], found
+    for row in found["rows"]:
+        for mode in ("owner", "teams"):
+            assert 0 < row[mode]["step_ms"] < 1e4 and row[mode]["busiest_over_ideal"] >= 1, row
 
 
 def demo_losses(name: str, iterations: int, processes: int = 1) -> list[float]:
