@@ -6,14 +6,16 @@ parallelism 2 and HSDP (2 replicas), it builds a small megatron-core GPT on Mega
 few iterations with Muon (or --optimizer adaptive_muon) in owner mode and the check interval at 2:
 on iterations 2, 4 and 6 every matrix's update from the owner exchange is compared with the update
 of the whole, unsharded matrix (megatron-core's TensorParallelMuon, as single-device Muon computes
-it from the same momentum; NorMuon's second moment with it),
-then replicas and compute weights with the main weights. Rank 0 prints one row per configuration
+it from the same momentum; NorMuon's second moment with it), then replicas and compute weights
+with the main weights. Rank 0 prints one row per configuration
 (the largest |owner - reference|, pass or fail, the median optimizer step of the unchecked
 iterations, Newton-Schulz TFLOP/s, bytes received per rank per step, from the plan, and the
 largest rank's peak memory in two more, unchecked, train steps: at rest plus the most its forward-
 backward or optimizer step adds, megatron_muon.tools.memory.measure_train_step) and the exit
 status is 0 only when every configuration passed; 1 when one failed; 2 when one ran past
---time-limit (it is named: a hang in a collective). NCCL on GPUs, gloo on CPU.
+--time-limit (it is named: a hang in a collective). NCCL on GPUs, gloo on CPU. Given the user's
+model (Megatron's model flags, or --estimate-model), rank 0 then prints its estimated optimizer
+step at W, 4 W and 16 W (tools.scale), Newton-Schulz timed here on the model's own shapes.
 """
 
 import argparse
@@ -277,17 +279,15 @@ def print_estimates(args, world_size: int, run_rates) -> None:
 
     from .testing import init_parallel_state
 
-    name, spec = args.estimate
-    tp = args.tensor_model_parallel_size
+    (name, spec), tp = args.estimate, args.tensor_model_parallel_size
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     init_parallel_state()
     table = json.loads(run_rates.read_text()) if run_rates else {}
     shapes = newton_schulz_shapes(spec, tp, OptimizerConfig.muon_tp_mode)
     steps = OptimizerConfig.muon_num_ns_steps
     table.update(measure_rates(steps, shapes, report=None, device_too=not table))
-    rates = Rates(table)
+    rates, measured = Rates(table), [tflops for _, tflops in table["newton_schulz"]]
     assumptions = assumed(rates, steps)
-    measured = [tflops for _, tflops in table["newton_schulz"]]
     print(f"estimated optimizer step of {name} (TP {tp}), ms, collectives' latency counted: "
           f"Newton-Schulz timed here on its {len(shapes)} shapes ({min(measured):.3g}-"
           f"{max(measured):.3g} TFLOP/s), network {assumptions.bandwidth_gbps:.3g} GB/s per "
