@@ -288,6 +288,24 @@ def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refu
             cfg.dist.distributed_backend) == before
 
 
+def test_install_refuses_a_megatron_ddp_checkpoint_to_load_before_anything_is_built(tmp_path):
+    """Bridge's own load stops on a Megatron DDP (torch_dist) checkpoint only once the model is
+    built (its _load_base_checkpoint asserts the format); install() refuses it first, naming the
+    field and the way that loads it (megatron.training's --load)."""
+    from megatron_muon.integrations import bridge as muon_bridge
+
+    (tmp_path / "iter_0000003").mkdir()
+    (tmp_path / "iter_0000003" / "metadata.json").write_text(  # what torch_dist writes
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    cfg = _config(**{"checkpoint.load": str(tmp_path)})
+    before = dataclasses.asdict(cfg.optimizer), type(cfg.optimizer)
+    with pytest.raises(ValueError, match=r"^cfg\.checkpoint\.load: \S+iter_0000003 is Megatron "
+                                         r"DDP's torch_dist, .* megatron\.training can"):
+        muon_bridge.install(cfg)
+    assert (dataclasses.asdict(cfg.optimizer), type(cfg.optimizer)) == before
+
+
 def test_install_takes_the_recipes_dist_muon_on_megatron_fsdp_as_ours(capsys):
     """Bridge's Kimi K2 recipe names megatron-core's layer-wise Muon
     ('dist_muon', for Megatron DDP): on Megatron-FSDP it means megatron-muon's, said once."""

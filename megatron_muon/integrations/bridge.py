@@ -11,13 +11,13 @@
     pretrain(cfg, forward_step)
 
 Bridge runs neither megatron.training's argument validation nor its optimizer factory: it builds
-the optimizer through the config's `provide()` where the config has one (Bridge's
-setup_optimizer). `install(cfg)` checks the ConfigContainer against integrations.rules (each
-refusal naming Bridge's field), turns `cfg.optimizer` into a MuonOptimizerConfig, whose
-`provide()` builds ours for Muon on Megatron-FSDP and megatron-core's otherwise, and makes Bridge's
-MuonClip ours: its train step calls megatron-core's `clip_qk(model)` after `optimizer.step()`,
-which would clip the whole weights again after our in-step clip of the sharded main weights.
-Without CUDA it applies the CPU layer for Bridge (compat.cpu); with CUDA it touches none.
+the optimizer through the config's `provide()` where the config has one (Bridge's setup_optimizer).
+`install(cfg)` checks the ConfigContainer against integrations.rules (each refusal naming Bridge's
+field), turns `cfg.optimizer` into a MuonOptimizerConfig, whose `provide()` builds ours for Muon on
+Megatron-FSDP and megatron-core's otherwise, and makes Bridge's MuonClip ours: its train step calls
+megatron-core's `clip_qk(model)` after `optimizer.step()`, which would clip the whole weights again
+after our in-step clip of the sharded main weights. Without CUDA it applies the CPU layer for
+Bridge (compat.cpu); with CUDA it touches none.
 """
 
 import dataclasses
@@ -34,7 +34,7 @@ from ..core.zero_adaptive_muon import check_adaptive_settings
 from ..core.settings import DIST_MODES, OWNER_CHOICES
 from ..distribution import step_report
 from ..plan import MAX_EXCHANGE_BYTES
-from ..step import checksums, qk_clip, rates_file
+from ..step import checksums, ddp_checkpoint, qk_clip, rates_file
 from ..step.chained import FSDPMuonChainedOptimizer
 from ..step.model_chunks import find_megatron_fsdp
 from . import factory, rules
@@ -60,8 +60,7 @@ from .megatron_lm import dataset_helper_is_prebuilt, skip_dataset_helper_build  
 _megatron_clip_qk = megatron.bridge.training.train.clip_qk
 _bridge_training_log = megatron.bridge.training.train.training_log
 _TRAINING_LOG_PARAMETERS = inspect.signature(_bridge_training_log)
-_optimizers: list = []  # the run's Muon chain on Megatron-FSDP, once built
-_logger: list = []  # the installed ConfigContainer's LoggerConfig
+_optimizers, _logger = [], []  # the run's Muon chain, once built; install()'s cfg.logger
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -94,9 +93,8 @@ class MuonOptimizerConfig(OptimizerConfig):
     ZeROTensorParallelMuon's use_syrk): CUDA, bf16 (muon_fp32_matmul_prec "medium")."""
 
     muon_max_team_size: int = 1
-    """A matrix whose Newton-Schulz alone exceeds its share may be split over a
-    team of up to this many ranks (--muon-max-team-size; ZeROTensorParallelMuon's
-    max_team_size); 1: every matrix whole on one owner."""
+    """A matrix whose Newton-Schulz alone exceeds its share may be split over a team of up to this
+    many ranks (--muon-max-team-size; ZeROTensorParallelMuon's max_team_size); 1: never."""
 
     def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False,
                 pg_collection=None):
@@ -131,16 +129,29 @@ class ChecksummedCheckpointManager(DefaultCheckpointManager):
                 Path(get_checkpoint_name(config.save, ctx.state.train_state.step)))
 
     def load(self, ctx):
-        config = self.checkpoint_config
-        if config.load is not None:
-            iteration, release = upstream.resolve_checkpoint_iteration(config.load,
-                                                                      config.ckpt_step)
-            if iteration == upstream.DIRECT_ITERATION_DIR:
-                checksums.verify_on_every_rank(Path(config.load))
-            elif iteration >= 0 or release:
-                checksums.verify_on_every_rank(
-                    Path(get_checkpoint_name(config.load, iteration, release)))
+        if (checkpoint := _checkpoint_to_load(self.checkpoint_config)) is not None:
+            checksums.verify_on_every_rank(checkpoint)
         return super().load(ctx)
+
+
+def _checkpoint_to_load(config) -> Path | None:
+    """The checkpoint Bridge's load will read (its own choice of it), or None."""
+    iteration, release = (upstream.resolve_checkpoint_iteration(config.load, config.ckpt_step)
+                          if config.load else (-1, False))
+    if iteration == upstream.DIRECT_ITERATION_DIR:
+        return Path(config.load)
+    found = iteration >= 0 or release
+    return Path(get_checkpoint_name(config.load, iteration, release)) if found else None
+
+
+def _refuse_a_ddp_checkpoint(cfg) -> None:
+    """Bridge refuses a Megatron DDP (torch_dist) checkpoint only after the build: refuse first."""
+    checkpoint = _checkpoint_to_load(cfg.checkpoint)
+    if checkpoint is not None and checkpoint.is_dir() and ddp_checkpoint.is_torch_dist(checkpoint):
+        raise ValueError(
+            f"cfg.checkpoint.load: {checkpoint} is Megatron DDP's torch_dist, which Bridge cannot "
+            f"load into Muon on Megatron-FSDP; megatron.training can (megatron_muon.training, "
+            f"--load, --use-megatron-fsdp): continue there, or save fsdp_dtensor there for Bridge")
 
 
 def _megatron_fsdp(cfg) -> bool:
@@ -165,6 +176,7 @@ def install(cfg) -> None:
         rules.refuse(_reader(cfg), _field_name, training_loop=True, muon=muon,
                      what=("Muon on " if muon else "") + "Megatron-FSDP through Megatron-Bridge")
     if muon:
+        _refuse_a_ddp_checkpoint(cfg)  # before Bridge builds anything
         for field, choices in (("muon_dist_mode", DIST_MODES), ("muon_owner_choice", OWNER_CHOICES)):
             value = getattr(cfg.optimizer, field, choices[0])
             if value not in choices:
