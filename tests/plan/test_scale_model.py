@@ -158,3 +158,11 @@ def test_megatron_flags_give_the_model_megatron_builds_from_them():
             moe["num_query_groups"]) == (8, 16384, 2, 8)
     with pytest.raises(ValueError, match="needs --num-attention-heads, --vocab-size"):
         spec_from_flags(dict(none, num_layers=2, hidden_size=64), swiglu=False)
+
+
+def test_one_measured_call_gives_every_call_its_rate():
+    """A model whose Muon matrices all share one shape gives the self-test's estimate one timed
+    call: every call is taken at its rate (no interpolation between two points)."""
+    rates = Rates({"newton_schulz": [[1.0, 2.0]]})  # 1 GFLOP at 2 TFLOP/s
+    assert [rates.newton_schulz_seconds(flops) for flops in (1e9, 1e12)] == pytest.approx(
+        [5e-4, 0.5])

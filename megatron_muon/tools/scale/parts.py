@@ -42,7 +42,7 @@ class Rates:
             return 0.0
         x, xs, ys = math.log(flops), self._log_flops, self._log_rate
         i = min(max(bisect.bisect(xs, x), 1), len(xs) - 1)
-        t = min(max((x - xs[i - 1]) / (xs[i] - xs[i - 1]), 0.0), 1.0)
+        t = min(max((x - xs[i - 1]) / ((xs[i] - xs[i - 1]) or 1.0), 0.0), 1.0)  # 1 point: flat
         return flops / math.exp(ys[i - 1] + t * (ys[i] - ys[i - 1]))
 
     def __getattr__(self, name):
