@@ -53,8 +53,8 @@ MODELS = {
 MAX_EXPERT_PARALLEL = 64
 LLAMA_STYLE = dict(add_bias_linear=False, gated_linear_unit=True, normalization="RMSNorm")
 # Megatron's model flags (megatron.training.arguments) the self-test takes for the user's own
-# model: megatron-core's TransformerConfig fields of the same names (vocab_size: GPTModel's)
-# but --num-experts'.
+# model: megatron-core's TransformerConfig fields of the same names, but --num-experts'
+# (num_moe_experts) and --vocab-size's (GPTModel's vocab_size).
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "num_query_groups", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
                "moe_shared_expert_intermediate_size", "vocab_size")
