@@ -6,6 +6,7 @@ from ...plan import (newton_schulz_flops, newton_schulz_seconds, owner_traffic, 
                      team_all_reduces, tiered_seconds)
 from .parts import ELEMENT_BYTES, Part, Planned
 
+
 def part_step(part: Part, mode: str, cost, args) -> dict:
     """One part's figures in `mode`: per rank (rank_figures), the seconds of its slowest rank
     (its all-to-alls synchronize the part) with and without the SYRK kernel, its collectives
@@ -15,7 +16,6 @@ def part_step(part: Part, mode: str, cost, args) -> dict:
     return dict(figures=figures, collectives=collectives, latency=latency,
                 seconds=max(f["ns_seconds"] + f["network_seconds"] for f in figures),
                 syrk_seconds=max(f["syrk_seconds"] + f["network_seconds"] for f in figures))
-
 
 
 # The modes whose owners a part planned beside the dense part changes (Part's `base`).
