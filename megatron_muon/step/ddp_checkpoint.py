@@ -11,8 +11,8 @@ GPTModel inside Megatron-FSDP makes the ShardedTensors Megatron DDP saved, exper
 global index, SwiGLU's fc1 through its factory where that tiles it: TP 1): the weights; with
 the optimizer, megatron-core Muon's momentum (and adaptive Muon's AdaMuon second moment), its
 scalar part's Adam moments and the step count (megatron-core's Muon chain saves them per
-param); the iteration, the learning-rate schedule, the RNG states and the args. Each rank reads only the rows it holds (StackedLoadPlanner), so
-nothing is gathered. Optimizer state saved in DistributedOptimizer's bucket space (Adam with
+param); the iteration, the learning-rate schedule, the RNG states and the args. Each rank reads
+only the rows it holds (StackedLoadPlanner), so nothing is gathered. Optimizer state saved in DistributedOptimizer's bucket space (Adam with
 --use-distributed-optimizer) has no per-param keys: loading it stops, before anything changes,
 naming --no-load-optim."""
 

@@ -44,6 +44,12 @@ def device_rates(muon: Any, device: torch.device, precision: str) -> dict:
                 / param.numel() * 1e9)
 
 
+def device_name(device: torch.device) -> str:
+    """The device a rates file's figures were measured on, as its `device` says it."""
+    return (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")
+
+
 def rates_table(chain: Any) -> dict | None:
     """The scale model's rates from what `chain`'s Muon parts measured at construction (None:
     nothing measured, owners by bytes): Newton-Schulz [GFLOP per call, TFLOP/s] of each shape
@@ -62,10 +68,8 @@ def rates_table(chain: Any) -> dict | None:
     calls = sorted((flops, sum(times) / len(times)) for flops, times in by_flops.items())
     bandwidths = [rate for _, rate in measured if rate != float("inf")]
     inside = [rate for muon in muons for rate in muon.planner.node_rates]
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)")
     return dict(
-        device=name, measured=time.strftime("%Y-%m-%d"),
+        device=device_name(device), measured=time.strftime("%Y-%m-%d"),
         source=f"megatron_muon at construction, {dist.get_world_size()} ranks (owners by time)",
         newton_schulz_precision=muon.fp32_matmul_prec,
         newton_schulz=[[flops / 1e9, flops / seconds / 1e12] for flops, seconds in calls],

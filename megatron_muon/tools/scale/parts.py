@@ -4,7 +4,6 @@ from rates measured on a device (Rates)."""
 
 import bisect
 import math
-import os
 import time
 
 import torch
@@ -15,7 +14,7 @@ from ...distribution.measured_cost import median_seconds
 from ...plan import (Nodes, StepCost, alone_working, choose_owners, ns_flops, owned_batches,
                      packed_beside, packed_plan, rank_loads, state_saved, whole_matrix_owners,
                      with_teams, working_memory)
-from ...step.rates_file import device_rates
+from ...step.rates_file import device_name, device_rates
 
 ELEMENT_BYTES = 4  # fp32 main weights, momentum and updates
 # A collective's latency, beside its bytes at the bandwidth: this many microseconds per rank of
@@ -83,8 +82,7 @@ def measure_rates(ns_steps: int, shapes=None, report=print, device_too: bool = T
                 report(f"  Newton-Schulz {batch}x{rows}x{cols}: {flops / s / 1e12:.3f} TFLOP/s")
     newton_schulz = [[flops / 1e9, sum(rates) / len(rates)]
                      for flops, rates in sorted(by_flops.items())]
-    return dict(device=torch.cuda.get_device_name() if big else f"CPU ({os.cpu_count()} cores, "
-                f"{torch.get_num_threads()} threads)", measured=time.strftime("%Y-%m-%d"),
+    return dict(device=device_name(device), measured=time.strftime("%Y-%m-%d"),
                 newton_schulz_precision=precision, newton_schulz=newton_schulz,
                 **(device_rates(muon, device, precision) if device_too else {}))
 
