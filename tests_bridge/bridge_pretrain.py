@@ -112,6 +112,8 @@ def main():
     parser.add_argument("--qk-clip-threshold", type=float, default=100.0)
     parser.add_argument("--save")
     parser.add_argument("--load")
+    parser.add_argument("--no-load-optim", action="store_true", help="cfg.checkpoint.load_optim False")
+    parser.add_argument("--adam", action="store_true", help="megatron-core's Adam in place of muon")
     parser.add_argument("--save-interval", type=int, default=None)
     parser.add_argument("--check-interval", type=int, default=0, help="muon_check_interval")
     parser.add_argument("--moment2-method", help="adaptive_muon's, in place of muon")
@@ -126,6 +128,9 @@ def main():
         cfg.logger.log_timers_to_tensorboard = True
     if args.offload:
         cfg.optimizer.optimizer_cpu_offload, cfg.optimizer.optimizer_offload_fraction = True, 1.0
+    cfg.checkpoint.load_optim = not args.no_load_optim
+    if args.adam:
+        cfg.optimizer.optimizer = "adam"
     if args.moment2_method:
         cfg.optimizer.optimizer = "adaptive_muon"
         cfg.optimizer.adaptive_muon_moment2_method = args.moment2_method

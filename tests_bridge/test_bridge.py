@@ -288,22 +288,32 @@ def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refu
             cfg.dist.distributed_backend) == before
 
 
-def test_install_refuses_a_megatron_ddp_checkpoint_to_load_before_anything_is_built(tmp_path):
-    """Bridge's own load stops on a Megatron DDP (torch_dist) checkpoint only once the model is
-    built (its _load_base_checkpoint asserts the format); install() refuses it first, naming the
-    field and the way that loads it (megatron.training's --load)."""
-    from megatron_muon.integrations import bridge as muon_bridge
+def test_a_megatron_ddp_checkpoint_continues_on_megatron_fsdp_through_bridge(tmp_path):
+    """megatron-core's Muon on Megatron DDP through Bridge, saved at 3 (torch_dist), loaded by
+    Bridge's Muon-on-FSDP run (cfg.checkpoint.load, fsdp_dtensor): iterations 4-6 as the DDP run
+    uninterrupted (Bridge's own load asserts the formats match, after the build). An Adam DDP
+    checkpoint stops before training, naming cfg.checkpoint.load_optim; with it False, iteration
+    4's loss and grad norm are the Adam run's."""
+    muon, adam = tmp_path / "muon", tmp_path / "adam"
+    _train("--ddp", "--save", str(muon), "--save-interval", "3", iterations=3)
+    continued = _train("--load", str(muon), *CHECKED)
+    assert "loading the Megatron DDP (torch_dist) checkpoint" in continued
+    assert sorted(demo_log.exact_values(continued, "lm loss")) == [4, 5, 6]
+    assert _checked_iterations(continued) == [6]
+    _assert_same_values(continued, _after(_train("--ddp"), 3), tolerances.RTOL, "from DDP")
 
-    (tmp_path / "iter_0000003").mkdir()
-    (tmp_path / "iter_0000003" / "metadata.json").write_text(  # what torch_dist writes
-        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
-    cfg = _config(**{"checkpoint.load": str(tmp_path)})
-    before = dataclasses.asdict(cfg.optimizer), type(cfg.optimizer)
-    with pytest.raises(ValueError, match=r"^cfg\.checkpoint\.load: \S+iter_0000003 is Megatron "
-                                         r"DDP's torch_dist, .* megatron\.training can"):
-        muon_bridge.install(cfg)
-    assert (dataclasses.asdict(cfg.optimizer), type(cfg.optimizer)) == before
+    _train("--ddp", "--adam", "--save", str(adam), "--save-interval", "3", iterations=3)
+    refused = _run("--load", str(adam))
+    assert refused.returncode != 0
+    assert re.search(r"OptimizerStateNotLoadable: the Megatron DDP checkpoint has no "
+                     r"momentum_buffer for \S+: .* --no-load-optim \(Bridge: "
+                     r"cfg\.checkpoint\.load_optim False\)", refused.stderr), refused.stderr[-3000:]
+    assert "exact values" not in refused.stdout
+    weights = _train("--load", str(adam), "--no-load-optim", iterations=4)
+    adam_run = _train("--ddp", "--adam", iterations=4)
+    for key in ("lm loss", "grad norm"):
+        assert demo_log.exact_values(weights, key)[4] == pytest.approx(
+            demo_log.exact_values(adam_run, key)[4], rel=tolerances.RTOL, abs=0), key
 
 
 def test_install_takes_the_recipes_dist_muon_on_megatron_fsdp_as_ours(capsys):

@@ -348,6 +348,8 @@ PATCHES = {
                                                            "ships no Makefile",
     "megatron.bridge.training.train.clip_qk": "the optimizer's step has clipped: log only",
     "megatron.bridge.training.train.training_log": "then our step's timers and scalars",
+    "megatron.bridge.training.checkpointing._load_base_checkpoint": "loads a Megatron DDP "
+                                                                    "checkpoint into Muon on FSDP",
 }
 _TORCH_FUNCTION_MODE = "torch.overrides.TorchFunctionMode"
 

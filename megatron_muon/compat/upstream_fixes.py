@@ -37,14 +37,19 @@ what it patched in one line each.
    Here Newton-Schulz runs unscaled (TP-aware, as TensorParallelMuon runs it) and the scale comes
    once, after the second moment, by the whole (TP-unsharded) matrix's shape as
    TensorParallelMuon's scale reads it.
+5. megatron-core's wheel ships the dataset helper built and no Makefile, so initialize_megatron's
+   `compile_helpers()` (make in that folder) exits: `dataset_helper_is_prebuilt()` says where,
+   and the installs patch it with `skip_dataset_helper_build` there (a source checkout builds).
 """
 
 import dataclasses
 import functools
 import importlib
+import importlib.machinery
 import inspect
 import os
 import weakref
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -218,8 +223,9 @@ def _scaled_by_the_whole_shape(apply_muon_scale):
 
 def drops_expert_scale_under_average(copy: str) -> bool:
     """Whether a Megatron-FSDP copy's gradient_reduce_preprocessing drops the scaling factor
-    under average_in_collective (2.), by a probe: with the flag and a factor of 0.5 it returns ReduceOp.AVG and leaves the gradient as it was. Megatron DDP scales
-    the gradient by the factor first (the experts' expert-DP / DP), then averages."""
+    under average_in_collective (2.), by a probe: with the flag and a factor of 0.5 it returns
+    ReduceOp.AVG and leaves the gradient as it was. Megatron DDP scales the gradient by the
+    factor first (the experts' expert-DP / DP), then averages."""
     buffers = importlib.import_module(f"{copy}.param_and_grad_buffer")
     config = importlib.import_module(f"{copy}.distributed_data_parallel_config")
     grad = torch.ones(1, device="cpu")
@@ -323,3 +329,17 @@ def apply() -> None:
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     for line in said if rank == 0 else ():
         print(f"megatron-muon: {line}", flush=True)
+
+
+def dataset_helper_is_prebuilt(datasets_dir: Path | None = None) -> bool:
+    """The wheel's layout: megatron.core.datasets (or `datasets_dir`) holds the built helper and
+    no Makefile."""
+    if datasets_dir is None:
+        datasets_dir = Path(importlib.import_module("megatron.core.datasets.utils").__file__).parent
+    built = any((datasets_dir / f"helpers_cpp{suffix}").exists()
+                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+    return built and not (datasets_dir / "Makefile").exists()
+
+
+def skip_dataset_helper_build():
+    """Replaces compile_helpers where the helper is prebuilt (dataset_helper_is_prebuilt)."""

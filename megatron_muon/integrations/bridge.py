@@ -27,8 +27,6 @@ import os
 import warnings
 from pathlib import Path
 
-import megatron.core.datasets.utils
-
 from ..compat import cpu_training, upstream, upstream_fixes
 from ..core.zero_adaptive_muon import check_adaptive_settings
 from ..core.settings import DIST_MODES, OWNER_CHOICES
@@ -46,20 +44,22 @@ PUBLIC_MODULE = "megatron_muon.bridge"
 cpu_training.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
 upstream.import_bridge()
 
-import megatron.bridge.training.initialize  # noqa: E402  (after the stand-ins)
+import megatron.bridge.training.checkpointing  # noqa: E402  (after the stand-ins)
+import megatron.bridge.training.initialize  # noqa: E402
 import megatron.bridge.training.train  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from megatron.bridge.training.checkpointing import DefaultCheckpointManager  # noqa: E402
+from megatron.bridge.training.checkpointing import (CheckpointType,  # noqa: E402
+                                                    DefaultCheckpointManager)
 from megatron.bridge.training.config import OptimizerConfig  # noqa: E402
 from megatron.bridge.training.mixed_precision import get_mixed_precision_config  # noqa: E402
 from megatron.bridge.training.utils.checkpoint_utils import get_checkpoint_name  # noqa: E402
 from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix  # noqa: E402
 
-from .megatron_lm import dataset_helper_is_prebuilt, skip_dataset_helper_build  # noqa: E402
-
 _megatron_clip_qk = megatron.bridge.training.train.clip_qk
 _bridge_training_log = megatron.bridge.training.train.training_log
 _TRAINING_LOG_PARAMETERS = inspect.signature(_bridge_training_log)
+_bridge_load_base_checkpoint = megatron.bridge.training.checkpointing._load_base_checkpoint
+_LOAD_BASE_CHECKPOINT_PARAMETERS = inspect.signature(_bridge_load_base_checkpoint)
 _optimizers, _logger = [], []  # the run's Muon chain, once built; install()'s cfg.logger
 
 
@@ -129,29 +129,38 @@ class ChecksummedCheckpointManager(DefaultCheckpointManager):
                 Path(get_checkpoint_name(config.save, ctx.state.train_state.step)))
 
     def load(self, ctx):
-        if (checkpoint := _checkpoint_to_load(self.checkpoint_config)) is not None:
-            checksums.verify_on_every_rank(checkpoint)
+        config = self.checkpoint_config
+        if (found := _checkpoint_in(config.load, config.ckpt_step)) is not None:
+            checksums.verify_on_every_rank(found[0])
         return super().load(ctx)
 
 
-def _checkpoint_to_load(config) -> Path | None:
-    """The checkpoint Bridge's load will read (its own choice of it), or None."""
-    iteration, release = (upstream.resolve_checkpoint_iteration(config.load, config.ckpt_step)
-                          if config.load else (-1, False))
+def _checkpoint_in(load_dir, ckpt_step) -> tuple[Path, bool] | None:
+    """(the checkpoint Bridge's load will read in `load_dir`, its own choice of it; whether a
+    release), or None."""
+    iteration, release = (upstream.resolve_checkpoint_iteration(load_dir, ckpt_step)
+                          if load_dir else (-1, False))
     if iteration == upstream.DIRECT_ITERATION_DIR:
-        return Path(config.load)
+        return Path(load_dir), False
     found = iteration >= 0 or release
-    return Path(get_checkpoint_name(config.load, iteration, release)) if found else None
+    return (Path(get_checkpoint_name(load_dir, iteration, release)), release) if found else None
 
 
-def _refuse_a_ddp_checkpoint(cfg) -> None:
-    """Bridge refuses a Megatron DDP (torch_dist) checkpoint only after the build: refuse first."""
-    checkpoint = _checkpoint_to_load(cfg.checkpoint)
-    if checkpoint is not None and checkpoint.is_dir() and ddp_checkpoint.is_torch_dist(checkpoint):
-        raise ValueError(
-            f"cfg.checkpoint.load: {checkpoint} is Megatron DDP's torch_dist, which Bridge cannot "
-            f"load into Muon on Megatron-FSDP; megatron.training can (megatron_muon.training, "
-            f"--load, --use-megatron-fsdp): continue there, or save fsdp_dtensor there for Bridge")
+def _load_base_checkpoint(*args, **kwargs):
+    """Bridge's, but a Megatron DDP (torch_dist) checkpoint is loaded into Muon on Megatron-FSDP
+    (fsdp_dtensor) as megatron_muon.training's --load does it (step.ddp_checkpoint): Bridge's
+    asserts the formats match, after the model is built."""
+    bound = _LOAD_BASE_CHECKPOINT_PARAMETERS.bind(*args, **kwargs).arguments
+    cfg, config = bound.get("cfg"), bound["ckpt_cfg"]
+    found = _checkpoint_in(bound["load_dir"],
+                           None if bound.get("ignore_ckpt_step") else config.ckpt_step)
+    if (bound.get("rank0") or cfg is None or not muon_on_megatron_fsdp(cfg)
+            or config.ckpt_format != "fsdp_dtensor" or found is None
+            or not ddp_checkpoint.is_torch_dist(found[0])):
+        return _bridge_load_base_checkpoint(*args, **kwargs)
+    _log(f"loading the Megatron DDP (torch_dist) checkpoint {found[0]} into Muon on Megatron-FSDP")
+    return (ddp_checkpoint.load(found[0], bound["sharded_state_dict"]), str(found[0]), found[1],
+            CheckpointType.FSDP_DTENSOR)
 
 
 def _megatron_fsdp(cfg) -> bool:
@@ -176,7 +185,6 @@ def install(cfg) -> None:
         rules.refuse(_reader(cfg), _field_name, training_loop=True, muon=muon,
                      what=("Muon on " if muon else "") + "Megatron-FSDP through Megatron-Bridge")
     if muon:
-        _refuse_a_ddp_checkpoint(cfg)  # before Bridge builds anything
         for field, choices in (("muon_dist_mode", DIST_MODES), ("muon_owner_choice", OWNER_CHOICES)):
             value = getattr(cfg.optimizer, field, choices[0])
             if value not in choices:
@@ -201,12 +209,14 @@ def install(cfg) -> None:
             for field in dataclasses.fields(cfg.optimizer) if field.init})
     upstream.patch("megatron.bridge.training.train.clip_qk", _clip_qk)
     upstream.patch("megatron.bridge.training.train.training_log", _training_log)
+    upstream.patch("megatron.bridge.training.checkpointing._load_base_checkpoint",
+                   _load_base_checkpoint)
     _logger[:] = [cfg.logger]
     _checksum_checkpoints(cfg)
-    if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
+    if upstream_fixes.dataset_helper_is_prebuilt():
         # Bridge's initialize imports compile_helpers by name: patch its copy.
         upstream.patch("megatron.bridge.training.initialize.compile_helpers",
-                       skip_dataset_helper_build)
+                       upstream_fixes.skip_dataset_helper_build)
     if cpu_training.apply_bridge_compat():
         cfg.dist.distributed_backend = "gloo"  # NCCL needs GPUs
 

@@ -41,13 +41,11 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
 """
 
 import functools
-import importlib.machinery
 import inspect
 import re
 import warnings
 from pathlib import Path
 
-import megatron.core.datasets.utils
 import megatron.training.arguments
 import megatron.training.checkpointing
 import megatron.training.training
@@ -295,26 +293,16 @@ def _load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load',
                                      **kwargs)
 
 
-def dataset_helper_is_prebuilt(datasets_dir: Path) -> bool:
-    """The wheel's layout: megatron.core.datasets holds the built helper and no Makefile."""
-    built = any((datasets_dir / f'helpers_cpp{suffix}').exists()
-                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
-    return built and not (datasets_dir / 'Makefile').exists()
-
-
-def skip_dataset_helper_build():
-    """Replaces compile_helpers where the helper is prebuilt (dataset_helper_is_prebuilt)."""
-
-
 def install() -> None:
     """Point megatron.training's argument validation and optimizer factory at Muon-on-FSDP, and
     let it start on this machine (CPU layer without CUDA, the wheel's prebuilt dataset helper).
     Each patch is listed in megatron_muon.compat.upstream; `uninstall()` undoes them all."""
     apply_megatron_training_compat()
     upstream_fixes.apply()
-    if dataset_helper_is_prebuilt(Path(megatron.core.datasets.utils.__file__).parent):
+    if upstream_fixes.dataset_helper_is_prebuilt():
         # initialize.py imports compile_helpers from the module when it runs: patch the module.
-        upstream.patch('megatron.core.datasets.utils.compile_helpers', skip_dataset_helper_build)
+        upstream.patch('megatron.core.datasets.utils.compile_helpers',
+                       upstream_fixes.skip_dataset_helper_build)
     for target, replacement in (
             ('megatron.training.arguments.add_megatron_arguments', _add_megatron_arguments),
             ('megatron.training.arguments.validate_args', _validate_args),

@@ -50,6 +50,10 @@ SECTIONS = ((("model.module.", ""), "{}"),
 CHAIN_PREFIX = "module.module."
 
 
+# What a refusal asks for, in megatron.training's flag and Bridge's field.
+NO_LOAD_OPTIM = "--no-load-optim (Bridge: cfg.checkpoint.load_optim False)"
+
+
 class OptimizerStateNotLoadable(RuntimeError):
     pass
 
@@ -214,9 +218,8 @@ def _remapped(tensors: dict, names: dict, chain_names: dict, stored: dict) -> tu
             return remapped, OptimizerStateNotLoadable(
                 f"the Megatron DDP checkpoint has no {fqn.rsplit('.', 1)[1]} for "
                 f"{fqn.split('.', 2)[2].rsplit('.', 1)[0].removeprefix(CHAIN_PREFIX)}: it was "
-                f"saved by another optimizer or "
-                f"with --no-save-optim. Load the model only with --no-load-optim: the optimizer "
-                f"state then starts at zero.")
+                f"saved by another optimizer or with --no-save-optim. Load the model only with "
+                f"{NO_LOAD_OPTIM}: the optimizer state then starts at zero.")
         else:
             return remapped, RuntimeError(
                 f"{fqn.removeprefix('model.')} is not in the Megatron DDP checkpoint under the key "
@@ -253,8 +256,8 @@ def _bucket_space(common: dict, stored: dict, checkpoint_dir: Path) -> Exception
         return OptimizerStateNotLoadable(
             f"the Megatron DDP checkpoint in {checkpoint_dir} keeps --optimizer {saved}'s state "
             f"in DistributedOptimizer's buffer layout (--use-distributed-optimizer), which names "
-            f"no param: load its weights, iteration and schedule with --no-load-optim (the "
-            f"optimizer state then starts at zero; {saved}'s moments are not Muon's state)")
+            f"no param: load its weights with {NO_LOAD_OPTIM}; the optimizer state then starts "
+            f"at zero ({saved}'s moments are not Muon's state)")
     return None
 
 

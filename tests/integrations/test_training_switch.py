@@ -45,6 +45,7 @@ def _switch(rank, world_size, checkout):
     import megatron.training.global_vars
     import megatron.training.training
 
+    from megatron_muon.compat import upstream_fixes
     from megatron_muon.integrations import megatron_lm
     # In a Megatron-LM checkout (a Makefile beside the helper) the build runs, and a failing build
     # still stops the run.
@@ -58,7 +59,7 @@ def _switch(rank, world_size, checkout):
     megatron_lm.install()
     megatron_lm.install()  # idempotent
     # This venv has megatron-core's wheel: its helper is built, its Makefile absent.
-    assert datasets.compile_helpers is megatron_lm.skip_dataset_helper_build
+    assert datasets.compile_helpers is upstream_fixes.skip_dataset_helper_build
     assert megatron.training.training.get_megatron_optimizer is megatron_lm._get_megatron_optimizer
     args = _validate("--optimizer", "muon")
     assert args.optimizer == "muon" and args.use_megatron_fsdp and args.muon_dist_mode == "owner"
@@ -136,7 +137,7 @@ def test_install_lets_megatron_validate_muon_on_megatron_fsdp_only(distributed, 
     (["helpers.cpp"], False),  # nothing to build with, nothing built: the build fails, as before
 ])
 def test_dataset_helper_is_prebuilt_only_in_the_wheels_layout(tmp_path, files, prebuilt):
-    from megatron_muon.integrations.megatron_lm import dataset_helper_is_prebuilt
+    from megatron_muon.compat.upstream_fixes import dataset_helper_is_prebuilt
 
     for name in files:
         (tmp_path / name).touch()
