@@ -44,8 +44,7 @@ PUBLIC_MODULE = "megatron_muon.bridge"
 cpu_training.stand_in_for_gpu_only_imports()  # before anything imports megatron.bridge
 upstream.import_bridge()
 
-import megatron.bridge.training.checkpointing  # noqa: E402  (after the stand-ins)
-import megatron.bridge.training.initialize  # noqa: E402
+import megatron.bridge.training.initialize  # noqa: E402  (after the stand-ins)
 import megatron.bridge.training.train  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.bridge.training.checkpointing import (CheckpointType,  # noqa: E402
@@ -58,7 +57,8 @@ from megatron.bridge.utils.instantiate_utils import register_allowed_target_pref
 _megatron_clip_qk = megatron.bridge.training.train.clip_qk
 _bridge_training_log = megatron.bridge.training.train.training_log
 _TRAINING_LOG_PARAMETERS = inspect.signature(_bridge_training_log)
-_bridge_load_base_checkpoint = megatron.bridge.training.checkpointing._load_base_checkpoint
+_bridge_load_base_checkpoint = upstream.current(
+    "megatron.bridge.training.checkpointing._load_base_checkpoint")
 _LOAD_BASE_CHECKPOINT_PARAMETERS = inspect.signature(_bridge_load_base_checkpoint)
 _optimizers, _logger = [], []  # the run's Muon chain, once built; install()'s cfg.logger
 
