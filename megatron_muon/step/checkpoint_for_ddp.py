@@ -57,7 +57,7 @@ def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None
     for name, entry in model.items():
         if isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
             wanted.update(_model_reads(name, global_names[name], entry.data, stored))
-    by_key = {stored_key: name for name, stored_key in stored_keys(model).items()}
+    by_key = {found[:2]: name for name, found in stored_keys(model).items()}
     optimizer = sharded_state_dict.get("optimizer")
     if optimizer is not None:
         for entry in _sharded_entries(optimizer):

@@ -6,15 +6,14 @@ KeyError ('model'): torch_dist keys each tensor as megatron-core's sharded_state
 (transformer layers stacked on a leading axis, the local spec's layer norms under the linear
 layers they feed), fsdp_dtensor by module name.
 
-What is read, under the keys megatron-core's own sharded_state_dict gives this run's model (the
-GPTModel inside Megatron-FSDP makes the ShardedTensors Megatron DDP saved, experts at their
-global index, SwiGLU's fc1 through its factory where that tiles it: TP 1): the weights; with
-the optimizer, megatron-core Muon's momentum (and adaptive Muon's AdaMuon second moment), its
-scalar part's Adam moments and the step count (megatron-core's Muon chain saves them per
-param); the iteration, the learning-rate schedule, the RNG states and the args. Each rank reads
-only the rows it holds (StackedLoadPlanner), so nothing is gathered. Optimizer state saved in DistributedOptimizer's bucket space (Adam with
---use-distributed-optimizer) has no per-param keys: loading it stops, before anything changes,
-naming --no-load-optim."""
+What is read, under the keys megatron-core's sharded_state_dict gives this run's model (the
+GPTModel inside Megatron-FSDP makes the ShardedTensors Megatron DDP saved; experts at their global
+index; SwiGLU's fc1 by swiglu_rows): the weights; with the optimizer, megatron-core Muon's momentum
+(and AdaMuon's second moment), the scalar part's Adam moments and the step count (megatron-core's
+Muon chain saves them per param); the iteration, the schedule, the RNG states and the args. Each
+rank reads only the rows it holds (StackedLoadPlanner). Optimizer state in DistributedOptimizer's
+bucket space (--use-distributed-optimizer) names no param: loading it stops, before anything
+changes, naming --no-load-optim."""
 
 import dataclasses
 from pathlib import Path
@@ -34,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from .model_chunks import at_global_expert_index
+from .model_chunks import at_global_expert_index, find_megatron_fsdp
 
 # (prefix, suffix) of a fsdp_dtensor state dict's key around a param's name -> how megatron-core's
 # Muon chain keys the same tensor in torch_dist ("{}": the param's ShardedTensor key).
@@ -72,55 +71,47 @@ def common_state(checkpoint_dir: Path) -> dict:
     return dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
 
 
-def stored_tensors(model) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{param name: (its torch_dist key, its offsets on the key's stacked axes: a layer's, an
-    expert's)} from megatron-core's sharded_state_dict of the module Megatron-FSDP wraps: what a
-    torch_dist save of it keys its tensors by."""
-    return stored_keys(_inner(model).sharded_state_dict(
+def stored_tensors(model) -> dict[str, tuple]:
+    """stored_keys of megatron-core's sharded_state_dict of the module Megatron-FSDP wraps: how a
+    torch_dist save of it keys each param (stacked axes: a layer's, an expert's)."""
+    return stored_keys(find_megatron_fsdp(model).module.sharded_state_dict(
         prefix="", metadata={"singleton_local_shards": False}))
 
 
-def stored_keys(sharded: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{name: (torch_dist key, stacked-axis offsets)} of a model's sharded_state_dict: its
-    ShardedTensors, and a factory's tensor (SwiGLU's fc1) where its pieces tile it in order
-    (_tiled)."""
+def stored_keys(sharded: dict) -> dict[str, tuple]:
+    """{name: (torch_dist key, stacked-axis offsets, the rows' map: None, or swiglu_rows')} of
+    a model's sharded_state_dict: its ShardedTensors, and SwiGLU's fc1 (a factory)."""
     found = {}
     for name, entry in sharded.items():
-        if isinstance(entry, ShardedTensorFactory):
-            entry = _tiled(entry)
         if isinstance(entry, ShardedTensor):
-            found[name] = (entry.key, tuple(entry.global_offset[:entry.prepend_axis_num]))
+            found[name] = (entry.key, tuple(entry.global_offset[:entry.prepend_axis_num]), None)
+        elif isinstance(entry, ShardedTensorFactory) and (swiglu := swiglu_rows(entry)):
+            found[name] = swiglu
     return found
 
 
-def _inner(model):
-    """The module Megatron-FSDP wraps (GPTModel)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def _tiled(factory: ShardedTensorFactory) -> ShardedTensor | None:
-    """The first piece of what `factory` saves, where its pieces are stored, under one key, as
-    the param's rows in their order (SwiGLU's fc1 at TP 1: its gate rows, then its up rows,
-    megatron-core's apply_swiglu_sharded_factory), so the param reads as one block; else None
-    (TP > 1 interleaves the TP ranks' halves)."""
+def swiglu_rows(factory: ShardedTensorFactory) -> tuple | None:
+    """(key, stacked-axis offsets, rows) of SwiGLU's fc1 (apply_swiglu_sharded_factory stores
+    every TP rank's gate rows, then every up row), else None. `rows`: (first, end, first as stored)
+    of each run of the DTensor's rows (`factory.data`: the TP ranks' [gate; up] in TP order)."""
     shape = tuple(factory.data.shape)
     pieces = dataclasses.replace(factory, data=torch.empty(shape, device="meta")).build()
-    if not all(isinstance(piece, ShardedTensor) and piece.key == factory.key for piece in pieces):
+    if len(pieces) != 2 or any(not isinstance(piece, ShardedTensor) or piece.key != factory.key
+                               for piece in pieces):
         return None
-    axis, row = pieces[0].prepend_axis_num, 0
-    for piece in pieces:
-        if (piece.global_offset[axis] != row
-                or piece.global_offset[:axis] != pieces[0].global_offset[:axis]):
-            return None
-        row += piece.local_shape[0]
-    return pieces[0] if (row, *shape[1:]) == shape and pieces[0].global_shape[axis] == row else None
+    axis, built = pieces[0].prepend_axis_num, pieces[0].local_shape[0]
+    tp = (pieces[1].global_offset[axis] - pieces[0].global_offset[axis]) // built
+    if tp < 1 or shape[0] % (2 * tp):
+        return None
+    half = shape[0] // (2 * tp)  # a TP rank's gate rows, and its up rows
+    rows = tuple(run for r in range(tp) for run in ((2 * r * half, (2 * r + 1) * half, r * half),
+                 ((2 * r + 1) * half, (2 * r + 2) * half, (tp + r) * half)))
+    return factory.key, tuple(pieces[0].global_offset[:axis]), rows
 
 
-def stored_key(fqn: str, names: dict, chain_names: dict) -> tuple[str, tuple[int, ...]] | None:
-    """(the torch_dist key, the stacked axes' offsets) a flattened fsdp_dtensor key reads: a
-    weight by its model name (`names`), optimizer state by the chain's (`chain_names`)."""
+def stored_key(fqn: str, names: dict, chain_names: dict) -> tuple | None:
+    """(torch_dist key, stacked offsets, rows' map) a flattened fsdp_dtensor key reads: a weight
+    by its model name (`names`), optimizer state by the chain's (`chain_names`)."""
     for (prefix, suffix), template in SECTIONS:
         if fqn.startswith(prefix) and fqn.endswith(suffix):
             name = fqn[len(prefix):len(fqn) - len(suffix)]
@@ -128,28 +119,32 @@ def stored_key(fqn: str, names: dict, chain_names: dict) -> tuple[str, tuple[int
             by_name = chain_names if optimizer else names
             name = name.removeprefix(CHAIN_PREFIX) if optimizer else name
             if name in by_name:
-                key, stacked = by_name[name]
-                return template.format(key), stacked
+                key, stacked, rows = by_name[name]
+                return template.format(key), stacked, rows
     return None
 
 
 class StackedLoadPlanner(DefaultLoadPlanner):
-    """torch DCP's load planner, reading each tensor of `remapped` ({flattened fsdp_dtensor key:
-    (torch_dist key, stacked-axis offsets)}) from its torch_dist key: this rank's chunk of it,
-    at the stacked axes' offsets (a layer's, an expert's) before the chunk's own."""
+    """torch DCP's load planner reading each tensor of `remapped` ({its flattened key: (the key
+    it is stored under, its offsets on that tensor's leading stacked axes: a layer's, an
+    expert's; its rows' map)}) from that key: this rank's chunk of it, at the stacked offsets
+    before the chunk's own; where the rows' map is not None, each run of rows it stores apart
+    read apart (_pieces)."""
 
-    def __init__(self, remapped: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    def __init__(self, remapped: dict[str, tuple]) -> None:
         super().__init__(allow_partial_load=True)
-        self.remapped = remapped
+        self.remapped, self.views = remapped, {}
 
     def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
         items = []
-        for fqn, (key, stacked) in self.remapped.items():
-            ones = (1,) * len(stacked)
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(stacked + tuple(chunk.offsets)),
-                                           sizes=torch.Size(ones + tuple(chunk.sizes)))
-                      for chunk in _chunks(self.state_dict[fqn])]
+        for fqn, (key, stacked, rows) in self.remapped.items():
+            ones, chunks = (1,) * len(stacked), []
+            for chunk in _chunks(self.state_dict[fqn]):
+                for view, offsets, sizes in _pieces(chunk, rows):
+                    self.views[fqn, len(chunks)] = view
+                    chunks.append(ChunkStorageMetadata(offsets=torch.Size(stacked + offsets),
+                                                       sizes=torch.Size(ones + sizes)))
             items += [dataclasses.replace(
                 item, dest_index=dataclasses.replace(item.dest_index, fqn=fqn))
                 for item in create_read_items_for_chunk_list(key, stored[key], chunks)]
@@ -158,7 +153,22 @@ class StackedLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         local = self.state_dict[index.fqn]
         local = local.to_local() if isinstance(local, DTensor) else local
+        view = self.views[index.fqn, index.index]
+        local = local.narrow(0, *view) if view else local
         return local.view((1,) * len(self.remapped[index.fqn][1]) + tuple(local.shape))
+
+
+def _pieces(chunk, rows: tuple | None) -> list[tuple]:
+    """(the local tensor's rows it fills: (first, count), None for all; offsets and sizes as
+    stored) of each piece of `chunk` stored apart: its rows in each run of `rows` ((first, end,
+    first as stored) along dim 0: step.ddp_checkpoint.swiglu_rows), or, None, itself."""
+    offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+    if rows is None:
+        return [(None, offsets, sizes)]
+    start, end = offsets[0], offsets[0] + sizes[0]
+    return [((low - start, high - low), (at + low - first, *offsets[1:]), (high - low, *sizes[1:]))
+            for first, last, at in rows
+            for low, high in [(max(start, first), min(end, last))] if low < high]
 
 
 def _chunks(value: torch.Tensor) -> list:
@@ -183,7 +193,7 @@ def load(checkpoint_dir: Path, state_dict: dict) -> dict:
     remapped = {}
     if refusal is None:
         names = stored_tensors(model[0])
-        num_experts = getattr(getattr(_inner(model[0]), "config", None), "num_moe_experts", None)
+        num_experts = getattr(find_megatron_fsdp(model[0]).module.config, "num_moe_experts", None)
         remapped, refusal = _remapped(tensors, names, at_global_expert_index(names, num_experts),
                                       stored)
     _raise_on_every_rank(refusal)
@@ -203,7 +213,7 @@ def load(checkpoint_dir: Path, state_dict: dict) -> dict:
 
 
 def _remapped(tensors: dict, names: dict, chain_names: dict, stored: dict) -> tuple:
-    """({flattened key: (torch_dist key, stacked offsets)} of every tensor in `tensors`, None),
+    """({flattened key: stored_key's} of every tensor in `tensors`, None),
     or (what was found, the refusal): naming --no-load-optim where an optimizer state is not in
     the checkpoint (saved by another optimizer: Adam's moments where Muon's momentum is wanted),
     naming the param where a weight is not."""
@@ -224,8 +234,8 @@ def _remapped(tensors: dict, names: dict, chain_names: dict, stored: dict) -> tu
             return remapped, RuntimeError(
                 f"{fqn.removeprefix('model.')} is not in the Megatron DDP checkpoint under the key "
                 f"megatron-core's sharded_state_dict gives it here"
-                f"{f' ({found[0]})' if found else ''}: this layout (a TP > 1 SwiGLU fc1, ...) does "
-                f"not load from torch_dist yet; nothing was loaded")
+                f"{f' ({found[0]})' if found else ''}: this layout does not load from "
+                f"torch_dist yet; nothing was loaded")
     return remapped, None
 
 
