@@ -160,7 +160,8 @@ def test_muon_clip_through_bridge_clips_once_as_megatron_core_does_on_ddp():
 def test_a_run_resumed_from_bridges_checkpoint_continues_bit_identically_or_on_4_ranks(tmp_path):
     """Bridge saves Megatron-FSDP runs in fsdp_dtensor: stopped after 3 iterations and resumed,
     the run logs what the uninterrupted one does, bit for bit at W=2; resharded to W=4 (gradients
-    then add in another order) within tolerances.RTOL."""
+    then add in another order), or continued by megatron-core's Muon on Megatron DDP
+    (torch_dist), within tolerances.RTOL."""
     uninterrupted = _train()
     _train("--save", str(tmp_path), "--save-interval", "3", iterations=3)
     assert (tmp_path / "iter_0000003").is_dir()
@@ -170,6 +171,12 @@ def test_a_run_resumed_from_bridges_checkpoint_continues_bit_identically_or_on_4
         assert sorted(demo_log.exact_values(resumed, "lm loss")) == [4, 5, 6], nproc
         assert _checked_iterations(resumed) == [6], nproc  # Bridge's iteration, continued
         _assert_same_values(resumed, later, rtol, f"resumed at W={nproc}")
+    # The way back: megatron-core's Muon on Megatron DDP continues it (Bridge's own load asserts
+    # the formats match).
+    on_ddp = _train("--ddp", "--load", str(tmp_path))
+    assert "checkpoint" in on_ddp and "into Megatron DDP" in on_ddp
+    assert sorted(demo_log.exact_values(on_ddp, "lm loss")) == [4, 5, 6]
+    _assert_same_values(on_ddp, later, tolerances.RTOL, "continued on Megatron DDP")
     # megatron-muon's checksums on Bridge's save path: recorded by each rank, verified at load.
     checkpoint = tmp_path / "iter_0000003"
     assert sorted(p.name for p in (checkpoint / "checksums").iterdir()) == ["rank0.json",

@@ -11,13 +11,13 @@
     pretrain(cfg, forward_step)
 
 Bridge runs neither megatron.training's argument validation nor its optimizer factory: it builds
-the optimizer through the config's `provide()` where the config has one (Bridge's setup_optimizer).
-`install(cfg)` checks the ConfigContainer against integrations.rules (each refusal naming Bridge's
-field), turns `cfg.optimizer` into a MuonOptimizerConfig, whose `provide()` builds ours for Muon on
-Megatron-FSDP and megatron-core's otherwise, and makes Bridge's MuonClip ours: its train step calls
-megatron-core's `clip_qk(model)` after `optimizer.step()`, which would clip the whole weights again
-after our in-step clip of the sharded main weights. Without CUDA it applies the CPU layer for
-Bridge (compat.cpu); with CUDA it touches none.
+the optimizer through the config's `provide()` (Bridge's setup_optimizer). `install(cfg)` checks
+the ConfigContainer against integrations.rules (each refusal naming Bridge's field), makes
+`cfg.optimizer` a MuonOptimizerConfig (its `provide()` builds ours for Muon on Megatron-FSDP,
+megatron-core's otherwise), makes Bridge's MuonClip ours (its train step's `clip_qk(model)` would
+clip the whole weights again after our in-step clip of the sharded main weights), loads checkpoints
+across Megatron DDP and Megatron-FSDP, and without CUDA applies the CPU layer for Bridge
+(compat.cpu).
 """
 
 import dataclasses
@@ -32,7 +32,7 @@ from ..core.zero_adaptive_muon import check_adaptive_settings
 from ..core.settings import DIST_MODES, OWNER_CHOICES
 from ..distribution import step_report
 from ..plan import MAX_EXCHANGE_BYTES
-from ..step import checksums, ddp_checkpoint, qk_clip, rates_file
+from ..step import checkpoint_for_ddp, checksums, ddp_checkpoint, qk_clip, rates_file
 from ..step.chained import FSDPMuonChainedOptimizer
 from ..step.model_chunks import find_megatron_fsdp
 from . import factory, rules
@@ -136,8 +136,7 @@ class ChecksummedCheckpointManager(DefaultCheckpointManager):
 
 
 def _checkpoint_in(load_dir, ckpt_step) -> tuple[Path, bool] | None:
-    """(the checkpoint Bridge's load will read in `load_dir`, its own choice of it; whether a
-    release), or None."""
+    """(the checkpoint Bridge's load reads in `load_dir`, its own choice; a release?), or None."""
     iteration, release = (upstream.resolve_checkpoint_iteration(load_dir, ckpt_step)
                           if load_dir else (-1, False))
     if iteration == upstream.DIRECT_ITERATION_DIR:
@@ -147,20 +146,29 @@ def _checkpoint_in(load_dir, ckpt_step) -> tuple[Path, bool] | None:
 
 
 def _load_base_checkpoint(*args, **kwargs):
-    """Bridge's, but a Megatron DDP (torch_dist) checkpoint is loaded into Muon on Megatron-FSDP
-    (fsdp_dtensor) as megatron_muon.training's --load does it (step.ddp_checkpoint): Bridge's
-    asserts the formats match, after the model is built."""
+    """Bridge's (which asserts the formats match, after the build), but across formats as
+    megatron_muon.training's --load: a Megatron DDP (torch_dist) checkpoint into Muon on
+    Megatron-FSDP (step.ddp_checkpoint), ours into a Megatron DDP run (step.checkpoint_for_ddp)."""
     bound = _LOAD_BASE_CHECKPOINT_PARAMETERS.bind(*args, **kwargs).arguments
-    cfg, config = bound.get("cfg"), bound["ckpt_cfg"]
+    cfg, config, rank0 = bound.get("cfg"), bound["ckpt_cfg"], bound.get("rank0")
     found = _checkpoint_in(bound["load_dir"],
                            None if bound.get("ignore_ckpt_step") else config.ckpt_step)
-    if (bound.get("rank0") or cfg is None or not muon_on_megatron_fsdp(cfg)
-            or config.ckpt_format != "fsdp_dtensor" or found is None
-            or not ddp_checkpoint.is_torch_dist(found[0])):
+    if cfg is None or found is None:
         return _bridge_load_base_checkpoint(*args, **kwargs)
-    _log(f"loading the Megatron DDP (torch_dist) checkpoint {found[0]} into Muon on Megatron-FSDP")
-    return (ddp_checkpoint.load(found[0], bound["sharded_state_dict"]), str(found[0]), found[1],
-            CheckpointType.FSDP_DTENSOR)
+    checkpoint, release = found
+    if (muon_on_megatron_fsdp(cfg) and config.ckpt_format == "fsdp_dtensor" and not rank0
+            and ddp_checkpoint.is_torch_dist(checkpoint)):
+        _log(f"loading the Megatron DDP (torch_dist) checkpoint {checkpoint} into Megatron-FSDP")
+        return (ddp_checkpoint.load(checkpoint, bound["sharded_state_dict"]), str(checkpoint),
+                release, CheckpointType.FSDP_DTENSOR)
+    if (not _megatron_fsdp(cfg) and config.ckpt_format == "torch_dist"
+            and not ddp_checkpoint.is_torch_dist(checkpoint)
+            and checkpoint_for_ddp.is_ours(checkpoint)):  # rank0: Bridge reads the common state
+        _log(f"loading the Megatron-FSDP (fsdp_dtensor) checkpoint {checkpoint} into Megatron DDP")
+        state = (checkpoint_for_ddp.common_state(checkpoint) if rank0 else checkpoint_for_ddp.load(
+            checkpoint, bound["sharded_state_dict"], cfg.model.num_moe_experts))
+        return state, str(checkpoint), release, CheckpointType.GLOBAL
+    return _bridge_load_base_checkpoint(*args, **kwargs)
 
 
 def _megatron_fsdp(cfg) -> bool:

@@ -36,11 +36,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` (ZeROTensorParallelMuon)
     and `optimizer='adaptive_muon'` (ZeROTensorParallelAdaptiveMuon) on Megatron-FSDP chunks.
 
-    `muon_dist_mode`, `muon_owner_choice`, `muon_check_interval`, `muon_max_exchange_bytes`,
-    `muon_max_team_size` and `muon_use_syrk` are ZeROTensorParallelMuon's `dist_mode` ("owner"
-    or "allgather"), `owner_choice` ("time" or "bytes"), `check_interval`,
-    `max_exchange_bytes`, `max_team_size` and `use_syrk`
-    (also turned on by `OptimizerConfig.muon_use_syrk`, where megatron-core has it, as main does);
+    Each other `muon_*` argument is ZeROTensorParallelMuon's argument of that name without the
+    prefix (`use_syrk` also on with `OptimizerConfig.muon_use_syrk`, where megatron-core has it);
     `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on skipped steps."""
     upstream_fixes.apply()  # for every optimizer, where the installed upstream needs them
     fsdp_modules = [find_megatron_fsdp(chunk) for chunk in model_chunks]

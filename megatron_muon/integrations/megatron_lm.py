@@ -17,18 +17,15 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
 * fixes released Megatron-FSDP's gradients where upstream fixed them after the release, for every
   optimizer (compat.upstream_fixes: a buffer reduced over one rank, e.g. the experts' at
   expert parallel = data parallel, rescaled at every micro-batch);
-* lets a megatron-core whose dataset helper is built start without a Makefile (the wheel ships
-  `helpers_cpp` built and none, and initialize_megatron's `compile_helpers()` would exit); a
-  source checkout still builds, and a failed build still stops the run;
+* lets megatron-core's wheel (its dataset helper built, no Makefile) start: compat.upstream_fixes;
 * says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
   another optimizer, or with --no-save-optim), where DCP names one missing key;
 * loads a Megatron DDP checkpoint (`torch_dist`) into a Muon run on Megatron-FSDP with --load DIR
   (step.ddp_checkpoint): the weights, megatron-core Muon's state, the schedule; and ours into a
   Megatron DDP run (step.checkpoint_for_ddp);
 * gives Muon on Megatron-FSDP MuonClip (--qk-clip) and --log-max-attention-logit, on
-  megatron-core's local attention too: the optimizer's step reduces the max logits over the
-  data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
-  the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
+  megatron-core's local attention too (the step reduces the max logits over the data-parallel
+  ranks and clips the sharded main weights: step.qk_clip); the log prints each max logit;
 * reports the step (level 1) and its parts (level 2) to megatron.training's timers beside
   Megatron's (distribution.phases), its scalars to TensorBoard and W&B (distribution.step_report),
   and with --tensorboard-dir writes there the rates it measured (step.rates_file);

@@ -9,7 +9,7 @@ optimizer state, its RNG as a ShardedObject); each tensor is read whole from the
 of its param (its model name; the optimizer's by the chain's names, experts at their global
 index; SwiGLU's fc1 from the halves megatron.training's save splits it into) straight into the
 DDP run's tensor, and what dist_checkpointing.load would return is handed back. TP 1: a TP > 1
-run stops, before anything is read."""
+run stops, before anything is read. Bridge's load reaches it too (integrations.bridge)."""
 
 from pathlib import Path
 
@@ -39,8 +39,9 @@ def is_ours(checkpoint_dir: Path) -> bool:
 
 
 def common_state(checkpoint_dir: Path) -> dict:
-    """The args, iteration, checkpoint version and FLOP count of an fsdp_dtensor checkpoint."""
-    return _read(COMMON, checkpoint_dir, stored_metadata(checkpoint_dir))
+    """What of COMMON an fsdp_dtensor checkpoint holds (a Bridge run's: iteration, version)."""
+    stored = stored_metadata(checkpoint_dir)
+    return _read([key for key in COMMON if key in stored], checkpoint_dir, stored)
 
 
 def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None) -> dict:
@@ -79,7 +80,7 @@ def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None
                 [key for key in stored if key.startswith(prefix)], checkpoint_dir, stored).items()}
     if "rng_state" in sharded_state_dict:
         state["rng_state"] = _rng_states(checkpoint_dir, stored)
-    state.update(_read(COMMON, checkpoint_dir, stored))
+    state.update(_read([key for key in COMMON if key in stored], checkpoint_dir, stored))
     return state
 
 
