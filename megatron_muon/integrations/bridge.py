@@ -164,7 +164,8 @@ def _load_base_checkpoint(*args, **kwargs):
     if (not _megatron_fsdp(cfg) and config.ckpt_format == "torch_dist"
             and not ddp_checkpoint.is_torch_dist(checkpoint)
             and checkpoint_for_ddp.is_ours(checkpoint)):  # rank0: Bridge reads the common state
-        _log(f"loading the Megatron-FSDP (fsdp_dtensor) checkpoint {checkpoint} into Megatron DDP")
+        if not rank0:
+            _log(f"loading the Megatron-FSDP checkpoint {checkpoint} into Megatron DDP")
         state = (checkpoint_for_ddp.common_state(checkpoint) if rank0 else checkpoint_for_ddp.load(
             checkpoint, bound["sharded_state_dict"], cfg.model.num_moe_experts))
         return state, str(checkpoint), release, CheckpointType.GLOBAL

@@ -18,8 +18,7 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
   optimizer (compat.upstream_fixes: a buffer reduced over one rank, e.g. the experts' at
   expert parallel = data parallel, rescaled at every micro-batch);
 * lets megatron-core's wheel (its dataset helper built, no Makefile) start: compat.upstream_fixes;
-* says what to do when a Muon run's --load finds no optimizer state for it (a checkpoint saved by
-  another optimizer, or with --no-save-optim), where DCP names one missing key;
+* names --no-load-optim where a Muon run's --load finds no optimizer state (DCP names one key);
 * loads a Megatron DDP checkpoint (`torch_dist`) into a Muon run on Megatron-FSDP with --load DIR
   (step.ddp_checkpoint): the weights, megatron-core Muon's state, the schedule; and ours into a
   Megatron DDP run (step.checkpoint_for_ddp);
