@@ -161,7 +161,7 @@ class StackedLoadPlanner(DefaultLoadPlanner):
 def _pieces(chunk, rows: tuple | None) -> list[tuple]:
     """(the local tensor's rows it fills: (first, count), None for all; offsets and sizes as
     stored) of each piece of `chunk` stored apart: its rows in each run of `rows` ((first, end,
-    first as stored) along dim 0: step.ddp_checkpoint.swiglu_rows), or, None, itself."""
+    first as stored) along dim 0: swiglu_rows), or, None, itself."""
     offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
     if rows is None:
         return [(None, offsets, sizes)]
