@@ -162,7 +162,6 @@ def _load_base_checkpoint(*args, **kwargs):
         return (ddp_checkpoint.load(checkpoint, bound["sharded_state_dict"]), str(checkpoint),
                 release, CheckpointType.FSDP_DTENSOR)
     if (not _megatron_fsdp(cfg) and config.ckpt_format == "torch_dist"
-            and not ddp_checkpoint.is_torch_dist(checkpoint)
             and checkpoint_for_ddp.is_ours(checkpoint)):  # rank0: Bridge reads the common state
         if not rank0:
             _log(f"loading the Megatron-FSDP checkpoint {checkpoint} into Megatron DDP")

@@ -209,7 +209,6 @@ def _load_ddp_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, *
         return None
     checkpoint, iteration, release = found
     if (not args.use_megatron_fsdp and args.ckpt_format == 'torch_dist'
-            and not ddp_checkpoint.is_torch_dist(checkpoint)
             and checkpoint_for_ddp.is_ours(checkpoint)):
         if rank0:
             return (checkpoint_for_ddp.common_state(checkpoint), str(checkpoint), release,

@@ -22,7 +22,8 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .ddp_checkpoint import CHAIN_PREFIX, OptimizerStateNotLoadable, stored_keys, stored_metadata
+from .ddp_checkpoint import (CHAIN_PREFIX, OptimizerStateNotLoadable, is_torch_dist, stored_keys,
+                             stored_metadata)
 from .model_chunks import at_global_expert_index
 
 COMMON = ("args", "iteration", "checkpoint_version", "num_floating_point_operations_so_far")
@@ -32,15 +33,15 @@ SECTION_OF = {"momentum_buffer": "muon", "exp_avg": "state", "exp_avg_sq": "stat
 
 
 def is_ours(checkpoint_dir: Path) -> bool:
-    """Whether `checkpoint_dir` holds a Megatron-FSDP fsdp_dtensor checkpoint."""
-    if not (checkpoint_dir / ".metadata").is_file():
+    """Whether `checkpoint_dir` holds our fsdp_dtensor checkpoint (torch_dist told apart first)."""
+    if is_torch_dist(checkpoint_dir) or not (checkpoint_dir / ".metadata").is_file():
         return False
     return any(key.startswith("model.module.") for key in stored_metadata(checkpoint_dir))
 
 
-def common_state(checkpoint_dir: Path) -> dict:
+def common_state(checkpoint_dir: Path, stored: dict | None = None) -> dict:
     """What of COMMON an fsdp_dtensor checkpoint holds (a Bridge run's: iteration, version)."""
-    stored = stored_metadata(checkpoint_dir)
+    stored = stored or stored_metadata(checkpoint_dir)
     return _read([key for key in COMMON if key in stored], checkpoint_dir, stored)
 
 
@@ -80,7 +81,7 @@ def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None
                 [key for key in stored if key.startswith(prefix)], checkpoint_dir, stored).items()}
     if "rng_state" in sharded_state_dict:
         state["rng_state"] = _rng_states(checkpoint_dir, stored)
-    state.update(_read([key for key in COMMON if key in stored], checkpoint_dir, stored))
+    state.update(common_state(checkpoint_dir, stored))
     return state
 
 

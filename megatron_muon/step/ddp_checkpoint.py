@@ -160,8 +160,7 @@ class StackedLoadPlanner(DefaultLoadPlanner):
 
 def _pieces(chunk, rows: tuple | None) -> list[tuple]:
     """(the local tensor's rows it fills: (first, count), None for all; offsets and sizes as
-    stored) of each piece of `chunk` stored apart: its rows in each run of `rows` ((first, end,
-    first as stored) along dim 0: swiglu_rows), or, None, itself."""
+    stored) of each piece of `chunk` that `rows` (swiglu_rows' runs; None: none) stores apart."""
     offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
     if rows is None:
         return [(None, offsets, sizes)]
