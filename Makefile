@@ -53,48 +53,70 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3.14 python3 python; do \
 .PHONY: venv demo test test-fast test-lowest test-bridge test-automodel test-megatron-main test-gpu carry-over \
 	bench bench-demo scale sweep clean
 
-# $(1): the venv's folder; $(2): the constraints file that pins its dependencies; $(3): the
-# extras beside `test`. The pins go in as PIP_CONSTRAINT, which takes the place of any constraint
-# file pip's configuration names (a machine's global cap on torch, say) for that install: the
-# venv gets the file's versions wherever it is built.
-define make_venv
+# uv installs every venv: it keeps one copy of each wheel in its cache (~/.cache/uv) and links
+# it into each venv, so torch's CUDA build (about 6 GB with its nvidia-* wheels), which the main,
+# Bridge and Automodel venvs all hold at constraints/newest.txt's version, is downloaded and
+# unpacked once, not once a venv (pip took about 2 minutes a venv for what uv links in seconds).
+# uv itself lives in a venv of its own ($(UV_VENV)): the project's venvs hold what they held
+# when pip built them.
+UV_VENV := .venv-uv
+UV := $(UV_VENV)/bin/uv
+
+define need_python
 	@if [ -z "$(PYTHON)" ]; then \
 		echo "error: megatron-muon needs Python >= 3.12 (megatron-core and emerging-optimizers require it)."; \
 		echo "Install one (e.g. 'pyenv install 3.12' or your distribution's python3.12) and run make again."; \
 		exit 1; fi
-	@[ -x $(1)/bin/python ] && $(1)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { rm -rf $(1); $(PYTHON) -m venv $(1); }
-	$(1)/bin/python -m pip install -q --upgrade pip
-	PIP_CONSTRAINT="$(2)" $(1)/bin/python -m pip install -q -e '.[test$(3)]'
 endef
 
-$(VENV)/.installed: setup.py $(RANGES) constraints/newest.txt
-	$(call make_venv,$(VENV),constraints/newest.txt,$(COMMA)fsdp)
+$(UV):
+	$(need_python)
+	rm -rf $(UV_VENV) && $(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install -q uv
+
+# $(1): the venv's folder; $(2): the constraints files that pin what goes in; $(3): what to
+# install (pip's arguments). uv reads no pip configuration, so no global cap on torch that a
+# machine's pip may have applies: the venv gets the files' versions wherever it is built. It
+# compiles the bytecode, as pip does at install: where PYTHONDONTWRITEBYTECODE is set (CI's
+# machines have it), every fresh interpreter would otherwise compile each module it imports
+# from source, every time (20 s for one that imports megatron_muon, 5 s with the bytecode).
+define uv_install
+	$(UV) pip install -q --compile-bytecode --python $(1)/bin/python $(foreach file,$(2),-c $(file)) $(3)
+endef
+
+# A venv of Python's own (with pip, the newest, as its user expects), then uv_install.
+define make_venv
+	$(need_python)
+	@[ -x $(1)/bin/python ] && $(1)/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { rm -rf $(1); $(PYTHON) -m venv $(1); }
+	$(call uv_install,$(1),$(2),--upgrade pip $(3))
+endef
+
+$(VENV)/.installed: setup.py $(RANGES) constraints/newest.txt | $(UV)
+	$(call make_venv,$(VENV),constraints/newest.txt,-e '.[test$(COMMA)fsdp]')
 	touch $@
 
-$(LOWEST_VENV)/.installed: setup.py $(RANGES) constraints/lowest.txt
-	$(call make_venv,$(LOWEST_VENV),constraints/lowest.txt,$(COMMA)fsdp)
+$(LOWEST_VENV)/.installed: setup.py $(RANGES) constraints/lowest.txt | $(UV)
+	$(call make_venv,$(LOWEST_VENV),constraints/lowest.txt,-e '.[test$(COMMA)fsdp]')
 	touch $@
 
 # Bridge's wheel without its dependencies (GPU builds, hundreds of packages), then what its
 # training loop imports.
 $(BRIDGE_VENV)/.installed: setup.py $(RANGES) constraints/newest.txt \
-		constraints/bridge.txt
-	$(call make_venv,$(BRIDGE_VENV),constraints/newest.txt)
-	PIP_CONSTRAINT=constraints/bridge.txt $(BRIDGE_VENV)/bin/python -m pip install -q --no-deps \
-		megatron-bridge
-	PIP_CONSTRAINT="constraints/newest.txt constraints/bridge.txt" $(BRIDGE_VENV)/bin/python -m \
-		pip install -q $$(grep -v '^#\|megatron-bridge' constraints/bridge.txt | cut -d= -f1)
+		constraints/bridge.txt | $(UV)
+	$(call make_venv,$(BRIDGE_VENV),constraints/newest.txt,-e '.[test]')
+	$(call uv_install,$(BRIDGE_VENV),constraints/bridge.txt,--no-deps megatron-bridge)
+	$(call uv_install,$(BRIDGE_VENV),constraints/newest.txt constraints/bridge.txt,\
+		$$(grep -v '^#\|megatron-bridge' constraints/bridge.txt | cut -d= -f1))
 	touch $@
 
 # Automodel's wheel without its dependencies (GPU kernels among them), then what its recipes'
 # optimizer, distributed and config code imports, at the versions it pins.
 $(AUTOMODEL_VENV)/.installed: setup.py $(RANGES) constraints/newest.txt \
-		constraints/automodel.txt
-	$(call make_venv,$(AUTOMODEL_VENV),constraints/newest.txt)
-	PIP_CONSTRAINT=constraints/automodel.txt $(AUTOMODEL_VENV)/bin/python -m pip install -q \
-		$$(grep -v '^#\|nemo-automodel' constraints/automodel.txt | cut -d= -f1)
-	PIP_CONSTRAINT=constraints/automodel.txt $(AUTOMODEL_VENV)/bin/python -m pip install -q \
-		--no-deps nemo-automodel
+		constraints/automodel.txt | $(UV)
+	$(call make_venv,$(AUTOMODEL_VENV),constraints/newest.txt,-e '.[test]')
+	$(call uv_install,$(AUTOMODEL_VENV),constraints/automodel.txt,\
+		$$(grep -v '^#\|nemo-automodel' constraints/automodel.txt | cut -d= -f1))
+	$(call uv_install,$(AUTOMODEL_VENV),constraints/automodel.txt,--no-deps nemo-automodel)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -159,4 +181,4 @@ carry-over: venv
 	CARRY_OVER=all $(PY) -m pytest -q tests/e2e/test_carry_over.py
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) $(AUTOMODEL_VENV) $(MAIN_VENV) *.egg-info
+	rm -rf $(UV_VENV) $(VENV) $(LOWEST_VENV) $(BRIDGE_VENV) $(AUTOMODEL_VENV) $(MAIN_VENV) *.egg-info
