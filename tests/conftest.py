@@ -20,7 +20,7 @@ import pytest
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rank_processes import GRACE_SECONDS, free_port  # noqa: E402
+from rank_processes import GRACE_SECONDS, free_port, preload  # noqa: E402
 # This suite is gloo on CPU everywhere, also on a machine with GPUs (where it would otherwise
 # build its models on CUDA and start several ranks on one GPU): CUDA stays hidden from it and
 # from every process it starts. It says so first, also under -q.
@@ -78,11 +78,12 @@ def pytest_sessionstart(session):
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer")
 # Workers fork from one server process that has imported these once: each worker started with
 # "spawn" paid 6-10 s of CPU for the same imports. The server only imports (no patches, no
-# threads, no process group), so every worker still starts as a fresh interpreter would.
-_context = mp.get_context("forkserver")
-_context.set_forkserver_preload(["megatron_muon.tools.testing",
-                                 "megatron_muon.integrations.megatron_lm", "fsdp_models",
-                                 "torch.distributed.checkpoint"])
+# threads, no process group), so every worker still starts as a fresh interpreter would; the
+# last, forkserver_warmup, does once what each rank of a training run would do in its process.
+SERVER = mp.get_context("forkserver")
+SERVER_PRELOAD = ["megatron_muon.tools.testing", "megatron_muon.integrations.megatron_lm",
+                  "fsdp_models", "torch.distributed.checkpoint", "forkserver_warmup"]
+preload(SERVER, SERVER_PRELOAD)
 
 
 def _serve(rank, world_size, port, tasks, results):
@@ -137,11 +138,12 @@ class _Pool:
 
     def __init__(self, world_size, daemon=True):
         self.world_size = world_size
-        self.results = _context.Queue()
-        self.tasks = [_context.Queue() for _ in range(world_size)]
+        self.results = SERVER.Queue()
+        self.tasks = [SERVER.Queue() for _ in range(world_size)]
         port = free_port()
-        self.procs = [_context.Process(target=_serve, args=(r, world_size, port, self.tasks[r], self.results),
-                                  daemon=daemon) for r in range(world_size)]
+        self.procs = [SERVER.Process(target=_serve,
+                                     args=(r, world_size, port, self.tasks[r], self.results),
+                                     daemon=daemon) for r in range(world_size)]
         for p in self.procs:
             p.start()
 

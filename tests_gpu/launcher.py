@@ -32,7 +32,7 @@ def prepare() -> None:
     first process any test starts), not at import (the CPU suite imports tests_gpu for its
     command lines and has its own server)."""
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    CONTEXT.set_forkserver_preload(PRELOAD)
+    rank_processes.preload(CONTEXT, PRELOAD)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 600) -> list:

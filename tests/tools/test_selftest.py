@@ -1,17 +1,24 @@
-"""`python -m megatron_muon.selftest` as a user runs it on a cluster (here torchrun on gloo): a
-table with every configuration the world size allows, each exact (0 with fp32 Newton-Schulz) and
-passed, with its peak memory, exit status 0; a corrupted owner result makes its configuration fail
-and the run exit 1 (run with --optimizer adaptive_muon);
-a configuration past the time limit stops the run with status 2, named; --rates-dir writes the
-rates measured at construction for the scale model."""
+"""`python -m megatron_muon.selftest` as a user runs it on a cluster: a table with every
+configuration the world size allows, each exact (0 with fp32 Newton-Schulz) and passed, with its
+peak memory, exit status 0; a corrupted owner result makes its configuration fail and the run
+exit 1 (run with --optimizer adaptive_muon); a configuration past the time limit stops the run
+with status 2, named, as torchrun reports it (torchrun on gloo); --rates-dir writes the rates
+measured at construction for the scale model. The first two run each rank as torchrun would,
+forked from the suite's server (rank_processes: torchrun's ranks paid megatron-core's imports,
+four times over at W=4); the third is torchrun's own launch."""
 
 import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+
+import conftest
+from rank_processes import run_as_torchrun_would, run_ranks
 
 from megatron_muon.step.rates_file import RATES_FILE
 from megatron_muon.tools.scale.parts import Rates
@@ -29,10 +36,35 @@ ROW = re.compile(r"^(?P<name>\S.*?)\s+(?P<diff>\S+)\s+(?P<result>pass|FAIL)\b(?P
 
 
 def selftest(world_size: int, *flags: str) -> subprocess.CompletedProcess:
+    """torchrun's launch of the self-test."""
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(world_size), "-m", "megatron_muon.selftest", *flags],
         cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+class Ended(NamedTuple):
+    returncode: int
+    stdout: str  # rank 0's, where the self-test prints
+    stderr: str
+
+
+def selftest_in_forked_ranks(world_size: int, *flags: str) -> Ended:
+    """The self-test's ranks as torchrun would run them, forked from the suite's server without
+    a process group (the self-test starts its own); its exit status is the SystemExit a rank
+    raised. The other modules' idle gloo workers would take CPU from it (conftest)."""
+    conftest.close_pools()
+    with tempfile.TemporaryDirectory(prefix="selftest-") as log_dir:
+        try:
+            run_ranks(conftest.SERVER, run_as_torchrun_would, world_size,
+                      ["-m", "megatron_muon.selftest", *flags], log_dir, True)
+            returncode = 0
+        except RuntimeError as failure:
+            exited = re.search(r"^SystemExit: (\d+)$", str(failure), re.MULTILINE)
+            assert exited, failure
+            returncode = int(exited[1])
+        printed = (Path(log_dir, f"0.{stream}").read_text() for stream in ("log", "err"))
+        return Ended(returncode, *printed)
 
 
 def rows(stdout: str) -> dict:
@@ -52,7 +84,7 @@ def test_every_configuration_is_exact_and_passes(tmp_path):
     rates file and said in a line; with the user's model in Megatron's flags, its estimated step
     at W, 4 W and 16 W (tools.scale; tests/plan/test_scale_model.py holds the estimate to a
     run's plan) in the layout the flags give."""
-    run = selftest(4, "--rates-dir", str(tmp_path), *MODEL_FLAGS)
+    run = selftest_in_forked_ranks(4, "--rates-dir", str(tmp_path), *MODEL_FLAGS)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-4000:]}"
     assert re.search(r"^estimated optimizer step of your model \(TP 2\), .* on its 6 shapes",
                      run.stdout, re.MULTILINE), run.stdout
@@ -82,7 +114,7 @@ def test_every_configuration_is_exact_and_passes(tmp_path):
 def test_a_corrupted_owner_result_fails_its_configuration_and_the_run():
     """With --optimizer adaptive_muon (NorMuon, its second moment on the owners): the other
     configurations pass, exact."""
-    run = selftest(2, "--corrupt", "--optimizer", "adaptive_muon",
+    run = selftest_in_forked_ranks(2, "--corrupt", "--optimizer", "adaptive_muon",
                    "--adaptive-muon-moment2-method", "normuon")
     assert run.returncode == 1, f"{run.stdout}\n{run.stderr[-4000:]}"
     assert "--optimizer adaptive_muon (normuon)" in run.stdout, run.stdout

@@ -1,0 +1,24 @@
+"""Imported by the suites' forkserver (tests/conftest.py, tests_bridge/bridge_ranks.py) after
+their other preloads, before it forks any rank: what every rank of a training run otherwise pays
+once in its own process, paid once in the server. A W=2 demo run of 6 iterations
+(e2e_harness.training_log) took 3.9 s without it on 2 cores, 2.0 s with it.
+
+- megatron.training builds its tokenizer through megatron.core.tokenizers.text, which imports
+  transformers: about 0.8 s of a run.
+- megatron-core compiles its jit fusions (bias-GeLU, bias-dropout-add) with torch.compile, and
+  the first compile in a process initializes inductor (its pattern matcher, the hashes of torch's
+  own source that key its cache): about 1 s of a run. A compiled function of the same kind leaves
+  that done. Nothing compiled here reaches a rank's model: each rank compiles megatron-core's
+  functions itself, as it did before.
+- compile_threads 1: inductor would start a pool of compile workers (processes and a thread) in
+  the server, which a forked rank must not inherit (tests/conftest.py's server starts no
+  thread), and every rank started a pool of its own. It changes where inductor compiles, not
+  what it generates."""
+
+import megatron.core.tokenizers.text  # noqa: F401
+import torch
+import torch._inductor.config
+
+torch._inductor.config.compile_threads = 1
+torch.compile(lambda x, bias: torch.nn.functional.gelu(x + bias, approximate="tanh"))(
+    torch.zeros(4, 8), torch.zeros(8))
