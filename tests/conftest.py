@@ -40,6 +40,26 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {description}")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--largest-world-size", type=int, default=None, metavar="N",
+                     help="deselect the cases parametrized by a world_size above N (make "
+                          "test-lowest: 2, the W=4 cases running the upstream calls of their "
+                          "W=2 cases)")
+
+
+def pytest_collection_modifyitems(config, items):
+    largest = config.getoption("--largest-world-size")
+    if largest is None:
+        return
+    kept, wider = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        world_size = callspec.params.get("world_size", 0) if callspec else 0
+        (wider if world_size > largest else kept).append(item)
+    config.hook.pytest_deselected(items=wider)
+    items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def strategy_runs(tmp_path_factory):
     """e2e_harness.strategy_runs: the demo's runs by optimizer and strategy, each run once for
