@@ -1,6 +1,7 @@
 # `make demo` trains the demo GPT with Muon on Megatron-FSDP; `make test` runs the whole suite
 # (the GPU tests, which skip without CUDA and say why, then the gloo suite on CPU, whose summary is
-# the last line: CI reads it; `make test-gpu`: the GPU tests alone); `make test-fast` runs the gloo
+# the last line, after its 20 slowest tests: CI reads it; `make test-gpu`: the GPU tests alone);
+# `make test-fast` runs the gloo
 # suite without the tests marked e2e (the demo, torchrun, Megatron-LM-style scripts) or slow (5 s
 # or more on 2 cores), in under 3 minutes on 2 cores;
 # `make bench` measures the optimizer step (benchmarks/results/latest.json and .png) and each
@@ -82,8 +83,8 @@ $(UV):
 # install (pip's arguments). uv reads no pip configuration, so no global cap on torch that a
 # machine's pip may have applies: the venv gets the files' versions wherever it is built. It
 # compiles the bytecode, as pip does at install: where PYTHONDONTWRITEBYTECODE is set (this
-# project's machines have it), every fresh interpreter would otherwise compile each module it imports
-# from source, every time (20 s for one that imports megatron_muon, 5 s with the bytecode).
+# project's machines have it), every fresh interpreter would otherwise compile each module it
+# imports from source, every time (20 s for one that imports megatron_muon, 5 s with bytecode).
 define uv_install
 	$(UV) pip install -q --compile-bytecode --python $(1)/bin/python $(foreach file,$(2),-c $(file)) $(3)
 endef
@@ -130,19 +131,19 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q -rs tests_gpu
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations 20 tests
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not e2e and not slow" tests
 
 test-lowest: $(LOWEST_VENV)/.installed
-	$(LOWEST_VENV)/bin/python -m pytest -q --largest-world-size 2 $(LOWEST_TESTS)
+	$(LOWEST_VENV)/bin/python -m pytest -q --durations 20 --largest-world-size 2 $(LOWEST_TESTS)
 
 test-bridge: $(BRIDGE_VENV)/.installed
-	$(BRIDGE_VENV)/bin/python -m pytest -q tests_bridge
+	$(BRIDGE_VENV)/bin/python -m pytest -q --durations 20 tests_bridge
 
 test-automodel: $(AUTOMODEL_VENV)/.installed
-	$(AUTOMODEL_VENV)/bin/python -m pytest -q tests/integrations/test_automodel.py
+	$(AUTOMODEL_VENV)/bin/python -m pytest -q --durations 20 tests/integrations/test_automodel.py
 
 # megatron-core and the standalone megatron-fsdp built from $(MEGATRON_LM)'s source (a Megatron-LM
 # checkout, e.g. main), emerging-optimizers from $(EMERGING_OPTIMIZERS) if given, else the
