@@ -10,15 +10,11 @@ once in its own process, paid once in the server. A W=2 demo run of 6 iterations
   own source that key its cache): about 1 s of a run. A compiled function of the same kind leaves
   that done. Nothing compiled here reaches a rank's model: each rank compiles megatron-core's
   functions itself, as it did before.
-- compile_threads 1: inductor would start a pool of compile workers (processes and a thread) in
-  the server, which a forked rank must not inherit (tests/conftest.py's server starts no
-  thread), and every rank started a pool of its own. It changes where inductor compiles, not
-  what it generates."""
+- No compile workers: rank_processes.preload has set TORCHINDUCTOR_COMPILE_THREADS 1 before
+  the server started (tests/conftest.py's server starts no thread)."""
 
 import megatron.core.tokenizers.text  # noqa: F401
 import torch
-import torch._inductor.config
 
-torch._inductor.config.compile_threads = 1
 torch.compile(lambda x, bias: torch.nn.functional.gelu(x + bias, approximate="tanh"))(
     torch.zeros(4, 8), torch.zeros(8))

@@ -59,10 +59,16 @@ def preload(context, modules: list[str]) -> None:
     to forkserver.main, which never sets it) and ignores an ImportError in a preload, so a module
     beside the tests was skipped without a word and imported again in every rank: the folders of
     the repository on sys.path go to the server as PYTHONPATH (set before it starts; the
-    processes the tests start inherit it too, harmlessly)."""
+    processes the tests start inherit it too, harmlessly). So does TORCHINDUCTOR_COMPILE_THREADS
+    1: inductor's first compile in a process (megatron-core's jit fusions) would otherwise start
+    a pool of compile workers, processes that import torch (and a thread, which a forkserver must
+    not have when it forks), in the server and in every rank, torchrun's too (the demo's loss test
+    and the killed rank's, 60 s here together, took 48 s without them). It changes where inductor
+    compiles, not what it generates."""
     ours = [path for path in sys.path if path.startswith(str(REPO))]
     given = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(ours + given))
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     context.set_forkserver_preload(modules)
 
 

@@ -1,6 +1,6 @@
 """The ranks of the suite fork from one server (conftest.py) that has imported SERVER_PRELOAD:
 every preload is there in every rank (a module the server could not import was skipped without
-a word: rank_processes.preload), with forkserver_warmup's inductor setting."""
+a word: rank_processes.preload), with the one compile thread preload sets (no compile workers)."""
 
 from conftest import SERVER_PRELOAD
 from rank_processes import missing_preloads
