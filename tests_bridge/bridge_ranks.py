@@ -4,8 +4,8 @@ training scripts' imports once: a torchrun launch paid them in every rank (about
 process on 2 cores, Bridge's recipes and Hugging Face's models among them), which was most of
 `make test-bridge`. Each rank then runs its script as torchrun runs it
 (rank_processes.run_as_torchrun_would: the script as __main__, its own process group); the
-server itself imports and nothing else. What the ranks printed is the run's output, as
-torchrun's is."""
+server itself imports, runs tests/forkserver_warmup.py's one compile, and nothing else. What the
+ranks printed is the run's output, as torchrun's is."""
 
 import multiprocessing as mp
 import tempfile
