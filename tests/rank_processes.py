@@ -1,18 +1,22 @@
 """Ranks in processes that a launcher forked (tests/conftest.py's gloo pools, tests_gpu/launcher.py's
 and tests_bridge/bridge_ranks.py's servers, tests/fake_ranks.py): one rank of a training script
-run as torchrun would run it, `run_ranks`, which starts ranks and gathers what each returned, and
-`preload`, what the forkserver they fork from imports once. No imports of the package, so that
+run as torchrun would run it (`run_as_torchrun`: a whole run, as torchrun ends it), `run_ranks`,
+which starts ranks and gathers what each returned, and `preload`, what the forkserver they fork
+from imports once. No imports of the package, so that
 the suites share it without the gloo suite's conftest (which hides CUDA)."""
 
 import functools
 import os
 import queue
 import runpy
+import re
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 # How long the other ranks may take to report once one has failed or died. Their own report adds
@@ -51,6 +55,35 @@ def run_as_torchrun_would(rank, world_size, argv, log_dir, stderr_apart=False):
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+class Ended(NamedTuple):
+    """A run's end as subprocess.run gives torchrun's: its exit status, what the ranks printed on
+    stdout and on stderr (rank by rank; stderr then the first failing rank's traceback)."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_as_torchrun(context, argv: list[str], processes: int, timeout: float = 600,
+                    daemon: bool = True) -> Ended:
+    """`torchrun --nproc-per-node processes argv...` with each rank forked from `context`'s server
+    (run_as_torchrun_would; run_ranks, `daemon` as there). The exit status is the one a rank's
+    SystemExit gave, 1 for any other failure, 0."""
+    with tempfile.TemporaryDirectory(prefix="ranks-") as log_dir:
+        try:
+            run_ranks(context, run_as_torchrun_would, processes, argv, log_dir, True,
+                      timeout=timeout, daemon=daemon)
+            failure, returncode = "", 0
+        except RuntimeError as failed:
+            failure = str(failed)
+            exited = re.search(r"^SystemExit: (\d+)$", failure, re.MULTILINE)
+            returncode = int(exited[1]) if exited else 1
+        printed = {stream: "".join(log.read_text() for log in (Path(log_dir) / f"{rank}.{stream}"
+                                                               for rank in range(processes))
+                                   if log.exists())
+                   for stream in ("log", "err")}
+    return Ended(returncode, printed["log"], printed["err"] + failure)
 
 
 def preload(context, modules: list[str]) -> None:

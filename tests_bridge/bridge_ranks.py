@@ -8,12 +8,9 @@ server itself imports, runs tests/forkserver_warmup.py's one compile, and nothin
 ranks printed is the run's output, as torchrun's is."""
 
 import multiprocessing as mp
-import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import rank_processes
-from rank_processes import run_as_torchrun_would
 
 # megatron_muon.bridge first, as each script imports it: on CPU, Bridge's GPU-only imports need
 # its stand-ins.
@@ -23,26 +20,7 @@ SERVER_PRELOAD = ["megatron_muon.bridge", "bridge_pretrain", "bridge_recipe_pret
 rank_processes.preload(CONTEXT, SERVER_PRELOAD)
 
 
-class Run(NamedTuple):
-    """A run's end, as subprocess.run gives torchrun's: 0 or 1, what every rank printed (rank
-    by rank), and the first failing rank's traceback."""
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def run(script: Path, flags: list[str], processes: int, timeout: float = 600) -> Run:
+def run(script: Path, flags: list[str], processes: int) -> rank_processes.Ended:
     """`script` with `flags` on `processes` ranks. The ranks are not daemonic: Megatron DDP's
     torch_dist checkpoints are written by processes a rank starts."""
-    argv = [str(script), *flags]
-    with tempfile.TemporaryDirectory(prefix="bridge-") as log_dir:
-        try:
-            rank_processes.run_ranks(CONTEXT, run_as_torchrun_would, processes, argv, log_dir,
-                                     timeout=timeout, daemon=False)
-            failure = ""
-        except RuntimeError as failed:
-            failure = str(failed)
-        printed = "".join(log.read_text() for log in (Path(log_dir) / f"{rank}.log"
-                                                       for rank in range(processes))
-                          if log.exists())
-    return Run(1 if failure else 0, printed, failure)
+    return rank_processes.run_as_torchrun(CONTEXT, [str(script), *flags], processes, daemon=False)

@@ -20,7 +20,6 @@ import bridge_ranks
 import demo_log
 import rank_processes
 import tolerances
-from bridge_ranks import Run
 
 SCRIPT = Path(__file__).resolve().parent / "bridge_pretrain.py"
 RECIPE_SCRIPT = SCRIPT.with_name("bridge_recipe_pretrain.py")
@@ -35,7 +34,7 @@ def _checked_iterations(log: str) -> list[int]:
 
 
 def _run(*flags: str, nproc: int = 2, iterations: int = ITERATIONS,
-         script: Path = SCRIPT) -> Run:
+         script: Path = SCRIPT) -> rank_processes.Ended:
     """A Bridge run of `script` with `flags` at W=`nproc`, each rank as torchrun would run it,
     forked from a server that has imported Bridge once (bridge_ranks)."""
     return bridge_ranks.run(script, ["--iters", str(iterations), *flags], nproc)
@@ -53,7 +52,7 @@ def _train(*flags: str, nproc: int = 2, iterations: int = ITERATIONS, script: Pa
     """The log of a successful _run."""
     run = _run(*flags, nproc=nproc, iterations=iterations, script=script)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    return run.stdout
+    return run.stdout + run.stderr
 
 
 def _assert_same_values(got_log: str, expected_log: str, rtol: float, what,

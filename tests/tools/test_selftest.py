@@ -11,14 +11,12 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 
 import conftest
-from rank_processes import run_as_torchrun_would, run_ranks
+from rank_processes import Ended, run_as_torchrun
 
 from megatron_muon.step.rates_file import RATES_FILE
 from megatron_muon.tools.scale.parts import Rates
@@ -43,28 +41,12 @@ def selftest(world_size: int, *flags: str) -> subprocess.CompletedProcess:
         cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-class Ended(NamedTuple):
-    returncode: int
-    stdout: str  # rank 0's, where the self-test prints
-    stderr: str
-
-
 def selftest_in_forked_ranks(world_size: int, *flags: str) -> Ended:
     """The self-test's ranks as torchrun would run them, forked from the suite's server without
-    a process group (the self-test starts its own); its exit status is the SystemExit a rank
-    raised. The other modules' idle gloo workers would take CPU from it (conftest)."""
+    a process group (the self-test starts its own). The other modules' idle gloo workers would
+    take CPU from it (conftest)."""
     conftest.close_pools()
-    with tempfile.TemporaryDirectory(prefix="selftest-") as log_dir:
-        try:
-            run_ranks(conftest.SERVER, run_as_torchrun_would, world_size,
-                      ["-m", "megatron_muon.selftest", *flags], log_dir, True)
-            returncode = 0
-        except RuntimeError as failure:
-            exited = re.search(r"^SystemExit: (\d+)$", str(failure), re.MULTILINE)
-            assert exited, failure
-            returncode = int(exited[1])
-        printed = (Path(log_dir, f"0.{stream}").read_text() for stream in ("log", "err"))
-        return Ended(returncode, *printed)
+    return run_as_torchrun(conftest.SERVER, ["-m", "megatron_muon.selftest", *flags], world_size)
 
 
 def rows(stdout: str) -> dict:
