@@ -74,10 +74,14 @@ define need_python
 		exit 1; fi
 endef
 
+# A new uv first prunes its cache of the entries nothing reaches any more (older downloads of a
+# wheel: 12 GiB of them once): CI's disk ran out once, in its first minute ("No space left on
+# device" unpacking torch).
 $(UV):
 	$(need_python)
 	rm -rf $(UV_VENV) && $(PYTHON) -m venv $(UV_VENV)
 	$(UV_VENV)/bin/python -m pip install -q uv
+	$(UV) cache prune
 
 # $(1): the venv's folder; $(2): the constraints files that pin what goes in; $(3): what to
 # install (pip's arguments). uv reads no pip configuration, so no global cap on torch that a

@@ -1,29 +1,29 @@
 """The end-to-end tests' harness (no tests here): examples/pretrain_gpt.py, or a script laid out
 like Megatron-LM's own pretrain_gpt.py, trains through megatron.training on gloo.
 
-`torchrun_log` launches the demo with torchrun, as `make demo` does. `training_log`, `train` and
-`failure_of` run each rank of a script as torchrun would (its environment variables, the script
-as __main__) in a fresh process forked from the suite's server, which has imported torch and
-megatron once: a torchrun launch spent about half of its 15 s in the same imports, over again in
-every process. `strategy_runs` (conftest's session fixture of that name) runs the demo once per
-optimizer and sharding strategy for the tests of every e2e module that compare with it."""
+`demo_run_log`, `training_log`, `train` and `failure_of` run each rank of a script as torchrun
+would (its environment variables, the script as __main__) in a fresh process forked from the
+suite's server, which has imported torch and megatron once: a torchrun launch spent about half of
+its 15 s in the same imports, over again in every process (torchrun's own launch is
+test_e2e_fault's killed rank's). `strategy_runs` (conftest's session fixture of that name) runs
+the demo once per optimizer and sharding strategy for the tests of every e2e module that compare
+with it."""
 
 import functools
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+import conftest
 import demo_log
 from conftest import close_pools, first_failure, run_distributed
-from rank_processes import run_as_torchrun_would
+from rank_processes import run_as_torchrun, run_as_torchrun_would
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = 'examples/pretrain_gpt.py'
-TORCHRUN = Path(sys.executable).with_name('torchrun')
+TORCHRUN = Path(sys.executable).with_name('torchrun')  # test_e2e_fault's launch
 ITERATIONS = 25
 # Newton-Schulz in fp32 on every machine: the comparisons allow fp32 reordering (tolerances.py),
 # which bf16 matmuls would round up into differences of their own. The demo's own choice of
@@ -45,21 +45,14 @@ def no_idle_workers():
     close_pools()
 
 
-def torchrun_log(*flags: str, iterations: int = ITERATIONS, stderr: bool = False) -> str:
-    """Launch the demo with torchrun at W=2, as `make demo` does (its own precision); return
-    its log (with `stderr`, what it wrote there after it: Megatron's logger, e.g. its timers)."""
-    run = subprocess.run(
-        [str(TORCHRUN), '--standalone', '--nproc-per-node', '2', DEMO, '--train-iters',
-         str(iterations), '--eval-iters', '0', *flags],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, 'OMP_NUM_THREADS': '1'})
+def demo_run_log(*flags: str, iterations: int) -> str:
+    """The demo at W=2 at its own precision, as `make demo` runs it (each rank as torchrun would,
+    run_as_torchrun), and what every rank printed on stdout (rank 0's check lines; the last
+    rank's iterations), then on stderr (Megatron's logger: its timers)."""
+    run = run_as_torchrun(conftest.SERVER, [DEMO, '--train-iters', str(iterations),
+                                            '--eval-iters', '0', *flags], 2, daemon=False)
     assert run.returncode == 0, f'training failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}'
-    return run.stdout + run.stderr if stderr else run.stdout
-
-
-def torchrun(*flags: str, iterations: int = ITERATIONS) -> list[float]:
-    """The training losses of torchrun_log's run."""
-    return demo_log.losses(torchrun_log(*flags, iterations=iterations), 1, iterations)
+    return run.stdout + run.stderr
 
 
 def train(*flags: str, iterations: int = ITERATIONS, processes: int = 2,

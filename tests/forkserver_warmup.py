@@ -11,10 +11,18 @@ once in its own process, paid once in the server. A W=2 demo run of 6 iterations
   that done. Nothing compiled here reaches a rank's model: each rank compiles megatron-core's
   functions itself, as it did before.
 - No compile workers: rank_processes.preload has set TORCHINDUCTOR_COMPILE_THREADS 1 before
-  the server started (tests/conftest.py's server starts no thread)."""
+  the server started (tests/conftest.py's server starts no thread).
+- What the server imported is frozen (gc.freeze), in it and so in every process it forks:
+  Megatron-FSDP collects garbage whenever it builds a model (ParamAndGradBuffer's
+  _init_each_parameter_group_buffers), which scanned every object of torch, megatron and
+  transformers again each time, about 0.5 s of CPU per build in every rank."""
+
+import gc
 
 import megatron.core.tokenizers.text  # noqa: F401
 import torch
 
 torch.compile(lambda x, bias: torch.nn.functional.gelu(x + bias, approximate="tanh"))(
     torch.zeros(4, 8), torch.zeros(8))
+
+gc.freeze()
