@@ -1,21 +1,26 @@
 """The package's layers (docs/design.md) and the one direction their imports point: each layer
 imports only itself and the layers below it, the package's top-level modules (its public paths)
-import anything and nothing imports them; and every module and class stays small enough to read
-in one sitting."""
+import anything and nothing imports them; every module and class stays small enough to read in
+one sitting, and every layer's folder holds one concern's code (megatron_muon/README.md)."""
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import megatron_muon
 
 PACKAGE = Path(megatron_muon.__file__).parent
 # Lowest first: a layer may import the layers before it. plan/ and compat/ import nothing else.
-LAYERS = ("plan", "compat", "distribution", "core", "step", "integrations", "tools")
+LAYERS = ("plan", "compat", "distribution", "core", "step", "checkpoint", "integrations",
+          "tools")
 BELOW = {"plan": {"plan"}, "compat": {"compat"}, "distribution": {"plan", "compat", "distribution"}}
 for _lower, _layer in zip(LAYERS[2:], LAYERS[3:]):
     BELOW[_layer] = BELOW[_lower] | {_layer}
 TOP = "megatron_muon"  # the package's own modules: __init__ and the public entry points
-MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_LAYER_LINES = 400, 250, 1500
+MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 250  # every line
+# Code lines only: a docstring, a comment or a blank line never counts (megatron_muon/README.md).
+MAX_LAYER_CODE_LINES = 1200
 
 
 def _layer(module: str) -> str:
@@ -92,6 +97,33 @@ def _lines(node: ast.AST) -> int:
     return node.end_lineno - node.lineno + 1
 
 
+def code_lines(source: str) -> int:
+    """The lines of `source` that hold code: not blank, not only a comment, not part of a
+    docstring (a module's, a class's or a function's first statement, a string)."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    code = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                              tokenize.DEDENT, tokenize.ENDMARKER):
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code - docstrings)
+
+
+def test_code_lines_count_no_docstring_comment_or_blank_line():
+    source = ('"""A module\n\nits docstring."""\n\n# a comment\nimport os  # beside code\n\n\n'
+              'class A:\n    """Its docstring."""\n\n    def f(self):\n'
+              '        """One more."""\n        return (1 +\n                2)\n\n\n'
+              'TEXT = """a string, not a docstring\n"""\n')
+    # import os; class A:; def f(self):; return (1 + / 2); TEXT = """... / """
+    assert code_lines(source) == 7
+
+
 def test_modules_classes_and_layers_stay_small():
     modules = {module: (path.read_text(), _layer(module)) for module, _, path in _modules()}
     long_modules = {module: n for module, (source, _) in modules.items()
@@ -102,6 +134,6 @@ def test_modules_classes_and_layers_stay_small():
                     if isinstance(node, ast.ClassDef) and _lines(node) > MAX_CLASS_LINES}
     per_layer: dict[str, int] = {}
     for source, layer in modules.values():
-        per_layer[layer] = per_layer.get(layer, 0) + len(source.splitlines())
+        per_layer[layer] = per_layer.get(layer, 0) + code_lines(source)
     assert long_modules == {} and long_classes == {}
-    assert max(per_layer.values()) <= MAX_LAYER_LINES, per_layer
+    assert max(per_layer.values()) <= MAX_LAYER_CODE_LINES, per_layer

@@ -168,6 +168,16 @@ def unscaled_orthogonalize_fn(num_ns_steps: int, coefficient_type: str, tp_mode:
     return unscaled
 
 
+def scale_after_second_moment(optimizer, settings: dict) -> None:
+    """What AdaptiveMuon's constructor sets for its step (`scale_mode`, `extra_scale_factor`:
+    the scale it applies after the second moment), and Newton-Schulz without the scale; from
+    TensorParallelMuon's `settings` (megatron-core's optimizer, or ours)."""
+    optimizer.scale_mode = settings["scale_mode"]
+    optimizer.extra_scale_factor = settings["extra_scale_factor"]
+    optimizer.scaled_orthogonalize_fn = unscaled_orthogonalize_fn(
+        settings["num_ns_steps"], settings["coefficient_type"], settings["tp_mode"])
+
+
 def _adaptive_muon_scaled_once(init):
     """TensorParallelAdaptiveMuon.__init__: megatron-core's, then what AdaptiveMuon's constructor
     sets for its step (`scale_mode`, `extra_scale_factor`), and Newton-Schulz without the scale
@@ -179,11 +189,7 @@ def _adaptive_muon_scaled_once(init):
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         init(*bound.args, **bound.kwargs)
-        settings = bound.arguments
-        self.scale_mode = settings["scale_mode"]
-        self.extra_scale_factor = settings["extra_scale_factor"]
-        self.scaled_orthogonalize_fn = unscaled_orthogonalize_fn(
-            settings["num_ns_steps"], settings["coefficient_type"], settings["tp_mode"])
+        scale_after_second_moment(self, bound.arguments)
 
     return __init__
 

@@ -12,7 +12,7 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 from torch.distributed.tensor import DTensor, Shard
 
-from ..compat.upstream_fixes import unscaled_orthogonalize_fn, whole_shape
+from ..compat.upstream_fixes import scale_after_second_moment, whole_shape
 from ..distribution.dtensor_rows import ParamAttributes, num_experts, tp_local_rows
 from ..distribution.exchange import OwnerRoutes
 from ..distribution.group_plan import GroupPlan
@@ -76,11 +76,7 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
             group.setdefault("eps", eps)
 
     def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
-        # AdaptiveMuon's step reads these for the scale it applies after the second moment.
-        self.scale_mode = settings["scale_mode"]
-        self.extra_scale_factor = settings["extra_scale_factor"]
-        self.scaled_orthogonalize_fn = unscaled_orthogonalize_fn(
-            settings["num_ns_steps"], settings["coefficient_type"], settings["tp_mode"])
+        scale_after_second_moment(self, settings)  # AdaptiveMuon's step reads what it sets
 
     def initial_state(self, p: DTensor) -> dict[str, DTensor]:
         """Muon's state and the second moment, placed as `p` is: its columns per row

@@ -32,11 +32,12 @@ from ..core.zero_adaptive_muon import check_adaptive_settings
 from ..core.settings import DIST_MODES, OWNER_CHOICES
 from ..distribution import step_report
 from ..plan import MAX_EXCHANGE_BYTES
-from ..step import checkpoint_for_ddp, checksums, ddp_checkpoint, qk_clip, rates_file
-from ..step.chained import FSDPMuonChainedOptimizer
+from ..checkpoint import checksums, direction
+from ..step import qk_clip
 from ..step.model_chunks import find_megatron_fsdp
 from . import factory, rules
 from .arguments import FSDP_OPTIMIZERS
+from .run_state import RunState
 
 # Where users, and the configs Bridge saves, name this module's classes (megatron_muon/bridge.py).
 PUBLIC_MODULE = "megatron_muon.bridge"
@@ -60,7 +61,7 @@ _TRAINING_LOG_PARAMETERS = inspect.signature(_bridge_training_log)
 _bridge_load_base_checkpoint = upstream.current(
     "megatron.bridge.training.checkpointing._load_base_checkpoint")
 _LOAD_BASE_CHECKPOINT_PARAMETERS = inspect.signature(_bridge_load_base_checkpoint)
-_optimizers, _logger = [], []  # the run's Muon chain, once built; install()'s cfg.logger
+_RUN = RunState()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -107,15 +108,12 @@ class MuonOptimizerConfig(OptimizerConfig):
             muon_check_interval=self.muon_check_interval,
             muon_max_exchange_bytes=self.muon_max_exchange_bytes,
             muon_use_syrk=self.muon_use_syrk, muon_max_team_size=self.muon_max_team_size)
-        if isinstance(optimizer, FSDPMuonChainedOptimizer):  # its step's scalars go to the logs
-            _optimizers[:] = [optimizer]
-            if _logger and _logger[0].tensorboard_dir:  # and the rates it measured, beside them
-                rates_file.write_rates(optimizer, _logger[0].tensorboard_dir)
+        _RUN.built(optimizer, _RUN.tensorboard_dir)
         return optimizer
 
 
 class ChecksummedCheckpointManager(DefaultCheckpointManager):
-    """Bridge's own checkpoint manager plus megatron-muon's checksums (step.checksums):
+    """Bridge's own checkpoint manager plus megatron-muon's checksums (checkpoint.checksums):
     after a persistent, synchronous save each rank records its files' sizes and CRC-32s; before a
     load the checkpoint Bridge will read (its own choice of it) is verified on every rank, and a
     damaged file stops the run, named, before anything is read. install() makes it Bridge's
@@ -136,7 +134,8 @@ class ChecksummedCheckpointManager(DefaultCheckpointManager):
 
 
 def _checkpoint_in(load_dir, ckpt_step) -> tuple[Path, bool] | None:
-    """(the checkpoint Bridge's load reads in `load_dir`, its own choice; a release?), or None."""
+    """(the checkpoint Bridge's load reads in `load_dir`, by Bridge's own choice of iteration;
+    whether it is a release checkpoint, which has no iteration), or None where there is none."""
     iteration, release = (upstream.resolve_checkpoint_iteration(load_dir, ckpt_step)
                           if load_dir else (-1, False))
     if iteration == upstream.DIRECT_ITERATION_DIR:
@@ -147,8 +146,8 @@ def _checkpoint_in(load_dir, ckpt_step) -> tuple[Path, bool] | None:
 
 def _load_base_checkpoint(*args, **kwargs):
     """Bridge's (which asserts the formats match, after the build), but across formats as
-    megatron_muon.training's --load: a Megatron DDP (torch_dist) checkpoint into Muon on
-    Megatron-FSDP (step.ddp_checkpoint), ours into a Megatron DDP run (step.checkpoint_for_ddp)."""
+    megatron_muon.training's --load (checkpoint.direction). A Megatron DDP checkpoint's rank-0
+    read is Bridge's own."""
     bound = _LOAD_BASE_CHECKPOINT_PARAMETERS.bind(*args, **kwargs).arguments
     cfg, config, rank0 = bound.get("cfg"), bound["ckpt_cfg"], bound.get("rank0")
     found = _checkpoint_in(bound["load_dir"],
@@ -156,19 +155,18 @@ def _load_base_checkpoint(*args, **kwargs):
     if cfg is None or found is None:
         return _bridge_load_base_checkpoint(*args, **kwargs)
     checkpoint, release = found
-    if (muon_on_megatron_fsdp(cfg) and config.ckpt_format == "fsdp_dtensor" and not rank0
-            and ddp_checkpoint.is_torch_dist(checkpoint)):
-        _log(f"loading the Megatron DDP (torch_dist) checkpoint {checkpoint} into Megatron-FSDP")
-        return (ddp_checkpoint.load(checkpoint, bound["sharded_state_dict"]), str(checkpoint),
-                release, CheckpointType.FSDP_DTENSOR)
-    if (not _megatron_fsdp(cfg) and config.ckpt_format == "torch_dist"
-            and checkpoint_for_ddp.is_ours(checkpoint)):  # rank0: Bridge reads the common state
-        if not rank0:
-            _log(f"loading the Megatron-FSDP checkpoint {checkpoint} into Megatron DDP")
-        state = (checkpoint_for_ddp.common_state(checkpoint) if rank0 else checkpoint_for_ddp.load(
-            checkpoint, bound["sharded_state_dict"], cfg.model.num_moe_experts))
-        return state, str(checkpoint), release, CheckpointType.GLOBAL
-    return _bridge_load_base_checkpoint(*args, **kwargs)
+    crossing = direction.crossing(checkpoint, muon_on_megatron_fsdp=muon_on_megatron_fsdp(cfg),
+                                  megatron_fsdp=_megatron_fsdp(cfg),
+                                  ckpt_format=config.ckpt_format)
+    if crossing is None or (rank0 and crossing is direction.Direction.FROM_MEGATRON_DDP):
+        return _bridge_load_base_checkpoint(*args, **kwargs)
+    if rank0:
+        state = direction.read_before_the_load(crossing, checkpoint)
+    else:
+        _log(f"loading {crossing.says(checkpoint)}")
+        state = direction.load(crossing, checkpoint, bound["sharded_state_dict"],
+                               cfg.model.num_moe_experts)
+    return state, str(checkpoint), release, CheckpointType[crossing.value]
 
 
 def _megatron_fsdp(cfg) -> bool:
@@ -219,7 +217,7 @@ def install(cfg) -> None:
     upstream.patch("megatron.bridge.training.train.training_log", _training_log)
     upstream.patch("megatron.bridge.training.checkpointing._load_base_checkpoint",
                    _load_base_checkpoint)
-    _logger[:] = [cfg.logger]
+    _RUN.tensorboard_dir = cfg.logger.tensorboard_dir
     _checksum_checkpoints(cfg)
     if upstream_fixes.dataset_helper_is_prebuilt():
         # Bridge's initialize imports compile_helpers by name: patch its copy.
@@ -285,9 +283,9 @@ def _training_log(*args, **kwargs):
     report_memory_flag = _bridge_training_log(*args, **kwargs)
     logged = _TRAINING_LOG_PARAMETERS.bind(*args, **kwargs).arguments
     logger, state = logged["config"].logger, logged["global_state"]
-    if _optimizers and state.train_state.step % logger.log_interval == 0:
+    if _RUN.chain is not None and state.train_state.step % logger.log_interval == 0:
         step_report.log_beside_megatron(
-            _optimizers[-1], state.timers, logger.timing_log_level,
+            _RUN.chain, state.timers, logger.timing_log_level,
             logger.log_timers_to_tensorboard, (state.tensorboard_logger, state.wandb_logger),
             state.train_state.step, logger.log_interval, reset=True)
     return report_memory_flag

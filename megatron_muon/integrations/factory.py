@@ -36,9 +36,22 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` (ZeROTensorParallelMuon)
     and `optimizer='adaptive_muon'` (ZeROTensorParallelAdaptiveMuon) on Megatron-FSDP chunks.
 
-    Each other `muon_*` argument is ZeROTensorParallelMuon's argument of that name without the
-    prefix (`use_syrk` also on with `OptimizerConfig.muon_use_syrk`, where megatron-core has it);
-    `muon_max_consecutive_skipped_steps` FSDPMuonChainedOptimizer's limit on skipped steps."""
+    The `muon_*` arguments (each --muon-* flag's value; megatron_muon.arguments gives the flags):
+    - `muon_dist_mode`: ZeROTensorParallelMuon's `dist_mode`, "owner" (each matrix's
+      Newton-Schulz on one owner rank, rows exchanged) or "allgather" (every rank gathers every
+      matrix whole);
+    - `muon_owner_choice`: its `owner_choice`, "time" (owners by the step's estimated time, from
+      rates measured at construction) or "bytes" (by the bytes each rank receives);
+    - `muon_check_interval`: its `check_interval`, every how many steps the owners' updates are
+      also computed whole and compared (0: never);
+    - `muon_max_exchange_bytes`: its `max_exchange_bytes`, each rank's budget for one exchange's
+      buffers;
+    - `muon_max_team_size`: its `max_team_size`, how many ranks a matrix too large for one may
+      be split over (1: none);
+    - `muon_use_syrk`: its `use_syrk`, Newton-Schulz through emerging-optimizers' SYRK kernel
+      (also on with `OptimizerConfig.muon_use_syrk`, where megatron-core has it);
+    - `muon_max_consecutive_skipped_steps`: FSDPMuonChainedOptimizer's limit on steps skipped
+      in a row for a non-finite gradient before the run stops."""
     upstream_fixes.apply()  # for every optimizer, where the installed upstream needs them
     fsdp_modules = [find_megatron_fsdp(chunk) for chunk in model_chunks]
     ours = config.optimizer in FSDP_OPTIMIZERS and all(fsdp_modules)

@@ -17,20 +17,23 @@ Call `install()` once, before Megatron parses its arguments (it is idempotent). 
 * fixes released Megatron-FSDP's gradients where upstream fixed them after the release, for every
   optimizer (compat.upstream_fixes: a buffer reduced over one rank, e.g. the experts' at
   expert parallel = data parallel, rescaled at every micro-batch);
-* lets megatron-core's wheel (its dataset helper built, no Makefile) start: compat.upstream_fixes;
+* lets a megatron-core whose dataset helper is built start without a Makefile (the wheel ships
+  `helpers_cpp` built and none, and initialize_megatron's `compile_helpers()` would exit); a
+  source checkout still builds, and a failed build still stops the run (compat.upstream_fixes);
 * names --no-load-optim where a Muon run's --load finds no optimizer state (DCP names one key);
 * loads a Megatron DDP checkpoint (`torch_dist`) into a Muon run on Megatron-FSDP with --load DIR
-  (step.ddp_checkpoint): the weights, megatron-core Muon's state, the schedule; and ours into a
-  Megatron DDP run (step.checkpoint_for_ddp);
+  (checkpoint.from_megatron_ddp): the weights, megatron-core Muon's state, the schedule; and ours
+  into a Megatron DDP run (checkpoint.to_megatron_ddp; checkpoint.direction decides);
 * gives Muon on Megatron-FSDP MuonClip (--qk-clip) and --log-max-attention-logit, on
-  megatron-core's local attention too (the step reduces the max logits over the data-parallel
-  ranks and clips the sharded main weights: step.qk_clip); the log prints each max logit;
+  megatron-core's local attention too: the optimizer's step reduces the max logits over the
+  data-parallel ranks in one all-reduce and clips the sharded main weights (step.qk_clip);
+  the log prints each iteration's max logit (Megatron's own goes to TensorBoard and W&B only);
 * reports the step (level 1) and its parts (level 2) to megatron.training's timers beside
   Megatron's (distribution.phases), its scalars to TensorBoard and W&B (distribution.step_report),
   and with --tensorboard-dir writes there the rates it measured (step.rates_file);
 * makes a Muon-on-FSDP run record each checkpoint file's size and CRC-32 after a save
-  (megatron_muon.step.checksums) and verify them before a load, on every rank together: a damaged
-  file stops the run, named, before any state changes;
+  (checkpoint.checksums) and verify them before a load, on every rank together: a damaged file
+  stops the run, named, before any state changes;
 * accepts `--muon-fp32-matmul-prec highest` (fp32 Newton-Schulz, which Megatron's choices lack
   on CUDA) in every parse megatron.training makes, and warns once, on rank 0, when a Muon run
   asks for bf16 Newton-Schulz on a CPU that emulates bf16 matmuls (docs/newton-schulz-precision.md).
@@ -56,11 +59,12 @@ from ..compat import cpu, upstream, upstream_fixes
 from ..compat.cpu_training import apply_megatron_training_compat
 from ..plan import MAX_EXCHANGE_BYTES
 from ..distribution import step_report
-from ..step import checkpoint_for_ddp, checksums, ddp_checkpoint, qk_clip, rates_file
-from ..step.chained import FSDPMuonChainedOptimizer
+from ..checkpoint import checksums, direction, keys
+from ..step import qk_clip
 from . import factory
 from .arguments import (FSDP_OPTIMIZERS, mend_help_texts, muon_on_megatron_fsdp,
                         offer_fp32_newton_schulz, validate_muon_args)
+from .run_state import RunState
 
 _megatron_add_arguments = megatron.training.arguments.add_megatron_arguments
 _megatron_validate_args = megatron.training.arguments.validate_args
@@ -70,7 +74,7 @@ _megatron_save_checkpoint = megatron.training.training.save_checkpoint
 _megatron_load_checkpoint = megatron.training.training.load_checkpoint
 _megatron_clip_qk = megatron.training.training.clip_qk
 _megatron_training_log = megatron.training.training.training_log
-_optimizers: list = []  # the run's Muon chain on Megatron-FSDP, once built
+_RUN = RunState()
 _TRAINING_LOG_PARAMETERS = inspect.signature(_megatron_training_log)
 _LOAD_BASE_CHECKPOINT_PARAMETERS = inspect.signature(_megatron_load_base_checkpoint)
 # Megatron's optimizers that run Newton-Schulz at --muon-fp32-matmul-prec.
@@ -159,16 +163,13 @@ def _get_megatron_optimizer(*args, **kwargs):
         muon_use_syrk=getattr(flags, 'muon_use_syrk', False),
         muon_max_team_size=getattr(flags, 'muon_max_team_size', 1),
         **kwargs)
-    if isinstance(optimizer, FSDPMuonChainedOptimizer):  # its step's scalars go to the logs
-        _optimizers[:] = [optimizer]
-        if flags.tensorboard_dir:  # and the rates it measured, beside them
-            rates_file.write_rates(optimizer, flags.tensorboard_dir)
+    _RUN.built(optimizer, flags.tensorboard_dir)
     return optimizer
 
 
 def _load_base_checkpoint(*args, **kwargs):
     bound = _LOAD_BASE_CHECKPOINT_PARAMETERS.bind(*args, **kwargs)
-    loaded = _load_ddp_checkpoint(**bound.arguments)
+    loaded = _load_across_formats(**bound.arguments)
     if loaded is not None:
         return loaded
     try:
@@ -177,11 +178,9 @@ def _load_base_checkpoint(*args, **kwargs):
         missing = MISSING_OPTIMIZER_STATE.search(str(error))
         if missing is None or megatron.training.get_args().optimizer not in FSDP_OPTIMIZERS:
             raise
-        raise RuntimeError(
+        raise RuntimeError(keys.load_the_model_only(
             f'the checkpoint has no optimizer state for this run (first missing: {missing[1]}): '
-            f'it was saved by another optimizer, or with --no-save-optim. Load the model only with '
-            f'--no-load-optim: the optimizer state (Muon\'s momentum, the scalar optimizer\'s '
-            f'moments) then starts at zero.') from error
+            f'it was saved by another optimizer, or with --no-save-optim')) from error
 
 
 def _checkpoint_to_load(load_dir, args):
@@ -196,40 +195,28 @@ def _checkpoint_to_load(load_dir, args):
             iteration, release)
 
 
-def _load_ddp_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, **_):
-    """_load_base_checkpoint's result for a Muon run on Megatron-FSDP whose --load holds a Megatron
-    DDP (torch_dist) checkpoint, else None: on rank0 (the args, the iteration) what upstream's
-    fsdp_dtensor path reads, so load_checkpoint then generates a fsdp_dtensor state dict; with it,
-    that state dict filled from the torch_dist checkpoint (ddp_checkpoint.load). The way back: a
-    Megatron DDP run (torch_dist) whose --load holds our fsdp_dtensor checkpoint gets, on rank0,
-    its args and iteration (so load_checkpoint generates its torch_dist state dict), then that
-    state dict loaded from it (checkpoint_for_ddp.load; upstream: a bare AttributeError)."""
+def _load_across_formats(load_dir, args, rank0=False, sharded_state_dict=None, **_):
+    """_load_base_checkpoint's result where --load crosses formats (checkpoint.direction: a Muon
+    run on Megatron-FSDP whose --load holds a Megatron DDP checkpoint, or a Megatron DDP run
+    whose --load holds ours; upstream: a bare KeyError, or AttributeError), else None: on rank0
+    what the direction reads before the load (the args, the iteration), so that load_checkpoint
+    then generates the state dict of the run's own format; with it, that state dict loaded."""
     found = _checkpoint_to_load(load_dir, args)
     if found is None:
         return None
     checkpoint, iteration, release = found
-    if (not args.use_megatron_fsdp and args.ckpt_format == 'torch_dist'
-            and checkpoint_for_ddp.is_ours(checkpoint)):
-        if rank0:
-            return (checkpoint_for_ddp.common_state(checkpoint), str(checkpoint), release,
-                    CheckpointType.GLOBAL)
-        megatron.training.checkpointing.set_loaded_iteration(iteration)
-        print_rank_0(f' loading Megatron-FSDP (fsdp_dtensor) checkpoint from {load_dir} at '
-                     f'iteration {iteration} into Megatron DDP')
-        return (checkpoint_for_ddp.load(checkpoint, sharded_state_dict, args.num_experts),
-                str(checkpoint), release, CheckpointType.GLOBAL)
-    if not (muon_on_megatron_fsdp(args) and args.ckpt_format == 'fsdp_dtensor'
-            and ddp_checkpoint.is_torch_dist(checkpoint)):
+    crossing = direction.crossing(checkpoint, muon_on_megatron_fsdp=muon_on_megatron_fsdp(args),
+                                  megatron_fsdp=args.use_megatron_fsdp,
+                                  ckpt_format=args.ckpt_format)
+    if crossing is None:
         return None
     if rank0:
-        common = ddp_checkpoint.common_state(checkpoint)
-        state = {key: common.get(key) for key in ('args', 'iteration', 'checkpoint_version')}
+        state = direction.read_before_the_load(crossing, checkpoint)
     else:
         megatron.training.checkpointing.set_loaded_iteration(iteration)
-        print_rank_0(f' loading Megatron DDP (torch_dist) checkpoint from {load_dir} at iteration '
-                     f'{iteration} into Megatron-FSDP')
-        state = ddp_checkpoint.load(checkpoint, sharded_state_dict)
-    return state, str(checkpoint), release, CheckpointType.FSDP_DTENSOR
+        print_rank_0(f' loading {crossing.says(checkpoint)} at iteration {iteration}')
+        state = direction.load(crossing, checkpoint, sharded_state_dict, args.num_experts)
+    return state, str(checkpoint), release, CheckpointType[crossing.value]
 
 
 def _clip_qk(model, log_max_only=False):
@@ -254,9 +241,9 @@ def _training_log(*args, **kwargs):
     if flags.log_max_attention_logit and (logging or first):
         print_rank_last(f' iteration {iteration:8d} | max attention logit: '
                         f'{logged["max_attention_logit"]:.4f} |')
-    if (logging or first) and muon_on_megatron_fsdp(flags) and _optimizers:
+    if (logging or first) and muon_on_megatron_fsdp(flags) and _RUN.chain is not None:
         step_report.log_beside_megatron(
-            _optimizers[-1], megatron.training.get_timers(), flags.timing_log_level,
+            _RUN.chain, megatron.training.get_timers(), flags.timing_log_level,
             flags.log_timers_to_tensorboard, (megatron.training.get_tensorboard_writer(),
                                               megatron.training.get_wandb_writer()),
             iteration, flags.log_interval, reset=not first)

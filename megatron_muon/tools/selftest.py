@@ -280,14 +280,16 @@ def print_estimates(args, world_size: int, run_rates) -> None:
 
     from .testing import init_parallel_state
 
-    (name, spec), tp = args.estimate, args.tensor_model_parallel_size
+    name, spec = args.estimate
+    tp = args.tensor_model_parallel_size
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     init_parallel_state()
     table = json.loads(run_rates.read_text()) if run_rates else {}
     shapes = newton_schulz_shapes(spec, tp, OptimizerConfig.muon_tp_mode)
     steps = OptimizerConfig.muon_num_ns_steps
     table.update(measure_rates(steps, shapes, report=None, device_too=not table))
-    rates, measured = Rates(table), [tflops for _, tflops in table["newton_schulz"]]
+    rates = Rates(table)
+    measured = [tflops for _, tflops in table["newton_schulz"]]
     assumptions = assumed(rates, steps)
     print(f"estimated optimizer step of {name} (TP {tp}), ms, collectives' latency counted: "
           f"Newton-Schulz timed here on its {len(shapes)} shapes ({min(measured):.3g}-"

@@ -178,7 +178,7 @@ SWIGLU_AND_EXPERTS = ('--swiglu', '--num-experts', '4', '--moe-router-topk', '2'
 
 def test_a_megatron_ddp_muon_run_continues_on_megatron_fsdp(tmp_path):
     """megatron-core's Muon on Megatron DDP saves torch_dist at iteration 3; ours on Megatron-FSDP
-    loads it with --load and its own flags (step.ddp_checkpoint: the weights, Muon's
+    loads it with --load and its own flags (checkpoint.from_megatron_ddp: the weights, Muon's
     momentum, Adam's moments, the step count, the schedule, the RNG) and computes iterations 4-6
     as the DDP run did, with SwiGLU and experts over EP=2 (their momentum under the global
     expert index). Saving needs megatron-core's torch_dist writer, which imports psutil
@@ -210,7 +210,7 @@ def test_an_adam_ddp_checkpoint_loads_into_muon_with_no_load_optim_only(tmp_path
 def test_megatron_ddp_continues_a_megatron_fsdp_muon_checkpoint(strategy_runs, tmp_path):
     """The way back: our ZeRO-3 Muon checkpoint of iteration 3, loaded by megatron-core's Muon on
     Megatron DDP with --load and the DDP run's own flags (--ckpt-format torch_dist;
-    step.checkpoint_for_ddp: weights, momentum, Adam's moments and step, schedule, RNG), computes
+    checkpoint.to_megatron_ddp: weights, momentum, Adam's moments and step, schedule, RNG), computes
     iterations 4-6 as our uninterrupted run (upstream: AttributeError 'NoneType' object has no
     attribute 'items'). So does Megatron's own converter (--ckpt-convert-format torch_dist, which
     saves what the load gave and exits): its torch_dist checkpoint, which Megatron-Bridge's

@@ -1,8 +1,8 @@
 """End to end, training: examples/pretrain_gpt.py trains the demo GPT with megatron.training at
-W=2 (at its own precision, as `make demo` runs it, and under every sharding strategy), and at W=4
-with experts and tensor parallelism (HSDP and HFSDP against Megatron DDP, in process: the flag
-sweep, tests/e2e/test_flag_sweep.py); a script laid out like Megatron-LM's own pretrain_gpt.py trains
-with only the README's additions (e2e_harness runs them)."""
+W=2 (at its own precision, as `make demo` runs it, and under every sharding strategy), and at
+W=4 with experts and tensor parallelism (HSDP and HFSDP against Megatron DDP, in process: the
+flag sweep, tests/e2e/test_flag_sweep.py); a script laid out like Megatron-LM's own
+pretrain_gpt.py trains with only the README's additions (e2e_harness runs them)."""
 
 import json
 import re

@@ -1,15 +1,15 @@
 """A Megatron-FSDP checkpoint of ours (`fsdp_dtensor`) loaded by a Megatron DDP run
 (`--ckpt-format torch_dist`: megatron-core's Muon, or any optimizer with --no-load-optim, e.g. to
-evaluate), on the fly in megatron.training's load path (integrations.megatron_lm's
-_load_base_checkpoint calls `load`): the reverse of ddp_checkpoint. Unaided, megatron.training
-takes the directory for a plain DCP checkpoint and stops with a bare AttributeError.
+evaluate), on the fly in the load path of megatron.training and of Bridge (checkpoint.direction
+decides, and calls `load`): the reverse of from_megatron_ddp. Unaided, megatron.training takes
+the directory for a plain DCP checkpoint and stops with a bare AttributeError.
 
 The DDP run generates its torch_dist state dict (ShardedTensors around its own params and
 optimizer state, its RNG as a ShardedObject); each tensor is read whole from the fsdp_dtensor key
 of its param (its model name; the optimizer's by the chain's names, experts at their global
 index; SwiGLU's fc1 from the halves megatron.training's save splits it into) straight into the
 DDP run's tensor, and what dist_checkpointing.load would return is handed back. TP 1: a TP > 1
-run stops, before anything is read. Bridge's load reaches it too (integrations.bridge)."""
+run stops, before anything is read."""
 
 from pathlib import Path
 
@@ -22,21 +22,9 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .ddp_checkpoint import (CHAIN_PREFIX, OptimizerStateNotLoadable, is_torch_dist, stored_keys,
-                             stored_metadata)
-from .model_chunks import at_global_expert_index
-
-COMMON = ("args", "iteration", "checkpoint_version", "num_floating_point_operations_so_far")
-# megatron-core's model-space optimizer keys ("optimizer.state.<kind>.<param's key>") -> the
-# section of our chain's checkpoint that holds that kind.
-SECTION_OF = {"momentum_buffer": "muon", "exp_avg": "state", "exp_avg_sq": "state"}
-
-
-def is_ours(checkpoint_dir: Path) -> bool:
-    """Whether `checkpoint_dir` holds our fsdp_dtensor checkpoint (torch_dist told apart first)."""
-    if is_torch_dist(checkpoint_dir) or not (checkpoint_dir / ".metadata").is_file():
-        return False
-    return any(key.startswith("model.module.") for key in stored_metadata(checkpoint_dir))
+from ..step.model_chunks import at_global_expert_index
+from .keys import (CHAIN_PREFIX, COMMON, MODEL, SCHEDULER, OptimizerStateNotLoadable, StoredKey,
+                   load_the_model_only, optimizer_section, stored_keys, stored_metadata)
 
 
 def common_state(checkpoint_dir: Path, stored: dict | None = None) -> dict:
@@ -59,7 +47,7 @@ def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None
     for name, entry in model.items():
         if isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
             wanted.update(_model_reads(name, global_names[name], entry.data, stored))
-    by_key = {found[:2]: name for name, found in stored_keys(model).items()}
+    by_key = {(found.key, found.stacked): name for name, found in stored_keys(model).items()}
     optimizer = sharded_state_dict.get("optimizer")
     if optimizer is not None:
         for entry in _sharded_entries(optimizer):
@@ -70,13 +58,13 @@ def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None
                            f"it was saved for another model; nothing was loaded")
     _fill(wanted, checkpoint_dir)
     state = _with_data({key: value for key, value in sharded_state_dict.items()
-                        if key not in ("rng_state", "opt_param_scheduler")})
+                        if key not in ("rng_state", SCHEDULER)})
     if optimizer is not None:
         _with_common_step(state["optimizer"],
                           _read(["optimizer.step"], checkpoint_dir, stored)["optimizer.step"])
-    if "opt_param_scheduler" in sharded_state_dict:
-        prefix = "opt_param_scheduler."
-        state["opt_param_scheduler"] = {
+    if SCHEDULER in sharded_state_dict:
+        prefix = f"{SCHEDULER}."
+        state[SCHEDULER] = {
             key[len(prefix):]: value for key, value in _read(
                 [key for key in stored if key.startswith(prefix)], checkpoint_dir, stored).items()}
     if "rng_state" in sharded_state_dict:
@@ -88,14 +76,15 @@ def load(checkpoint_dir: Path, sharded_state_dict: dict, num_experts: int | None
 def _model_reads(name: str, global_name: str, data: torch.Tensor, stored: dict) -> dict:
     """{fsdp_dtensor key: the DDP tensor (or rows of it) it fills} for a weight: whole, or a
     gated fc1's halves (megatron.training's save splits it: handle_swiglu_in_state_dict)."""
-    key = f"model.module.{global_name}"
+    key = f"{MODEL.prefix}{global_name}"
     if key in stored or f"{key}_w" not in stored:
         return {key: data}
     half = data.shape[0] // 2
     return {f"{key}_w": data[:half], f"{key}_v": data[half:]}
 
 
-def _optimizer_reads(entry, by_key: dict, global_names: dict, stored: dict) -> dict:
+def _optimizer_reads(entry, by_key: dict[tuple[str, tuple[int, ...]], str], global_names: dict,
+                     stored: dict) -> dict:
     """{fsdp_dtensor key: tensor} for one of megatron-core's model-space optimizer tensors: a
     state from our chain's section of its kind; an fp32 master weight (bf16 runs) from our
     model section, which holds the fp32 main weights."""
@@ -106,17 +95,17 @@ def _optimizer_reads(entry, by_key: dict, global_names: dict, stored: dict) -> d
     name = by_key.get((model_key, stacked))
     if name is not None and kind == "fp32_param":
         return _model_reads(name, global_names[name], entry.data, stored)
-    if kind not in SECTION_OF or name is None:
-        raise OptimizerStateNotLoadable(
+    section = optimizer_section(kind)
+    if section is None or name is None:
+        raise OptimizerStateNotLoadable(load_the_model_only(
             f"this run's optimizer state {entry.key} has no counterpart in a Megatron-FSDP Muon "
-            f"checkpoint (DistributedOptimizer's buffer layout, or another optimizer's): load the "
-            f"model only with --no-load-optim")
-    return {f"optimizer.{SECTION_OF[kind]}.{CHAIN_PREFIX}{global_names[name]}.{kind}": entry.data}
+            f"checkpoint (DistributedOptimizer's buffer layout, or another optimizer's)"))
+    return {f"{section.prefix}{CHAIN_PREFIX}{global_names[name]}{section.suffix}": entry.data}
 
 
-def _first_stacked(factory: ShardedTensorFactory) -> tuple:
-    piece = stored_keys({"": factory}).get("")
-    return piece[1] if piece else ()
+def _first_stacked(factory: ShardedTensorFactory) -> tuple[int, ...]:
+    piece: StoredKey | None = stored_keys({"": factory}).get("")
+    return piece.stacked if piece else ()
 
 
 def _sharded_entries(tree):

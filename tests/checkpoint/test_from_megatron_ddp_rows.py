@@ -1,5 +1,5 @@
 """Where a Megatron DDP torch_dist checkpoint stores the rows of Megatron-FSDP's SwiGLU fc1
-(step.ddp_checkpoint.swiglu_rows), and the pieces a rank's chunk is read in (_pieces), against
+(checkpoint.keys.swiglu_rows), and the pieces a rank's chunk is read in (_pieces), against
 megatron-core's own apply_swiglu_sharded_factory."""
 
 import pytest
@@ -8,7 +8,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from megatron_muon.step.ddp_checkpoint import _pieces, swiglu_rows
+from megatron_muon.checkpoint.from_megatron_ddp import _pieces
+from megatron_muon.checkpoint.keys import swiglu_rows
 
 LAYER = (0, 1, 2)  # layer 1 of 2, stacked on a leading axis as torch_dist saves layers
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_muon.step import checksums
+from megatron_muon.checkpoint import checksums
 
 
 @pytest.fixture

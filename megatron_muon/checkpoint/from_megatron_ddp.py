@@ -1,10 +1,8 @@
 """A Megatron DDP checkpoint (`--ckpt-format torch_dist`) loaded by a Muon run on Megatron-FSDP
-(`fsdp_dtensor`), on the fly in megatron.training's load path: `--load DIR` with the new run's
-own flags (integrations.megatron_lm's _load_base_checkpoint calls `load`). Unaided,
+(`fsdp_dtensor`), on the fly in the load path of megatron.training (`--load DIR` with the new
+run's own flags) and of Bridge: checkpoint.direction decides, and calls `load`. Unaided,
 megatron.training takes the torch_dist checkpoint for its own format and stops with a bare
-KeyError ('model'): torch_dist keys each tensor as megatron-core's sharded_state_dict does
-(transformer layers stacked on a leading axis, the local spec's layer norms under the linear
-layers they feed), fsdp_dtensor by module name.
+KeyError ('model'): the two formats key each tensor differently (checkpoint.keys).
 
 What is read, under the keys megatron-core's sharded_state_dict gives this run's model (the
 GPTModel inside Megatron-FSDP makes the ShardedTensors Megatron DDP saved; experts at their global
@@ -13,7 +11,7 @@ index; SwiGLU's fc1 by swiglu_rows): the weights; with the optimizer, megatron-c
 Muon chain saves them per param); the iteration, the schedule, the RNG states and the args. Each
 rank reads only the rows it holds (StackedLoadPlanner). Optimizer state in DistributedOptimizer's
 bucket space (--use-distributed-optimizer) names no param: loading it stops, before anything
-changes, naming --no-load-optim."""
+changes, naming --no-load-optim (keys.load_the_model_only)."""
 
 import dataclasses
 from pathlib import Path
@@ -21,8 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
-                                                      ShardedTensorFactory)
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
     preprocess_state_dict_for_uneven_dtensor
 from torch.distributed.checkpoint import FileSystemReader
@@ -33,37 +30,9 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from .model_chunks import at_global_expert_index, find_megatron_fsdp
-
-# (prefix, suffix) of a fsdp_dtensor state dict's key around a param's name -> how megatron-core's
-# Muon chain keys the same tensor in torch_dist ("{}": the param's ShardedTensor key).
-SECTIONS = ((("model.module.", ""), "{}"),
-            (("optimizer.muon.", ".momentum_buffer"), "optimizer.state.momentum_buffer.{}"),
-            # --optimizer adaptive_muon's second moment: AdaMuon's (one per element) saves there;
-            # NorMuon's and NAMO's (per row or one) megatron-core 0.19's DDP save refuses
-            (("optimizer.muon.", ".moment2_buffer"), "optimizer.state.moment2_buffer.{}"),
-            (("optimizer.state.", ".exp_avg"), "optimizer.state.exp_avg.{}"),
-            (("optimizer.state.", ".exp_avg_sq"), "optimizer.state.exp_avg_sq.{}"))
-# What the chain names a param in its optimizer sections: Megatron-FSDP's two wrappers, then the
-# model's own name (step/chained.py's _named_params).
-CHAIN_PREFIX = "module.module."
-
-
-# What a refusal asks for, in megatron.training's flag and Bridge's field.
-NO_LOAD_OPTIM = "--no-load-optim (Bridge: cfg.checkpoint.load_optim False)"
-
-
-class OptimizerStateNotLoadable(RuntimeError):
-    pass
-
-
-def is_torch_dist(checkpoint_dir: Path) -> bool:
-    return dist_checkpointing.check_is_distributed_checkpoint(str(checkpoint_dir))
-
-
-def stored_metadata(checkpoint_dir: Path) -> dict:
-    """{key: its storage metadata} of a DCP checkpoint (torch_dist or fsdp_dtensor)."""
-    return FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+from ..step.model_chunks import at_global_expert_index, find_megatron_fsdp
+from .keys import (CHAIN_PREFIX, COMMON, SCHEDULER, SECTIONS, OptimizerStateNotLoadable, Rows,
+                   StoredKey, load_the_model_only, stored_metadata, stored_tensors)
 
 
 def common_state(checkpoint_dir: Path) -> dict:
@@ -71,83 +40,48 @@ def common_state(checkpoint_dir: Path) -> dict:
     return dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
 
 
-def stored_tensors(model) -> dict[str, tuple]:
-    """stored_keys of megatron-core's sharded_state_dict of the module Megatron-FSDP wraps: how a
-    torch_dist save of it keys each param (stacked axes: a layer's, an expert's)."""
-    return stored_keys(find_megatron_fsdp(model).module.sharded_state_dict(
-        prefix="", metadata={"singleton_local_shards": False}))
-
-
-def stored_keys(sharded: dict) -> dict[str, tuple]:
-    """{name: (torch_dist key, stacked-axis offsets, the rows' map: None, or swiglu_rows')} of
-    a model's sharded_state_dict: its ShardedTensors, and SwiGLU's fc1 (a factory)."""
-    found = {}
-    for name, entry in sharded.items():
-        if isinstance(entry, ShardedTensor):
-            found[name] = (entry.key, tuple(entry.global_offset[:entry.prepend_axis_num]), None)
-        elif isinstance(entry, ShardedTensorFactory) and (swiglu := swiglu_rows(entry)):
-            found[name] = swiglu
-    return found
-
-
-def swiglu_rows(factory: ShardedTensorFactory) -> tuple | None:
-    """(key, stacked-axis offsets, rows) of SwiGLU's fc1 (apply_swiglu_sharded_factory stores
-    every TP rank's gate rows, then every up row), else None. `rows`: (first, end, first as stored)
-    of each run of the DTensor's rows (`factory.data`: the TP ranks' [gate; up] in TP order)."""
-    shape = tuple(factory.data.shape)
-    pieces = dataclasses.replace(factory, data=torch.empty(shape, device="meta")).build()
-    if len(pieces) != 2 or any(not isinstance(piece, ShardedTensor) or piece.key != factory.key
-                               for piece in pieces):
-        return None
-    axis, built = pieces[0].prepend_axis_num, pieces[0].local_shape[0]
-    tp = (pieces[1].global_offset[axis] - pieces[0].global_offset[axis]) // built
-    if tp < 1 or shape[0] % (2 * tp):
-        return None
-    half = shape[0] // (2 * tp)  # a TP rank's gate rows, and its up rows
-    rows = tuple(run for r in range(tp) for run in ((2 * r * half, (2 * r + 1) * half, r * half),
-                 ((2 * r + 1) * half, (2 * r + 2) * half, (tp + r) * half)))
-    return factory.key, tuple(pieces[0].global_offset[:axis]), rows
-
-
-def stored_key(fqn: str, names: dict, chain_names: dict) -> tuple | None:
-    """(torch_dist key, stacked offsets, rows' map) a flattened fsdp_dtensor key reads: a weight
+def stored_key(fqn: str, names: dict[str, StoredKey],
+               chain_names: dict[str, StoredKey]) -> StoredKey | None:
+    """Where the torch_dist checkpoint keeps what a flattened fsdp_dtensor key reads: a weight
     by its model name (`names`), optimizer state by the chain's (`chain_names`)."""
-    for (prefix, suffix), template in SECTIONS:
-        if fqn.startswith(prefix) and fqn.endswith(suffix):
-            name = fqn[len(prefix):len(fqn) - len(suffix)]
-            optimizer = prefix.startswith("optimizer")
-            by_name = chain_names if optimizer else names
-            name = name.removeprefix(CHAIN_PREFIX) if optimizer else name
+    for section in SECTIONS:
+        if fqn.startswith(section.prefix) and fqn.endswith(section.suffix):
+            name = fqn[len(section.prefix):len(fqn) - len(section.suffix)]
+            if section.is_optimizer_state:
+                name, by_name = name.removeprefix(CHAIN_PREFIX), chain_names
+            else:
+                by_name = names
             if name in by_name:
-                key, stacked, rows = by_name[name]
-                return template.format(key), stacked, rows
+                found = by_name[name]
+                return StoredKey(section.torch_dist.format(found.key), found.stacked, found.rows)
     return None
 
 
 class StackedLoadPlanner(DefaultLoadPlanner):
-    """torch DCP's load planner reading each tensor of `remapped` ({its flattened key: (the key
-    it is stored under, its offsets on that tensor's leading stacked axes: a layer's, an
-    expert's; its rows' map)}) from that key: this rank's chunk of it, at the stacked offsets
-    before the chunk's own; where the rows' map is not None, each run of rows it stores apart
-    read apart (_pieces)."""
+    """torch DCP's load planner reading each tensor of `remapped` ({its flattened key: where it
+    is stored}) from there: this rank's chunk of it, at the stacked offsets before the chunk's
+    own; where the stored key has rows, each run of rows it stores apart read apart
+    (_pieces)."""
 
-    def __init__(self, remapped: dict[str, tuple]) -> None:
+    def __init__(self, remapped: dict[str, StoredKey]) -> None:
         super().__init__(allow_partial_load=True)
         self.remapped, self.views = remapped, {}
 
     def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
         items = []
-        for fqn, (key, stacked, rows) in self.remapped.items():
-            ones, chunks = (1,) * len(stacked), []
+        for fqn, stored_at in self.remapped.items():
+            ones, chunks = (1,) * len(stored_at.stacked), []
             for chunk in _chunks(self.state_dict[fqn]):
-                for view, offsets, sizes in _pieces(chunk, rows):
+                for view, offsets, sizes in _pieces(chunk, stored_at.rows):
                     self.views[fqn, len(chunks)] = view
-                    chunks.append(ChunkStorageMetadata(offsets=torch.Size(stacked + offsets),
-                                                       sizes=torch.Size(ones + sizes)))
+                    chunks.append(ChunkStorageMetadata(
+                        offsets=torch.Size(stored_at.stacked + offsets),
+                        sizes=torch.Size(ones + sizes)))
             items += [dataclasses.replace(
                 item, dest_index=dataclasses.replace(item.dest_index, fqn=fqn))
-                for item in create_read_items_for_chunk_list(key, stored[key], chunks)]
+                for item in create_read_items_for_chunk_list(stored_at.key, stored[stored_at.key],
+                                                             chunks)]
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
@@ -155,10 +89,10 @@ class StackedLoadPlanner(DefaultLoadPlanner):
         local = local.to_local() if isinstance(local, DTensor) else local
         view = self.views[index.fqn, index.index]
         local = local.narrow(0, *view) if view else local
-        return local.view((1,) * len(self.remapped[index.fqn][1]) + tuple(local.shape))
+        return local.view((1,) * len(self.remapped[index.fqn].stacked) + tuple(local.shape))
 
 
-def _pieces(chunk, rows: tuple | None) -> list[tuple]:
+def _pieces(chunk, rows: Rows | None) -> list[tuple]:
     """(the local tensor's rows it fills: (first, count), None for all; offsets and sizes as
     stored) of each piece of `chunk` that `rows` (swiglu_rows' runs; None: none) stores apart."""
     offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -201,8 +135,7 @@ def load(checkpoint_dir: Path, state_dict: dict) -> dict:
              planner=StackedLoadPlanner(remapped))
     if "optimizer" in tensors:
         tensors["optimizer"]["step"] = _step_count(common)
-    for key in ("args", "iteration", "checkpoint_version", "opt_param_scheduler",
-                "num_floating_point_operations_so_far"):
+    for key in (*COMMON, SCHEDULER):
         if key in common:
             state_dict[key] = common[key]
     if "rng_state" in state_dict:
@@ -211,7 +144,8 @@ def load(checkpoint_dir: Path, state_dict: dict) -> dict:
     return state_dict
 
 
-def _remapped(tensors: dict, names: dict, chain_names: dict, stored: dict) -> tuple:
+def _remapped(tensors: dict, names: dict[str, StoredKey], chain_names: dict[str, StoredKey],
+              stored: dict) -> tuple[dict[str, StoredKey], Exception | None]:
     """({flattened key: stored_key's} of every tensor in `tensors`, None),
     or (what was found, the refusal): naming --no-load-optim where an optimizer state is not in
     the checkpoint (saved by another optimizer: Adam's moments where Muon's momentum is wanted),
@@ -221,19 +155,18 @@ def _remapped(tensors: dict, names: dict, chain_names: dict, stored: dict) -> tu
         if fqn == "optimizer.step":  # the chain's step count: from the common state
             continue
         found = stored_key(fqn, names, chain_names)
-        if found is not None and found[0] in stored:
+        if found is not None and found.key in stored:
             remapped[fqn] = found
         elif fqn.startswith("optimizer."):
-            return remapped, OptimizerStateNotLoadable(
+            return remapped, OptimizerStateNotLoadable(load_the_model_only(
                 f"the Megatron DDP checkpoint has no {fqn.rsplit('.', 1)[1]} for "
                 f"{fqn.split('.', 2)[2].rsplit('.', 1)[0].removeprefix(CHAIN_PREFIX)}: it was "
-                f"saved by another optimizer or with --no-save-optim. Load the model only with "
-                f"{NO_LOAD_OPTIM}: the optimizer state then starts at zero.")
+                f"saved by another optimizer or with --no-save-optim"))
         else:
             return remapped, RuntimeError(
                 f"{fqn.removeprefix('model.')} is not in the Megatron DDP checkpoint under the key "
                 f"megatron-core's sharded_state_dict gives it here"
-                f"{f' ({found[0]})' if found else ''}: this layout does not load from "
+                f"{f' ({found.key})' if found else ''}: this layout does not load from "
                 f"torch_dist yet; nothing was loaded")
     return remapped, None
 
@@ -262,11 +195,10 @@ def _bucket_space(common: dict, stored: dict, checkpoint_dir: Path) -> Exception
     """The refusal of optimizer state saved in DistributedOptimizer's buffer layout, or None."""
     if any(key.startswith("optimizer.distributed.") for key in stored):
         saved = getattr(common.get("args"), "optimizer", "its optimizer")
-        return OptimizerStateNotLoadable(
+        return OptimizerStateNotLoadable(load_the_model_only(
             f"the Megatron DDP checkpoint in {checkpoint_dir} keeps --optimizer {saved}'s state "
             f"in DistributedOptimizer's buffer layout (--use-distributed-optimizer), which names "
-            f"no param: load its weights with {NO_LOAD_OPTIM}; the optimizer state then starts "
-            f"at zero ({saved}'s moments are not Muon's state)")
+            f"no param"))
     return None
 
 
