@@ -358,6 +358,7 @@ def test_install_refuses_fp16_from_bridges_mixed_precision():
 
 def test_install_makes_the_optimizer_config_ours_keeping_every_setting():
     from megatron_muon.integrations import bridge as muon_bridge
+    from megatron_muon.integrations.muon_settings import MuonSettings
 
     cfg = _config(**{"optimizer.lr": 0.02, "optimizer.muon_momentum": 0.8})
     given = dataclasses.asdict(cfg.optimizer)
@@ -365,6 +366,8 @@ def test_install_makes_the_optimizer_config_ours_keeping_every_setting():
     assert isinstance(cfg.optimizer, muon_bridge.MuonOptimizerConfig)
     assert {k: v for k, v in dataclasses.asdict(cfg.optimizer).items() if k in given} == given
     assert cfg.optimizer.muon_dist_mode == "owner" and cfg.optimizer.muon_owner_choice == "time"
+    # Every muon_* field at the settings' default (integrations.muon_settings, their one home).
+    assert MuonSettings.of(cfg.optimizer) == MuonSettings()
 
 
 def test_the_optimizer_configs_own_fields_reach_the_factory():

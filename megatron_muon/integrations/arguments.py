@@ -11,8 +11,8 @@ import re
 from ..compat import upstream
 from ..core.zero_adaptive_muon import MOMENT2_METHODS, check_adaptive_settings
 from ..core.settings import DIST_MODES, OWNER_CHOICES
-from ..plan import MAX_EXCHANGE_BYTES
 from . import rules
+from .muon_settings import MuonSettings
 
 # What each --muon-fp32-matmul-prec does to Newton-Schulz (emerging_optimizers' newton_schulz
 # under torch.set_float32_matmul_precision; docs/newton-schulz-precision.md).
@@ -69,17 +69,19 @@ def _positive(text: str) -> int:
 def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     offer_fp32_newton_schulz(parser)
     group = parser.add_argument_group(title='muon on megatron-fsdp')
-    group.add_argument('--muon-dist-mode', choices=DIST_MODES, default='owner',
+    group.add_argument('--muon-dist-mode', choices=DIST_MODES, default=MuonSettings.dist_mode,
                        help='How Muon orthogonalizes FSDP-sharded matrices: "owner" gathers each '
                        'matrix on one rank, which runs Newton-Schulz and scatters the result; '
                        '"allgather" gathers every matrix on every rank.')
-    group.add_argument('--muon-owner-choice', choices=OWNER_CHOICES, default='time',
+    group.add_argument('--muon-owner-choice', choices=OWNER_CHOICES,
+                       default=MuonSettings.owner_choice,
                        help='How "owner" mode picks each matrix\'s owner: "time" for the shortest '
                        'estimated step (Newton-Schulz seconds and bytes at rates measured when the '
                        'optimizer is built), "bytes" for the fewest bytes moved, from shapes '
                        'alone. With fp32 Newton-Schulz (--muon-fp32-matmul-prec highest) results '
                        'are bit-identical either way.')
-    group.add_argument('--muon-max-exchange-bytes', type=_positive, default=MAX_EXCHANGE_BYTES,
+    group.add_argument('--muon-max-exchange-bytes', type=_positive,
+                       default=MuonSettings.max_exchange_bytes,
                        help='The most bytes "owner" mode\'s step holds at once on a rank beyond '
                        'the weights, gradients and momentum: update rows, exchange buffers, '
                        'assembled matrices, results and Newton-Schulz\'s working set of the two '
@@ -89,7 +91,8 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        'Smaller: more, smaller exchanges and Newton-Schulz batches; a matrix '
                        'that alone needs more than half goes alone in its batch and the start-up '
                        'log names the largest.')
-    group.add_argument('--muon-max-team-size', type=_positive, default=1,
+    group.add_argument('--muon-max-team-size', type=_positive,
+                       default=MuonSettings.max_team_size,
                        help='"owner" mode may split a matrix whose Newton-Schulz '
                        'alone exceeds its share of the step over a team of up to this many ranks, '
                        'which orthogonalize it together in megatron-core\'s "distributed" TP '
@@ -115,11 +118,13 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='--optimizer adaptive_muon: the second moment\'s decay rate.')
     group.add_argument('--adaptive-muon-eps', type=float, default=1e-8,
                        help='--optimizer adaptive_muon: the second moment\'s epsilon.')
-    group.add_argument('--muon-max-consecutive-skipped-steps', type=_at_least_0, default=10,
+    group.add_argument('--muon-max-consecutive-skipped-steps', type=_at_least_0,
+                       default=MuonSettings.max_consecutive_skipped_steps,
                        help='Stop with an error after this many optimizer steps in a row skipped '
                        'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '
                        'step is reported.')
-    group.add_argument('--muon-check-interval', type=_at_least_0, default=0,
+    group.add_argument('--muon-check-interval', type=_at_least_0,
+                       default=MuonSettings.check_interval,
                        help='Every this many optimizer steps, also compute each Muon matrix\'s '
                        'update whole (as --muon-dist-mode allgather does) and stop with an error, '
                        'naming the matrix, where the owner exchange\'s differs (beyond fp32 '

@@ -29,14 +29,13 @@ from pathlib import Path
 
 from ..compat import cpu_training, upstream, upstream_fixes
 from ..core.zero_adaptive_muon import check_adaptive_settings
-from ..core.settings import DIST_MODES, OWNER_CHOICES
 from ..distribution import step_report
-from ..plan import MAX_EXCHANGE_BYTES
 from ..checkpoint import checksums, direction
 from ..step import qk_clip
 from ..step.model_chunks import find_megatron_fsdp
 from . import factory, rules
 from .arguments import FSDP_OPTIMIZERS
+from .muon_settings import MuonSettings
 from .run_state import RunState
 
 # Where users, and the configs Bridge saves, name this module's classes (megatron_muon/bridge.py).
@@ -70,30 +69,30 @@ class MuonOptimizerConfig(OptimizerConfig):
     `provide()`: Muon on Megatron-FSDP is ours, everything else megatron-core's, as Bridge's
     setup_optimizer would build it."""
 
-    muon_dist_mode: str = "owner"
+    muon_dist_mode: str = MuonSettings.dist_mode
     """ZeROTensorParallelMuon's dist_mode: "owner" or "allgather" (--muon-dist-mode)."""
 
-    muon_owner_choice: str = "time"
+    muon_owner_choice: str = MuonSettings.owner_choice
     """How owner mode picks owners: "time" (estimated step time, rates measured at
     construction) or "bytes" (fewest bytes first) (--muon-owner-choice)."""
 
-    muon_max_consecutive_skipped_steps: int = 10
+    muon_max_consecutive_skipped_steps: int = MuonSettings.max_consecutive_skipped_steps
     """Stop after this many steps in a row skipped for non-finite gradients; 0: never."""
 
-    muon_check_interval: int = 0
+    muon_check_interval: int = MuonSettings.check_interval
     """Every this many steps, compare each Muon update with the whole-matrix reference
     (ZeROTensorParallelMuon's check_interval); 0: never."""
 
-    muon_max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES
+    muon_max_exchange_bytes: int | None = MuonSettings.max_exchange_bytes
     """The most the owner step's working memory holds at once on a rank, in bytes
     (--muon-max-exchange-bytes; ZeROTensorParallelMuon's max_exchange_bytes); None: what Muon's
     state saves a rank against Adam's."""
 
-    muon_use_syrk: bool = False
+    muon_use_syrk: bool = MuonSettings.use_syrk
     """Newton-Schulz through emerging-optimizers' Triton SYRK kernel (--muon-use-syrk;
     ZeROTensorParallelMuon's use_syrk): CUDA, bf16 (muon_fp32_matmul_prec "medium")."""
 
-    muon_max_team_size: int = 1
+    muon_max_team_size: int = MuonSettings.max_team_size
     """A matrix whose Newton-Schulz alone exceeds its share may be split over a team of up to this
     many ranks (--muon-max-team-size; ZeROTensorParallelMuon's max_team_size); 1: never."""
 
@@ -103,11 +102,7 @@ class MuonOptimizerConfig(OptimizerConfig):
         optimizer = factory.get_megatron_optimizer(
             self, chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
-            muon_dist_mode=self.muon_dist_mode, muon_owner_choice=self.muon_owner_choice,
-            muon_max_consecutive_skipped_steps=self.muon_max_consecutive_skipped_steps,
-            muon_check_interval=self.muon_check_interval,
-            muon_max_exchange_bytes=self.muon_max_exchange_bytes,
-            muon_use_syrk=self.muon_use_syrk, muon_max_team_size=self.muon_max_team_size)
+            **MuonSettings.of(self).factory_arguments())
         _RUN.built(optimizer, _RUN.tensorboard_dir)
         return optimizer
 
@@ -191,20 +186,14 @@ def install(cfg) -> None:
         rules.refuse(_reader(cfg), _field_name, training_loop=True, muon=muon,
                      what=("Muon on " if muon else "") + "Megatron-FSDP through Megatron-Bridge")
     if muon:
-        for field, choices in (("muon_dist_mode", DIST_MODES), ("muon_owner_choice", OWNER_CHOICES)):
-            value = getattr(cfg.optimizer, field, choices[0])
-            if value not in choices:
-                raise ValueError(f"cfg.optimizer.{field} {value!r}: choose from {choices}")
+        settings = MuonSettings.of(cfg.optimizer)
+        if (refusal := settings.refusal(lambda name: f"cfg.optimizer.muon_{name}")) is not None:
+            raise ValueError(refusal)
         if cfg.optimizer.optimizer == "adaptive_muon":
             optimizer = cfg.optimizer
             check_adaptive_settings(
                 optimizer.adaptive_muon_moment2_method, optimizer.adaptive_muon_beta2,
-                optimizer.adaptive_muon_eps, getattr(optimizer, "muon_use_syrk", False))
-        budget = getattr(cfg.optimizer, "muon_max_exchange_bytes", MAX_EXCHANGE_BYTES)
-        if budget is not None and (not isinstance(budget, int) or budget <= 0):
-            raise ValueError(f"cfg.optimizer.muon_max_exchange_bytes {budget!r}: None (what "
-                             f"Muon's state saves a rank) or a positive number of bytes "
-                             f"(--muon-max-exchange-bytes)")
+                optimizer.adaptive_muon_eps, settings.use_syrk)
     if takes_dist_muon:
         cfg.optimizer.optimizer = "muon"
         _log("cfg.optimizer.optimizer 'dist_muon' with Megatron-FSDP: megatron-muon's "

@@ -16,12 +16,12 @@ from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from ..core.zero_muon import ZeROTensorParallelMuon
 from ..distribution.interleaving import interleave
 from ..distribution.param_tags import is_scalar_param, tag_params
-from ..plan import MAX_EXCHANGE_BYTES
 from ..step.chained import FSDPMuonChainedOptimizer
 from ..step.model_chunks import find_megatron_fsdp
 from ..step.qk_clip import build_max_attention_logits
 from . import rules
 from .arguments import FSDP_OPTIMIZERS
+from .muon_settings import MuonSettings
 
 # What steps each of arguments.FSDP_OPTIMIZERS on Megatron-FSDP.
 MUON_CLASSES = {"muon": ZeROTensorParallelMuon, "adaptive_muon": ZeROTensorParallelAdaptiveMuon}
@@ -29,10 +29,14 @@ MUON_CLASSES = {"muon": ZeROTensorParallelMuon, "adaptive_muon": ZeROTensorParal
 
 def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo_process_groups=True,
                            pg_collection=None, dump_param_to_param_group_map=None,
-                           muon_dist_mode="owner", muon_max_consecutive_skipped_steps=10,
-                           muon_check_interval=0, muon_owner_choice="time",
-                           muon_max_exchange_bytes=MAX_EXCHANGE_BYTES, muon_use_syrk=False,
-                           muon_max_team_size=1):
+                           muon_dist_mode=MuonSettings.dist_mode,
+                           muon_max_consecutive_skipped_steps=(
+                               MuonSettings.max_consecutive_skipped_steps),
+                           muon_check_interval=MuonSettings.check_interval,
+                           muon_owner_choice=MuonSettings.owner_choice,
+                           muon_max_exchange_bytes=MuonSettings.max_exchange_bytes,
+                           muon_use_syrk=MuonSettings.use_syrk,
+                           muon_max_team_size=MuonSettings.max_team_size):
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` (ZeROTensorParallelMuon)
     and `optimizer='adaptive_muon'` (ZeROTensorParallelAdaptiveMuon) on Megatron-FSDP chunks.
 

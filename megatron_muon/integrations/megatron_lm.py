@@ -57,13 +57,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..compat import cpu, upstream, upstream_fixes
 from ..compat.cpu_training import apply_megatron_training_compat
-from ..plan import MAX_EXCHANGE_BYTES
 from ..distribution import step_report
 from ..checkpoint import checksums, direction, keys
 from ..step import qk_clip
 from . import factory
 from .arguments import (FSDP_OPTIMIZERS, mend_help_texts, muon_on_megatron_fsdp,
                         offer_fp32_newton_schulz, validate_muon_args)
+from .muon_settings import MuonSettings
 from .run_state import RunState
 
 _megatron_add_arguments = megatron.training.arguments.add_megatron_arguments
@@ -155,14 +155,7 @@ def _validate_args(args, defaults={}):
 def _get_megatron_optimizer(*args, **kwargs):
     flags = megatron.training.get_args()
     optimizer = factory.get_megatron_optimizer(
-        *args, muon_dist_mode=getattr(flags, 'muon_dist_mode', 'owner'),
-        muon_owner_choice=getattr(flags, 'muon_owner_choice', 'time'),
-        muon_max_consecutive_skipped_steps=getattr(flags, 'muon_max_consecutive_skipped_steps', 10),
-        muon_check_interval=getattr(flags, 'muon_check_interval', 0),
-        muon_max_exchange_bytes=getattr(flags, 'muon_max_exchange_bytes', MAX_EXCHANGE_BYTES),
-        muon_use_syrk=getattr(flags, 'muon_use_syrk', False),
-        muon_max_team_size=getattr(flags, 'muon_max_team_size', 1),
-        **kwargs)
+        *args, **MuonSettings.of(flags).factory_arguments(), **kwargs)
     _RUN.built(optimizer, flags.tensorboard_dir)
     return optimizer
 
