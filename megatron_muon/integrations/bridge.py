@@ -103,7 +103,7 @@ class MuonOptimizerConfig(OptimizerConfig):
             self, chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
             **MuonSettings.of(self).factory_arguments())
-        _RUN.built(optimizer, _RUN.tensorboard_dir)
+        _RUN.built(optimizer, getattr(_RUN.bridge_logger, "tensorboard_dir", None))
         return optimizer
 
 
@@ -206,7 +206,7 @@ def install(cfg) -> None:
     upstream.patch("megatron.bridge.training.train.training_log", _training_log)
     upstream.patch("megatron.bridge.training.checkpointing._load_base_checkpoint",
                    _load_base_checkpoint)
-    _RUN.tensorboard_dir = cfg.logger.tensorboard_dir
+    _RUN.bridge_logger = cfg.logger
     _checksum_checkpoints(cfg)
     if upstream_fixes.dataset_helper_is_prebuilt():
         # Bridge's initialize imports compile_helpers by name: patch its copy.

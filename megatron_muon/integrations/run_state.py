@@ -10,9 +10,9 @@ from ..step.chained import FSDPMuonChainedOptimizer
 @dataclasses.dataclass
 class RunState:
     chain: FSDPMuonChainedOptimizer | None = None  # the run's Muon chain, once built
-    # Where the run writes its event files, where the front end learns it before the build
-    # (Bridge: cfg.logger's, at install).
-    tensorboard_dir: str | None = None
+    # Bridge: install()'s cfg.logger (a LoggerConfig), whose tensorboard_dir is read when the
+    # chain is built, not when install() ran.
+    bridge_logger: object | None = None
 
     def built(self, optimizer, tensorboard_dir: str | None) -> None:
         """The front end's factory built `optimizer`. A Muon chain is kept (its step's scalars
