@@ -2,14 +2,14 @@
 and tests_bridge/bridge_ranks.py's servers, tests/fake_ranks.py): one rank of a training script
 run as torchrun would run it (`run_as_torchrun`: a whole run, as torchrun ends it), `run_ranks`,
 which starts ranks and gathers what each returned, and `preload`, what the forkserver they fork
-from imports once. No imports of the package, so that
-the suites share it without the gloo suite's conftest (which hides CUDA)."""
+from imports once. No imports of the package, so that the suites share it without the gloo
+suite's conftest (which hides CUDA)."""
 
 import functools
 import os
 import queue
-import runpy
 import re
+import runpy
 import socket
 import sys
 import tempfile
@@ -95,9 +95,10 @@ def preload(context, modules: list[str]) -> None:
     processes the tests start inherit it too, harmlessly). So does TORCHINDUCTOR_COMPILE_THREADS
     1: inductor's first compile in a process (megatron-core's jit fusions) would otherwise start
     a pool of compile workers, processes that import torch (and a thread, which a forkserver must
-    not have when it forks), in the server and in every rank, torchrun's too (the demo's loss test
-    and the killed rank's, 60 s here together, took 48 s without them). It changes where inductor
-    compiles, not what it generates."""
+    not have when it forks), in the server and in every rank, torchrun's too (two torchrun runs,
+    the demo's loss test when it still ran under torchrun and the killed rank's, took 60 s here
+    together with them, 48 s without). It changes where inductor compiles, not what it
+    generates."""
     ours = [path for path in sys.path if path.startswith(str(REPO))]
     given = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(ours + given))
