@@ -43,7 +43,7 @@ RANGES := megatron_muon/compat/supported_versions.py
 # flag sweep's rows), and megatron.training (one demo run). Not the plan (pure Python), and not a
 # case parametrized at W=4 (--largest-world-size 2): it makes the upstream calls of its W=2 case.
 LOWEST_TESTS := tests/compat tests/core/test_adaptive_muon.py tests/core/test_numerics.py \
-	tests/integrations/test_factory.py tests/step/test_checkpoint.py \
+	tests/integrations/test_factory.py tests/chain/test_checkpoint.py \
 	tests/integrations/test_standalone.py tests/test_fake_pg.py tests/distribution/test_exchange.py \
 	tests/e2e/test_flag_sweep.py tests/e2e/test_e2e_training.py::test_muon_on_megatron_fsdp_loss_falls
 NPROC ?= 2

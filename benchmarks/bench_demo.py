@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_muon.compat.cpu import fast_newton_schulz_precision
+from megatron_muon.cpu.torch_compat import fast_newton_schulz_precision
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

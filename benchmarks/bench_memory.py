@@ -26,9 +26,7 @@ timed; still, two runs can differ: owners by time follow rates measured at const
 which of Megatron-FSDP's buffers are alive together can depend on when asynchronous work ends.
 """
 
-import argparse
-import json
-from pathlib import Path
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -110,15 +108,9 @@ def _device() -> torch.device:
 
 def worker(args):
     per_world_size.init_worker()
-    out = {}
-    for name, (shape, parallel) in configs(dist.get_world_size()).items():
-        if name in CONFIGS:
-            per_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, measure(shape, parallel, args.muon_max_exchange_bytes))
-            out[name] = per_rank
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(out))
-    dist.destroy_process_group()
+    per_world_size.write_gathered(args.out, (
+        (name, partial(measure, shape, parallel, args.muon_max_exchange_bytes))
+        for name, (shape, parallel) in configs(dist.get_world_size()).items() if name in CONFIGS))
 
 
 def summarize(world, per_rank) -> dict:
@@ -200,13 +192,9 @@ def plot(results, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser = per_world_size.parser(__doc__.splitlines()[0], [2, 4], "memory")
     parser.add_argument("--muon-max-exchange-bytes", type=int, default=None,
                         help="Muon's working-memory budget (default: what its state saves a rank)")
-    parser.add_argument("--stem", default="memory", help="results/<stem>.json and .png")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)

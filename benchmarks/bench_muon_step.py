@@ -24,20 +24,18 @@ does its arithmetic. Bytes, collectives, buffers and FLOPs are counted on one wa
 (exchange.observed and torch's FlopCounterMode; nothing is patched), times on the others.
 """
 
-import argparse
 import io
-import json
 import os
 import statistics
 import time
 from contextlib import ExitStack, redirect_stdout
-from pathlib import Path
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_muon.compat.cpu import fast_newton_schulz_precision
+from megatron_muon.cpu.torch_compat import fast_newton_schulz_precision
 from megatron_muon.distribution.exchange import Traffic, observed
 import per_world_size  # beside this script
 from step_profile import PHASES, profiled
@@ -209,7 +207,7 @@ def plan_figures(model, optimizer, config):
     ranks is the single-device model (experts of other expert-parallel ranks are other matrices)."""
     from megatron.core import parallel_state
 
-    from megatron_muon.step.model_chunks import named_main_weights
+    from megatron_muon.chain.model_chunks import named_main_weights
     from megatron_muon.plan import layout_min_bytes
     from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
 
@@ -245,16 +243,10 @@ def plan_figures(model, optimizer, config):
 def worker(args):
     per_world_size.init_worker()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    out = {}
-    for name, (shape, parallel) in configs(dist.get_world_size()).items():
-        if args.configs and name not in args.configs:
-            continue
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, measure(shape, parallel, args.steps))
-        out[name] = per_rank
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(out))
-    dist.destroy_process_group()
+    per_world_size.write_gathered(args.out, (
+        (name, partial(measure, shape, parallel, args.steps))
+        for name, (shape, parallel) in configs(dist.get_world_size()).items()
+        if not args.configs or name in args.configs))
 
 
 def summarize(world, per_rank):
@@ -458,14 +450,10 @@ def plot(results, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser = per_world_size.parser(__doc__.splitlines()[0], [1, 2, 4], "latest")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--configs", nargs="+", choices=list(configs(2)),
                         help="run only these (default: all)")
-    parser.add_argument("--stem", default="latest", help="results/STEM.json and STEM.png")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)

@@ -1,6 +1,6 @@
 """A run's Muon step as TensorBoard has it, in one picture: each iteration's level-2 phases (the
 max over ranks of each timer, stacked) under the whole step, and the step's scalars
-(distribution.step_report), read from the event file a megatron.training or Bridge run writes
+(reporting.step_report), read from the event file a megatron.training or Bridge run writes
 with --timing-log-level 2 --log-timers-to-tensorboard --tensorboard-dir DIR.
 
     python benchmarks/event_file_plot.py DIR [OUT.png]   (default benchmarks/results/event_file.png)
@@ -15,8 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from megatron_muon.distribution.phases import timer_names  # noqa: E402
-from megatron_muon.distribution.step_report import SCALARS  # noqa: E402
+from megatron_muon.observe.phases import timer_names  # noqa: E402
+from megatron_muon.reporting.step_report import SCALARS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -28,16 +28,16 @@ import functools
 import json
 from pathlib import Path
 
-from megatron_muon.tools.scale.estimate import assumed, mode_figures, plan_model
-from megatron_muon.tools.scale.model import (MAX_EXPERT_PARALLEL, MODELS, expert_parallel,
+from megatron_muon.estimate.figures import assumed, mode_figures, plan_model
+from megatron_muon.estimate.model import (MAX_EXPERT_PARALLEL, MODELS, expert_parallel,
                                              is_dense, meta_model)
-from megatron_muon.tools.scale.parts import (ELEMENT_BYTES, LATENCY_US_PER_RANK, Planned, Rates,
+from megatron_muon.estimate.parts import (ELEMENT_BYTES, LATENCY_US_PER_RANK, Planned, Rates,
                                              measure_rates, planned_parts)
-from megatron_muon.tools.scale.step import planned_step
+from megatron_muon.estimate.step_time import planned_step
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # owner: ours (owners by estimated time); teams: ours with --muon-max-team-size (a matrix too
-# large for one rank's share split over a team, plan/teams.py); owner-by-bytes: byte-first owners
+# large for one rank's share split over a team, plan/team_split.py); owner-by-bytes: byte-first owners
 # (our choice before owners by time, and its fallback); whole-matrix-per-rank: megatron-core's
 # layer-wise placement.
 MODES = ("owner", "teams", "owner-by-bytes", "allgather", "whole-matrix-per-rank")
@@ -78,7 +78,7 @@ def with_second_moment(matrices, variant: str):
 def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: int = 1) -> dict:
     """One model on `world` ranks, `tensor_parallel` of them a model's TP group (`model`: one TP
     rank's part, meta_model), data parallel over the rest: the plan's figures
-    (tools.scale.estimate.plan_model) and the step-time estimates of every mode against Adam's
+    (estimate.figures.plan_model) and the step-time estimates of every mode against Adam's
     step and forward-backward."""
     spec = MODELS[name]
     planned = plan_model(spec, world, model, rates, args, tensor_parallel)
@@ -99,10 +99,10 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
                   muon_matrices=sum(len(part.matrices) for part, _ in parts),
                   layout_seconds=planned.layout_seconds,
                   plan_seconds=sum(part.plan_seconds for part, _ in parts) + (
-                      representative(parts)[1].plan_seconds if parts.beside else 0.0),
-                  owners=sum(len(set(part.owners["owner"])) for part in representative(parts)),
+                      parts.representative()[1].plan_seconds if parts.beside else 0.0),
+                  owners=sum(len(set(part.owners["owner"])) for part in parts.representative()),
                   batches=sum(len(part.batches) for part, _ in parts),
-                  exchanges=sum(len(part.exchanges) for part in representative(parts)),
+                  exchanges=sum(len(part.exchanges) for part in parts.representative()),
                   interleaved=parts.beside is not None,
                   teams=team_figures(planned.team_parts),
                   adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3,
@@ -132,7 +132,7 @@ def team_figures(parts) -> dict:
     from megatron_muon.plan import team_members
 
     members = [team_members(part.matrices, part.owners["owner"])
-               for part in representative(parts)]
+               for part in parts.representative()]
     return dict(split=sum(len(teams) for teams in members),
                 largest=max([1] + [len(ranks) for teams in members for ranks in teams.values()]),
                 groups=sum(len(set(teams.values())) for teams in members))
@@ -145,59 +145,19 @@ def variant_figures(parts: Planned, elementwise: float, adam_step: float, fwd_bw
     planned = planned_step(parts, "owner", cost, args, ranks)
     step, collectives, latency = (elementwise + planned["seconds"], planned["collectives"],
                                   planned["latency"])
-    working = max(owner_working(parts))
-    shown = representative(parts)
+    working = max(parts.owner_working())
+    shown = parts.representative()
     return dict(exchanges=sum(len(part.exchanges) for part in shown),
-                fewest_exchanges=sum(fewest_exchanges(part) for part in shown),
+                fewest_exchanges=sum(part.fewest_exchanges() for part in shown),
                 collectives=collectives,
                 latency_ms=latency * 1e3, step_ms=step * 1e3, working_gb=working / 1e9,
                 overhead_with_latency=(step + latency - adam_step) / (fwd_bwd + adam_step))
 
 
-
-
-def representative(parts: Planned) -> list:
-    """The dense part and one expert group's as the owner step runs them (planned beside the
-    dense part where parts.beside, else the part standing for every group)."""
-    if parts.beside:
-        return [parts[0][0], next(iter(parts.beside.values()))]
-    return [part for part, _ in parts]
-
-
-def fewest_exchanges(part) -> int:
-    """The fewest exchanges a Part's budgets allow (plan.fewest_exchanges)."""
-    from megatron_muon.plan import fewest_exchanges as fewest
-
-    return fewest(part.matrices, part.owned.owners, part.batches, ELEMENT_BYTES, part.budgets)
-
-
-def offloaded_exchanges(part) -> list:
-    """A Part's exchanges with the state offloaded (each rank's saving its budget)."""
-    from megatron_muon.plan import packed_plan
-
-    return packed_plan(part.matrices, part.owned, ELEMENT_BYTES, None, None).exchanges
-
-
-def owner_working(parts: Planned) -> list[int]:
-    """Each dp_cp rank's working memory in the owner step (plan.working_memory of each part it
-    steps): the parts' sum where they run interleaved (parts.beside), else their largest."""
-    from megatron_muon.plan import working_memory
-
-    def held(part):
-        return working_memory(part.matrices, part.owned.owners, part.exchanges, ELEMENT_BYTES)
-
-    dense = held(parts[0][0])
-    if parts.beside:
-        groups = {e: held(part) for e, part in parts.beside.items()}
-        return [d + groups[r % parts.ep][r // parts.ep] for r, d in enumerate(dense)]
-    return [max([d] + [held(part)[to_part(r)] for part, to_part in parts[1:]])
-            for r, d in enumerate(dense)]
-
-
 def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> dict:
     """GB per rank (the largest rank's of each figure): at rest, and Muon's working memory as
     the plan counts it (plan.working_memory: two exchanges in flight) with the default budget
-    (owner_working: the parts' sum where they run interleaved) and with the one that keeps it
+    (Planned.owner_working: the parts' sum where they run interleaved) and with the one that keeps it
     under TRANSIENT_SHARE of an 80 GB GPU (shown with the parts one after the other: interleaved,
     they would hold both within it too); the most one matrix exchanged alone holds, which no
     budget goes below; with
@@ -207,7 +167,7 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
                                     offload_figures, packed_plan, working_memory)
 
     budget = int(TRANSIENT_SHARE * GPU_BYTES)
-    working, at_budget, alone = owner_working(parts), [0] * world, 0
+    working, at_budget, alone = parts.owner_working(), [0] * world, 0
     for part, rank_in_part in parts:
         owners = part.owners["owner"]
         batches = batch_matrices(part.matrices, batch_bytes(part.matrices, ELEMENT_BYTES, budget),
@@ -222,7 +182,7 @@ def memory_figures(parts, world, all_elements, muon_elements, adam_elements) -> 
                   for m, a in zip(muon_elements, adam_elements)]
     # --optimizer-cpu-offload: Muon's state streamed exchange by exchange; Adam's moments on
     # the device whole for Adam's step, which runs after Muon's.
-    offload = offload_figures([(part.matrices, offloaded_exchanges(part),
+    offload = offload_figures([(part.matrices, part.offloaded_exchanges(),
                                 [rank_in_part(r) for r in range(world)])
                                for part, rank_in_part in parts], ELEMENT_BYTES)
     each_way = max(f.host + a * ADAM_STATE_BYTES for f, a in zip(offload, adam_elements))
@@ -275,7 +235,7 @@ def assumptions(rates: Rates, args) -> list[str]:
         "Newton-Schulz + network (the group's all-to-alls synchronize it), nothing overlapped (an "
         "upper bound: the exchange overlaps the next batch's gather with compute); in our owner "
         "modes the dense and expert parts are planned together and run interleaved "
-        "(distribution.interleaving: the expert groups' owners counting each rank's dense load, "
+        "(planner.interleaving: the expert groups' owners counting each rank's dense load, "
         "the parts' exchanges in rounds), so there the slowest rank's both parts together "
         "(exact for one exchange a part; the variants table plans the parts apart, an upper "
         "bound); 'lat ms' and "
@@ -283,7 +243,7 @@ def assumptions(rates: Rates, args) -> list[str]:
         f"({args.latency_us_per_rank:g} us per rank of its group: an all-to-all's gather and "
         "scatter per exchange, an all-gather per matrix in allgather mode; nccl-tests' "
         "alltoall_perf at 128 ranks over sockets, NVIDIA/nccl-tests#78: an upper figure)",
-        "teams (--muon-max-team-size W, plan/teams.py): a matrix too large for the step split "
+        "teams (--muon-max-team-size W, plan/team_split.py): a matrix too large for the step split "
         "over a team along its long side, sized and placed by seconds with its all-reduces "
         "weighed (each member: its share of X X^T and B X and all of A A, or, with its share "
         "shorter than the Gram side, 6 g^2 l with the Gram matrix applied twice; "

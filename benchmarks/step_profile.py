@@ -3,11 +3,11 @@ op's own time on the calling thread, by phase:
 
 - elementwise: Muon's ops other than matrix multiplies (momentum, weight decay, the update,
   Newton-Schulz's normalization), inside a Muon optimizer's step (ours or megatron-core's);
-- gather, scatter: our owner exchange's (distribution.phases' GATHER / SCATTER labels: issuing,
+- gather, scatter: our owner exchange's (observe.phases' GATHER / SCATTER labels: issuing,
   waiting, assembling; allgather mode's gathers too);
 - ns_matmul: Newton-Schulz's matrix multiplies, inside a Muon step;
 - scalar_opt: the scalar optimizer (torch.optim's `Optimizer.step#Adam.step` label);
-- param_sync: installing and gathering the updated params (distribution.phases' PARAM_SYNC label:
+- param_sync: installing and gathering the updated params (observe.phases' PARAM_SYNC label:
   the wait for the gather too), and gathers and broadcasts outside our exchange (megatron-core's);
 - other: the rest (the chained optimizer's glue, grad norm, Python).
 """
@@ -16,7 +16,7 @@ from collections import Counter
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from megatron_muon.distribution.phases import GATHER, PARAM_SYNC, SCATTER
+from megatron_muon.observe.phases import GATHER, PARAM_SYNC, SCATTER
 
 PHASES = ("elementwise", "gather", "ns_matmul", "scatter", "scalar_opt", "param_sync", "other")
 LABELS = {GATHER: "gather", SCATTER: "scatter", PARAM_SYNC: "param_sync"}

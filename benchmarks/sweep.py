@@ -48,7 +48,7 @@ MOE = "--num-experts 4 --moe-router-topk 2".split()
 OUTCOMES = {
     "equal": "Megatron-FSDP's losses and grad norms equal Megatron DDP's at every iteration",
     "refused": "refused before anything is built, naming the flag",
-    "fixed": "equal, with megatron-muon's upstream layer's fix (compat.upstream_fixes)",
+    "fixed": "equal, with megatron-muon's upstream layer's fix (fixes.upstream_fixes)",
     "limitation": "an upstream limitation, documented (docs/flags.md)",
 }
 # How far the sides' values may be apart, relative. fp32: both sides add the same gradients in
@@ -367,7 +367,7 @@ ROWS = [
     *_each("--qk-clip", ["dense W=2"], ["muon"], expect="limitation",
            limitation_shows="no reference",
            why="Megatron DDP's --qk-clip needs TransformerEngine >= 2.9 (validate_args), absent "
-               "on CPU: ours is held to single-device MuonClip in tests/step/test_qk_clip.py"),
+               "on CPU: ours is held to single-device MuonClip in tests/chain/test_qk_clip.py"),
     # HSDP.
     # HSDP's flags exist on Megatron-FSDP's side only: Megatron DDP replicates over all ranks.
     *_suite(_each(f"{HSDP} --overlap-grad-reduce", ["dense W=4", "MoE W=4 EP=2"],

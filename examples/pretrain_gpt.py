@@ -27,7 +27,8 @@ from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import print_rank_last
 
 import megatron_muon.training
-from megatron_muon.compat import cpu, upstream
+from megatron_muon.cpu import torch_compat
+from megatron_muon.compat import upstream
 from megatron_muon.arguments import add_muon_args
 from synthetic_data import markov_chain_datasets
 
@@ -66,7 +67,7 @@ def add_demo_args(parser):
                         'model (also pass --ckpt-format torch_dist).')
     # Megatron's medium (bf16), or fp32 where bf16 matmuls are emulated: 7x faster per iteration
     # there (docs/newton-schulz-precision.md).
-    parser.set_defaults(**DEMO_DEFAULTS, muon_fp32_matmul_prec=cpu.fast_newton_schulz_precision())
+    parser.set_defaults(**DEMO_DEFAULTS, muon_fp32_matmul_prec=torch_compat.fast_newton_schulz_precision())
     # Local-spec experts with linear biases fail in backward without expert parallelism (MLP.forward
     # adds the bias in place to the view _ReduceFromModelParallelRegion returns): MoE, no biases.
     if parser.parse_known_args()[0].num_experts:
@@ -159,7 +160,7 @@ def say_newton_schulz_runs_in_fp32(args, argv):
     """One line at start when the demo, not the command line, chose fp32 Newton-Schulz."""
     chosen = not any(arg.split('=')[0] == PRECISION_FLAG for arg in argv)
     if (args.rank == 0 and chosen and args.optimizer in megatron_muon.training.MUON_OPTIMIZERS
-            and cpu.bf16_matmul_is_emulated()):
+            and torch_compat.bf16_matmul_is_emulated()):
         print(f'pretrain_gpt.py: Newton-Schulz in fp32 ({PRECISION_FLAG} '
               f'{args.muon_fp32_matmul_prec}): this CPU has no native bf16 matmul, so Megatron\'s '
               f'default (medium: bf16) would be emulated, about 100x slower; {PRECISION_FLAG} '

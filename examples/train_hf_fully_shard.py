@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_muon.compat.cpu import apply_cpu_compat
+from megatron_muon.cpu.torch_compat import apply_cpu_compat
 from megatron_muon.standalone import muon_optimizer
 from megatron_muon.tools.testing import hugging_face_model
 from synthetic_data import MarkovChainDataset  # beside this script

@@ -1,6 +1,6 @@
 """`megatron_muon.automodel.MegatronFSDPMuonConfig`: NeMo Automodel's optimizer config for Muon on
-Megatron-FSDP (integrations/automodel.py), the `_target_` its YAML names."""
+Megatron-FSDP (front_ends/automodel.py), the `_target_` its YAML names."""
 
-from .integrations.automodel import MegatronFSDPMuonConfig
+from .front_ends.automodel import MegatronFSDPMuonConfig
 
 __all__ = ["MegatronFSDPMuonConfig"]

@@ -77,7 +77,7 @@ def _installed(package: str) -> str:
 
 
 def pytest_sessionstart(session):
-    from megatron_muon.compat.cpu import bf16_matmul_is_emulated, fast_newton_schulz_precision
+    from megatron_muon.cpu.torch_compat import bf16_matmul_is_emulated, fast_newton_schulz_precision
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -101,7 +101,7 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer")
 # threads, no process group), so every worker still starts as a fresh interpreter would; the
 # last, forkserver_warmup, does once what each rank of a training run would do in its process.
 SERVER = mp.get_context("forkserver")
-SERVER_PRELOAD = ["megatron_muon.tools.testing", "megatron_muon.integrations.megatron_lm",
+SERVER_PRELOAD = ["megatron_muon.tools.testing", "megatron_muon.front_ends.megatron_lm",
                   "fsdp_models", "torch.distributed.checkpoint", "forkserver_warmup"]
 preload(SERVER, SERVER_PRELOAD)
 
@@ -113,7 +113,7 @@ def _serve(rank, world_size, port, tasks, results):
     import torch
     import torch.distributed as dist
 
-    from megatron_muon.compat.cpu import apply_cpu_compat
+    from megatron_muon.cpu.torch_compat import apply_cpu_compat
 
     apply_cpu_compat()
     torch.set_num_threads(1)

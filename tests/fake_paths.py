@@ -6,7 +6,7 @@ import dataclasses
 
 from fsdp_models import load_checkpoint, save_checkpoint
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.step.model_chunks import named_main_weights
+from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
 

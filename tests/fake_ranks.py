@@ -133,7 +133,7 @@ def _group_rank(group, global_rank, group_rank):
 
 def _fake_rank(rank, world_size, fn, device_type, port, args):
     if device_type == "cpu":
-        from megatron_muon.compat.cpu import apply_cpu_compat
+        from megatron_muon.cpu.torch_compat import apply_cpu_compat
         apply_cpu_compat()
     else:
         torch.cuda.set_device(0)

@@ -16,9 +16,10 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMu
 from megatron.core.utils import unwrap_model
 from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from megatron_muon.compat import upstream, upstream_fixes
+from megatron_muon.compat import upstream
+from megatron_muon.fixes import upstream_fixes
 from megatron_muon.plan import offload_figures
-from megatron_muon.step.model_chunks import find_megatron_fsdp
+from megatron_muon.chain.model_chunks import find_megatron_fsdp
 from megatron_muon.tools.testing import TINY, GPTShape, loss_on
 from torch.distributed.tensor import DTensor, Shard
 
@@ -212,7 +213,7 @@ def muon_param_groups(matrices):
 def reference_optimizers(ref, moment2_method=None):
     """megatron-core's optimizers on the unsharded model: TensorParallelMuon, or with
     `moment2_method` TensorParallelAdaptiveMuon (--optimizer adaptive_muon, as
-    megatron_muon.compat.upstream_fixes repairs it), and Adam for the rest."""
+    megatron_muon.fixes.upstream_fixes repairs it), and Adam for the rest."""
     matrices, vectors = split_params(ref)
     if moment2_method is None:
         muon = TensorParallelMuon(muon_param_groups(matrices), **MUON_KWARGS)

@@ -5,6 +5,7 @@ one sitting, and every layer's folder holds one concern's code (megatron_muon/RE
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -12,11 +13,14 @@ import megatron_muon
 
 PACKAGE = Path(megatron_muon.__file__).parent
 # Lowest first: a layer may import the layers before it. plan/ and compat/ import nothing else.
-LAYERS = ("plan", "compat", "distribution", "core", "step", "checkpoint", "integrations",
-          "tools")
-BELOW = {"plan": {"plan"}, "compat": {"compat"}, "distribution": {"plan", "compat", "distribution"}}
-for _lower, _layer in zip(LAYERS[2:], LAYERS[3:]):
-    BELOW[_layer] = BELOW[_lower] | {_layer}
+LAYERS = ("plan", "compat", "fixes", "cpu", "observe", "distribution", "planner", "core",
+          "reporting", "chain", "checkpoint", "estimate", "integrations", "front_ends", "tools")
+BELOW = {"plan": {"plan"}, "compat": {"compat"}}
+for _lower, _layer in zip(LAYERS[1:], LAYERS[2:]):
+    BELOW[_layer] = BELOW[_lower] | {_layer, "plan"}
+# front_ends/: each front end's modules; no front end imports another's (they share integrations/).
+FRONT_ENDS = {"megatron_lm": {"megatron_lm"}, "bridge": {"bridge"},
+              "standalone": {"standalone", "automodel", "placement"}}
 TOP = "megatron_muon"  # the package's own modules: __init__ and the public entry points
 MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 250  # every line
 # Code lines only: a docstring, a comment or a blank line never counts (megatron_muon/README.md).
@@ -72,25 +76,54 @@ def test_every_layer_imports_only_itself_and_the_layers_below():
     assert wrong == {}
 
 
+def _front_end(module: str) -> str | None:
+    """The front end a module of front_ends/ (or a name in one) belongs to."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "front_ends":
+        return None
+    return next(front for front, modules in FRONT_ENDS.items() if parts[2] in modules)
+
+
+def into_another_front_end(module: str, is_package: bool, source: str) -> list[str]:
+    """The imports of a front end's `module` that reach another front end's modules."""
+    own = _front_end(module)
+    return [target for target in _imported(module, is_package, source)
+            if own is not None and _front_end(target) not in (None, own)]
+
+
+def test_no_front_end_imports_another():
+    front_ends = {_front_end(module) for module, _, _ in _modules()} - {None}
+    assert front_ends == set(FRONT_ENDS)
+    wrong = {module: targets for module, is_package, path in _modules()
+             if (targets := into_another_front_end(module, is_package, path.read_text()))}
+    assert wrong == {}
+    assert into_another_front_end("megatron_muon.front_ends.bridge", False,
+                                  "from .megatron_lm import install\n"
+                                  "from ..integrations import factory\n") == [
+        "megatron_muon.front_ends.megatron_lm.install"]
+    assert into_another_front_end("megatron_muon.front_ends.automodel", False,
+                                  "from .standalone import muon_optimizer") == []
+
+
 def test_the_check_finds_an_import_against_the_direction():
     """Each way an import may point the wrong way, and ones that do not."""
     assert against_the_direction("megatron_muon.core.zero_muon", False,
-                                 "from ..step.chained import FSDPMuonChainedOptimizer\n"
+                                 "from ..chain.chained import FSDPMuonChainedOptimizer\n"
                                  "from ..plan import Matrix\nfrom . import syrk\n") == [
-        "megatron_muon.step.chained.FSDPMuonChainedOptimizer"]
+        "megatron_muon.chain.chained.FSDPMuonChainedOptimizer"]
     assert against_the_direction("megatron_muon.distribution.exchange", False,
                                  "from ..core.muon_math import momentum_update_") == [
         "megatron_muon.core.muon_math.momentum_update_"]
     assert against_the_direction("megatron_muon.plan", True, "from ..compat import upstream") == [
         "megatron_muon.compat.upstream"]
-    assert against_the_direction("megatron_muon.compat.cpu", False,
+    assert against_the_direction("megatron_muon.cpu.torch_compat", False,
                                  "def f():\n    import megatron_muon.core.exchange\n") == [
         "megatron_muon.core.exchange"]
     assert against_the_direction("megatron_muon.tools.selftest", False,
                                  "from .. import get_megatron_optimizer") == [
         "megatron_muon.get_megatron_optimizer"]
     assert against_the_direction("megatron_muon.training", False,
-                                 "from .integrations.megatron_lm import install") == []
+                                 "from .front_ends.megatron_lm import install") == []
 
 
 def _lines(node: ast.AST) -> int:
@@ -137,3 +170,23 @@ def test_modules_classes_and_layers_stay_small():
         per_layer[layer] = per_layer.get(layer, 0) + code_lines(source)
     assert long_modules == {} and long_classes == {}
     assert max(per_layer.values()) <= MAX_LAYER_CODE_LINES, per_layer
+
+
+def _layout_table() -> set[str]:
+    """The files docs/design.md's "Layout" table lists in the package's folders, as
+    "folder/file.py" (under the folder's bold heading row)."""
+    table = (PACKAGE.parent / "docs" / "design.md").read_text().split("## Layout", 1)[1].strip()
+    listed, folder = set(), None
+    for row in table.split("\n\n", 1)[0].splitlines():
+        if heading := re.match(r"\| \*\*(\w+)/\*\* \|", row):
+            folder = heading[1]
+        elif folder and row.startswith("| `"):
+            cell = row.split(" | ")[0]
+            listed |= {f"{folder}/{name}" for name in re.findall(r"`([\w.]+\.py)`", cell)}
+    return listed
+
+
+def test_the_design_layout_table_lists_every_module():
+    modules = {str(path.relative_to(PACKAGE)) for _, is_package, path in _modules()
+               if not is_package and path.parent != PACKAGE}
+    assert _layout_table() == modules

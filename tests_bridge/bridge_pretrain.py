@@ -9,7 +9,7 @@ import os
 import types
 
 import megatron_muon.bridge  # first: on CPU, Bridge's GPU-only imports need its stand-ins
-from megatron_muon.step import qk_clip
+from megatron_muon.chain import qk_clip
 from megatron_muon.compat import upstream
 
 from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec  # noqa: E402

@@ -102,7 +102,7 @@ def shrink(cfg, args) -> None:
     cfg.comm_overlap = None
     # Two micro-batches per rank: the experts' buffer (expert parallel = data parallel) reduces
     # over one rank, which released Megatron-FSDP rescales at every micro-batch
-    # (megatron_muon.compat.upstream_fixes).
+    # (megatron_muon.fixes.upstream_fixes).
     cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size = args.iters, 4, 1
     cfg.train.manual_gc, cfg.train.exit_signal_handler = False, False
     cfg.validation.eval_interval, cfg.validation.eval_iters = None, 0

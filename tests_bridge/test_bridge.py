@@ -235,15 +235,15 @@ def _config(**changes):
 def test_bridges_logs_get_our_timers_and_scalars_and_the_rates_beside_them(tmp_path):
     """With cfg.logger's tensorboard_dir, timing_log_level 2 and log_timers_to_tensorboard,
     Bridge's log has our step and its phases among its timers at every iteration, its event file
-    has them and the step's scalars (distribution.step_report) at every iteration, and the rates
+    has them and the step's scalars (reporting.step_report) at every iteration, and the rates
     measured at construction lie beside it, as `make scale` reads them (as megatron.training's
     run: tests/e2e/test_e2e_training.py)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_muon.distribution.phases import timer_names
-    from megatron_muon.distribution.step_report import SCALARS
-    from megatron_muon.step.rates_file import RATES_FILE
-    from megatron_muon.tools.scale.parts import Rates
+    from megatron_muon.observe.phases import timer_names
+    from megatron_muon.reporting.step_report import SCALARS
+    from megatron_muon.reporting.rates_file import RATES_FILE
+    from megatron_muon.estimate.parts import Rates
 
     log = _train("--tensorboard-dir", str(tmp_path))
     every = list(range(1, ITERATIONS + 1))
@@ -290,7 +290,7 @@ def test_bridges_logs_get_our_timers_and_scalars_and_the_rates_beside_them(tmp_p
      "OptimizerConfig.adaptive_muon_beta2"),
 ])
 def test_install_refuses_naming_bridges_fields_and_changes_nothing(changes, refusal):
-    from megatron_muon.integrations import bridge as muon_bridge
+    from megatron_muon.front_ends import bridge as muon_bridge
 
     cfg = _config(**changes)
     before = dataclasses.asdict(cfg.optimizer), type(cfg.optimizer), cfg.dist.distributed_backend
@@ -332,7 +332,7 @@ def test_a_megatron_ddp_checkpoint_continues_on_megatron_fsdp_through_bridge(tmp
 def test_install_takes_the_recipes_dist_muon_on_megatron_fsdp_as_ours(capsys):
     """Bridge's Kimi K2 recipe names megatron-core's layer-wise Muon
     ('dist_muon', for Megatron DDP): on Megatron-FSDP it means megatron-muon's, said once."""
-    from megatron_muon.integrations import bridge as muon_bridge
+    from megatron_muon.front_ends import bridge as muon_bridge
 
     cfg = _config(**{"optimizer.optimizer": "dist_muon"})
     muon_bridge.install(cfg)
@@ -346,7 +346,7 @@ def test_install_takes_the_recipes_dist_muon_on_megatron_fsdp_as_ours(capsys):
 
 
 def test_install_refuses_fp16_from_bridges_mixed_precision():
-    from megatron_muon.integrations import bridge as muon_bridge
+    from megatron_muon.front_ends import bridge as muon_bridge
 
     cfg = _config()
     cfg.mixed_precision = "fp16_mixed"
@@ -357,7 +357,7 @@ def test_install_refuses_fp16_from_bridges_mixed_precision():
 
 
 def test_install_makes_the_optimizer_config_ours_keeping_every_setting():
-    from megatron_muon.integrations import bridge as muon_bridge
+    from megatron_muon.front_ends import bridge as muon_bridge
     from megatron_muon.integrations.muon_settings import MuonSettings
 
     cfg = _config(**{"optimizer.lr": 0.02, "optimizer.muon_momentum": 0.8})
@@ -373,7 +373,7 @@ def test_install_makes_the_optimizer_config_ours_keeping_every_setting():
 def test_the_optimizer_configs_own_fields_reach_the_factory():
     from unittest import mock
 
-    from megatron_muon.integrations import bridge as muon_bridge
+    from megatron_muon.front_ends import bridge as muon_bridge
 
     cfg = _config()
     muon_bridge.install(cfg)
@@ -391,7 +391,7 @@ def test_bridges_qk_clip_is_ours_for_megatron_fsdp_models_only():
 
     import megatron.bridge.training.train as bridge_train
 
-    from megatron_muon.integrations import bridge as muon_bridge
+    from megatron_muon.front_ends import bridge as muon_bridge
 
     muon_bridge.install(_config())
     assert bridge_train.clip_qk is muon_bridge._clip_qk
@@ -411,7 +411,7 @@ def test_undo_patches_leaves_bridge_and_builtins_as_they_were():
     code = """
 import builtins, importlib
 real_import = builtins.__import__
-from megatron_muon.integrations import bridge as muon_bridge
+from megatron_muon.front_ends import bridge as muon_bridge
 from megatron_muon.compat import upstream
 import bridge_pretrain, argparse
 owners = sorted({t.rpartition(".")[0] for t in upstream.PATCHES if t.startswith("megatron.bridge.")})
@@ -435,7 +435,7 @@ print("restored", changed)
 
 
 def test_install_checksums_bridges_fsdp_dtensor_checkpoints_unless_the_user_has_a_manager():
-    from megatron_muon.integrations import bridge as muon_bridge
+    from megatron_muon.front_ends import bridge as muon_bridge
 
     cfg = _config()
     muon_bridge.install(cfg)
@@ -454,9 +454,10 @@ import builtins
 import torch
 real_import = builtins.__import__
 torch.cuda.is_available = lambda: True
-from megatron_muon.compat import cpu_training, upstream
-assert cpu_training.stand_in_for_gpu_only_imports() is False
-assert cpu_training.apply_bridge_compat() is False
+from megatron_muon.compat import upstream
+from megatron_muon.cpu import training_compat
+assert training_compat.stand_in_for_gpu_only_imports() is False
+assert training_compat.apply_bridge_compat() is False
 assert builtins.__import__ is real_import and not upstream.is_patched("builtins.__import__")
 try:
     import megatron.bridge.training.pretrain

@@ -14,7 +14,7 @@ def offloaded_state_rank(rank, world_size):
     offloaded, three steps each on the same batches: what each measured (bytes allocated between
     steps and at the step's peak, the state's bytes) and whether their weights are equal."""
     from megatron_muon import get_megatron_optimizer
-    from megatron_muon.step.model_chunks import named_main_weights
+    from megatron_muon.chain.model_chunks import named_main_weights
     from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, init_parallel_state, lm_loss,
                                              optimizer_config)
 
@@ -101,9 +101,9 @@ def team_rank(rank, world_size):
 def estimate_rank(rank, world_size):
     """The self-test's estimate on a GPU (tools/selftest.print_estimates' calls): Newton-Schulz
     timed on CUDA on Llama-8B's shapes, then its step at W=8, 32 and 128 planned from it."""
-    from megatron_muon.tools.scale.estimate import assumed, estimated_steps, newton_schulz_shapes
-    from megatron_muon.tools.scale.model import MODELS
-    from megatron_muon.tools.scale.parts import Rates, measure_rates
+    from megatron_muon.estimate.figures import assumed, estimated_steps, newton_schulz_shapes
+    from megatron_muon.estimate.model import MODELS
+    from megatron_muon.estimate.parts import Rates, measure_rates
     from megatron_muon.tools.testing import init_parallel_state
 
     torch.cuda.set_device(0)

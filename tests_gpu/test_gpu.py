@@ -9,7 +9,7 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
   megatron-core's own Muon on Megatron DDP over the first iterations (fp32 Newton-Schulz);
 - with two GPUs or more, the same comparison at W=2, and Adam's grad norms and losses with
   experts over expert-parallel 2 and two micro-batches per rank equal Megatron DDP's on NCCL
-  (the experts' buffer reduces over one rank: compat.upstream_fixes); with four, the same
+  (the experts' buffer reduces over one rank: fixes.upstream_fixes); with four, the same
   under --ddp-average-in-collective (the experts' scale before the average: upstream_fixes);
 - --muon-use-syrk (emerging_optimizers' Triton SYRK kernel): its Newton-Schulz differs from the
   plain bf16 kernel's by less than bf16's own error, and the demo trains with it;
@@ -77,7 +77,7 @@ DEMO_RUNS = {
     "megatron_core_muon_on_ddp": (*FP32_NEWTON_SCHULZ, "--no-use-megatron-fsdp", "--ckpt-format",
                                   "torch_dist"),
     # Several micro-batches per rank with experts (NVIDIA/Megatron-LM#6660,
-    # compat.upstream_fixes): at W=2 with EP=2 the experts' buffer reduces over one rank.
+    # fixes.upstream_fixes): at W=2 with EP=2 the experts' buffer reduces over one rank.
     "experts_accumulated": ACCUMULATED_EXPERTS,
     "experts_accumulated_on_ddp": (*ACCUMULATED_EXPERTS, *MEGATRON_DDP),
     # --ddp-average-in-collective (upstream_fixes, 2.): at W=4 with EP=2, two micro-batches per
@@ -183,7 +183,7 @@ def test_a_teams_newton_schulz_on_cuda_is_megatron_cores_distributed_form():
 
 
 def test_the_self_tests_estimate_times_newton_schulz_on_the_gpu():
-    """The self-test's step estimate for a user's model (tools.scale) on CUDA: Newton-Schulz
+    """The self-test's step estimate for a user's model (estimate) on CUDA: Newton-Schulz
     timed on the GPU on each of Llama-8B's shapes, and its step at W, 4 W and 16 W planned at
     those rates (gpu_ranks.estimate_rank)."""
     [found] = launcher.run_ranks(estimate_rank, 1, timeout=300)
@@ -233,7 +233,7 @@ def test_zero3_matches_megatron_core_muon_on_ddp_on_two_gpus():
 
 def _equal_to_megatron_ddp_on_nccl(run, processes, iterations=4):
     """The demo's `run` and the same on Megatron DDP: each iteration's grad norm and loss equal
-    (within RTOL), Megatron-FSDP patched by megatron_muon.compat.upstream_fixes."""
+    (within RTOL), Megatron-FSDP patched by megatron_muon.fixes.upstream_fixes."""
     logs = [demo_log_of(name, iterations, processes) for name in (run, f"{run}_on_ddp")]
     assert "patched Megatron-FSDP" in logs[0], logs[0][-3000:]
     (norms, ddp_norms) = (demo_log.exact_values(log, "grad norm") for log in logs)
@@ -249,7 +249,7 @@ def _equal_to_megatron_ddp_on_nccl(run, processes, iterations=4):
                     reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
 def test_accumulated_expert_gradients_match_megatron_ddp_on_nccl():
     """EP=2 at W=2, 2 micro-batches per rank, ZeRO-3: the experts' buffer reduces over one rank,
-    which released Megatron-FSDP rescales at every micro-batch (compat.upstream_fixes holds it
+    which released Megatron-FSDP rescales at every micro-batch (fixes.upstream_fixes holds it
     to one explicit scale at the grad sync): grad norms and losses equal Megatron DDP's."""
     _equal_to_megatron_ddp_on_nccl("experts_accumulated", 2)
 
@@ -260,5 +260,5 @@ def test_averaged_expert_gradients_match_megatron_ddp_on_nccl():
     """--ddp-average-in-collective, EP=2 at W=4, 2 micro-batches per rank, ZeRO-3: released
     Megatron-FSDP averages the experts' gradients without their scale (EDP / DP), silently on
     NCCL (docs/flags.md; on gloo the flag sweep shows it): grad norms and losses equal Megatron
-    DDP's with megatron_muon.compat.upstream_fixes."""
+    DDP's with megatron_muon.fixes.upstream_fixes."""
     _equal_to_megatron_ddp_on_nccl("experts_averaged", 4)

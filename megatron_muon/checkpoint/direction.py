@@ -1,5 +1,5 @@
 """Which way a load crosses between Megatron DDP's format and ours, decided in one place for both
-front ends that load (integrations.megatron_lm's --load, integrations.bridge's checkpoint load):
+front ends that load (front_ends.megatron_lm's --load, front_ends.bridge's checkpoint load):
 a Muon run on Megatron-FSDP (fsdp_dtensor) whose load finds a Megatron DDP checkpoint
 (torch_dist) reads it with from_megatron_ddp; a Megatron DDP run (torch_dist) whose load finds
 ours reads it with to_megatron_ddp; any other load is the front end's own."""

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from ..step.model_chunks import at_global_expert_index, find_megatron_fsdp
+from ..chain.model_chunks import at_global_expert_index, find_megatron_fsdp
 from .keys import (CHAIN_PREFIX, COMMON, SCHEDULER, SECTIONS, OptimizerStateNotLoadable, Rows,
                    StoredKey, load_the_model_only, stored_metadata, stored_tensors)
 

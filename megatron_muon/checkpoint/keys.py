@@ -16,7 +16,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from torch.distributed.checkpoint import FileSystemReader
 
-from ..step.model_chunks import find_megatron_fsdp
+from ..chain.model_chunks import find_megatron_fsdp
 
 # Each run of rows SwiGLU's fc1 stores apart: (first, end) of the DTensor's rows, and where that
 # run starts as stored (swiglu_rows).
@@ -59,7 +59,7 @@ SECTIONS = (
 )
 MODEL = SECTIONS[0]
 # What the chain names a param in its optimizer sections: Megatron-FSDP's two wrappers, then the
-# model's own name (step/chained.py's _named_params).
+# model's own name (chain/chained.py's _named_params).
 CHAIN_PREFIX = "module.module."
 
 # What every rank shares beside the tensors, in both formats; the schedule is read with the

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..step.model_chunks import at_global_expert_index
+from ..chain.model_chunks import at_global_expert_index
 from .keys import (CHAIN_PREFIX, COMMON, MODEL, SCHEDULER, OptimizerStateNotLoadable, StoredKey,
                    load_the_model_only, optimizer_section, stored_keys, stored_metadata)
 

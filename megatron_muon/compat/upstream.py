@@ -8,7 +8,7 @@ a run. The rest of the package uses the names below; this is the one module of m
 names private upstream code (tests/compat/test_upstream.py checks it).
 
 The patches that `megatron_muon.training.install()`, `megatron_muon.bridge.install()` and the CPU
-layer (compat.cpu) apply to torch, megatron.training, Megatron-FSDP and Megatron-Bridge are
+layer (cpu/) apply to torch, megatron.training, Megatron-FSDP and Megatron-Bridge are
 listed in PATCHES, each target checked here too (Bridge's when megatron_muon.bridge is imported);
 they are applied only through `patch`, `temporarily` and `enter_torch_function_mode` (a
 compat/patching.py Patcher over PATCHES), which refuse an unlisted target, and `undo_patches()`
@@ -30,7 +30,7 @@ from .versions import cannot_import, unsupported
 # Patched only where installed: the standalone Megatron-FSDP (megatron-core uses its own copy).
 _OPTIONAL_MODULES = ("megatron_fsdp",)
 # Resolved when megatron_muon.bridge is imported, not before: Bridge is an optional extra, and
-# importing it without TransformerEngine needs megatron_muon.compat.cpu's stand-ins first.
+# importing it without TransformerEngine needs megatron_muon.cpu.torch_compat's stand-ins first.
 _BRIDGE = "megatron.bridge."
 
 
@@ -98,7 +98,7 @@ get_qkv_split_shapes = _borrow(
     "the q/k/v row counts of a fused QKV weight, as megatron-core's Muon splits it")
 megatron_fsdp_parameter_groups = _borrow(
     "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer._get_parameter_groups",
-    "Megatron-FSDP's buckets of a model's params, which the scale estimate (tools.scale) shards as "
+    "Megatron-FSDP's buckets of a model's params, which the scale estimate (estimate) shards as "
     "Megatron-FSDP does")
 EMERGING_OPTIMIZERS = _borrow(
     "megatron.core.optimizer.emerging_optimizers._EMERGING_OPTIMIZERS",
@@ -190,7 +190,7 @@ def called_by_fully_shard_optimizer() -> bool:
 
 def has_one_rank_reduce_defect(copy: str) -> bool:
     """Whether a Megatron-FSDP copy (MEGATRON_FSDP_COPIES) rescales a gradient buffer reduced
-    over one rank at every micro-batch, read from its code (megatron_muon.compat.upstream_fixes):
+    over one rank at every micro-batch, read from its code (megatron_muon.fixes.upstream_fixes):
     upstream's fix (NVIDIA/Megatron-LM#6773) decides the reduce schedule per buffer
     (MegatronFSDP._reduces_grad_every_backward) and tells gradient_reduce_preprocessing the
     group's size; a copy with neither has the defect."""
@@ -204,7 +204,7 @@ def has_one_rank_reduce_defect(copy: str) -> bool:
 def needs_an_expert_group_to_average(copy: str) -> bool:
     """Whether a Megatron-FSDP copy's MegatronFSDP._init_fsdp_param_and_grad_buffer reads the
     expert data-parallel group's size under average_in_collective whether or not the model has
-    experts (compat.upstream_fixes), read from its code: on a dense model that group is
+    experts (fixes.upstream_fixes), read from its code: on a dense model that group is
     None, and construction fails (AttributeError: 'NoneType' object has no attribute 'size')."""
     fsdp = importlib.import_module(f"{copy}.megatron_fsdp").MegatronFSDP
     return "get_dp_group(is_expert_parallel=True).size()" in inspect.getsource(
@@ -244,16 +244,16 @@ def mesh_shard_order(mesh) -> Any:
     return getattr(mesh, "_shard_order", None)
 
 
-# Megatron-FSDP's one-rank gradient reduce (compat.upstream_fixes), in each copy that has
+# Megatron-FSDP's one-rank gradient reduce (fixes.upstream_fixes), in each copy that has
 # the defect: the per-micro-batch reduce that holds such buffers back, and the grad sync that
 # reduces them once.
 ONE_RANK_REDUCE_TARGETS = ("param_and_grad_buffer.GradReducePipeline.reduce_gradients",
                            "megatron_fsdp.MegatronFSDP.synchronize_gradient_reduce")
-# Megatron-FSDP under average_in_collective (compat.upstream_fixes), in each copy that has
+# Megatron-FSDP under average_in_collective (fixes.upstream_fixes), in each copy that has
 # the defect: the gradient scaling its reduce skips, and the buffers' set-up on a dense model.
 AVERAGE_SCALE_TARGET = "param_and_grad_buffer.gradient_reduce_preprocessing"
 AVERAGE_DENSE_TARGET = "megatron_fsdp.MegatronFSDP._init_fsdp_param_and_grad_buffer"
-# megatron-core's TensorParallelAdaptiveMuon (megatron_muon.compat.upstream_fixes), where it has the
+# megatron-core's TensorParallelAdaptiveMuon (megatron_muon.fixes.upstream_fixes), where it has the
 # defect: its constructor, its orthogonalize (noting the whole matrix's shape) and its Muon scale.
 ADAPTIVE_MUON = "megatron.core.optimizer.emerging_optimizers.TensorParallelAdaptiveMuon"
 ADAPTIVE_MUON_TARGETS = tuple(f"{ADAPTIVE_MUON}.{name}"
@@ -261,7 +261,7 @@ ADAPTIVE_MUON_TARGETS = tuple(f"{ADAPTIVE_MUON}.{name}"
 
 # Every attribute the patches may replace, and why.
 PATCHES = {
-    # CPU layer, Megatron-FSDP (megatron_muon.compat.cpu.apply_cpu_compat); inert with CUDA.
+    # CPU layer, Megatron-FSDP (megatron_muon.cpu.torch_compat.apply_cpu_compat); inert with CUDA.
     "torch.cuda.Stream": "Megatron-FSDP schedules on CUDA streams: no-ops on CPU",
     "torch.cuda.Event": "Megatron-FSDP orders its collectives with CUDA events: no-ops on CPU",
     "torch.cuda.current_stream": "a no-op stream on CPU",
@@ -294,7 +294,7 @@ PATCHES = {
     "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu":
         "the alltoall MoE dispatcher's split sizes as numpy, as on CUDA: gloo's "
         "all_to_all_single refuses tensors",
-    # Upstream's fix of released Megatron-FSDP (compat.upstream_fixes), where it is missing.
+    # Upstream's fix of released Megatron-FSDP (fixes.upstream_fixes), where it is missing.
     **{f"{fsdp}.{target}": "NVIDIA/Megatron-LM#6660, fixed by #6773 after megatron-core 0.19.2: "
                            "a gradient buffer reduced over one rank is rescaled at every "
                            "micro-batch under ZeRO-2/3; held back, then reduced once at the grad "
@@ -310,7 +310,7 @@ PATCHES = {
                "fails in its first step (no scale_mode): Newton-Schulz unscaled, Muon's scale "
                "once after the second moment, by the whole (TP-unsharded) matrix's shape"
        for target in ADAPTIVE_MUON_TARGETS},
-    # CPU layer, megatron.training (compat.cpu_training.apply_megatron_training_compat).
+    # CPU layer, megatron.training (cpu.training_compat.apply_megatron_training_compat).
     "torch.cuda.get_rng_state": "Megatron saves the CUDA RNG state every step: the CPU one",
     "torch.cuda.set_rng_state": "no CUDA generator to restore on CPU",
     "torch.overrides.TorchFunctionMode": "a mode that creates on CPU what Megatron asks on CUDA",
@@ -341,7 +341,7 @@ PATCHES = {
     "megatron.training.training.get_megatron_optimizer": "megatron_muon's factory",
     # Megatron-Bridge (megatron_muon.bridge.install, and its CPU layer).
     "builtins.__import__": "without CUDA, placeholders for the GPU-only packages Bridge's modules "
-                           "import unconditionally (compat.cpu_training.GPU_ONLY_IMPORTS)",
+                           "import unconditionally (cpu.training_compat.GPU_ONLY_IMPORTS)",
     "megatron.bridge.training.setup.initialize_megatron": "with allow_no_cuda (CPU)",
     "megatron.bridge.training.initialize._set_random_seed": "then a CPU RNG tracker (CPU)",
     "megatron.bridge.training.initialize.compile_helpers": "the wheel's helper is prebuilt and it "

@@ -1,6 +1,6 @@
 """The check interval's (--muon-check-interval) verdicts: what a check of the owner exchange
 found and the error every rank raises together (every rank's verdict agreed on:
-distribution.agreement; the weights' own checks after the param sync: step/weights_check.py)."""
+distribution.agreement; the weights' own checks after the param sync: chain/weights_check.py)."""
 
 from typing import NamedTuple
 

@@ -18,8 +18,8 @@ from emerging_optimizers import utils as eo_utils
 from ..distribution.agreement import agree_on_every_rank
 from ..distribution.dtensor_rows import num_experts
 from ..distribution.exchange import run_overlapped
-from ..distribution.group_plan import GroupPlan
-from ..distribution.phases import CHECK, UPDATE, phase
+from ..observe.phases import CHECK, UPDATE, phase
+from ..planner.group_plan import GroupPlan
 from .checks import CheckResult, MuonCheckError
 from .team_newton_schulz import reordering_bound
 

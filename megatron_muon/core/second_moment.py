@@ -46,7 +46,8 @@ class Columns(NamedTuple):
 
     @property
     def beside(self) -> int:
-        """The columns travelling beside the update's to the owner (Matrix.state_cols)."""
+        """The columns travelling beside the update's to the owner: a planned Matrix's
+        state_cols (SecondMoment.planned)."""
         return self.grad + self.moment2
 
     @property

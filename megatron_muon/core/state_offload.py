@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..distribution.phases import OFFLOAD, phase
+from ..observe.phases import OFFLOAD, phase
 from ..plan import offloaded
 
 

@@ -1,4 +1,4 @@
-"""Newton-Schulz of a matrix split over a team (plan/teams.py): each member holds blocks of its
+"""Newton-Schulz of a matrix split over a team (plan/team_split.py): each member holds blocks of its
 long side (rows of a tall or square matrix, columns of a wide one), and the team orthogonalizes
 it as megatron-core's TensorParallelMuon does a param partitioned along that dim in tp_mode
 "distributed" (newton_schulz_tp over the team: the norm and each iteration's Gram matrix summed

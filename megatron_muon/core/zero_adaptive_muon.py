@@ -12,10 +12,10 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 from torch.distributed.tensor import DTensor, Shard
 
-from ..compat.upstream_fixes import scale_after_second_moment, whole_shape
 from ..distribution.dtensor_rows import ParamAttributes, num_experts, tp_local_rows
 from ..distribution.exchange import OwnerRoutes
-from ..distribution.group_plan import GroupPlan
+from ..fixes.upstream_fixes import scale_after_second_moment, whole_shape
+from ..planner.group_plan import GroupPlan
 from .second_moment import SECOND_MOMENTS, Columns
 from .settings import tensor_parallel_muon_settings
 from .zero_muon import ZeROTensorParallelMuon
@@ -47,7 +47,7 @@ def check_adaptive_settings(moment2_method: str, beta2: float, eps: float, use_s
 
 
 class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
-    """megatron-core's TensorParallelAdaptiveMuon (as compat.upstream_fixes repairs it)
+    """megatron-core's TensorParallelAdaptiveMuon (as fixes.upstream_fixes repairs it)
     for Megatron-FSDP main weights: each update bit-identical (fp32 `highest`) to it on the
     unsharded model. An AdaptiveMuon as megatron-core's is (its second-moment methods), stepped
     by ZeROTensorParallelMuon.

@@ -13,11 +13,11 @@ from torch.distributed.tensor import DTensor
 from ..compat import tensor_parallel
 from ..distribution.dtensor_rows import ParamAttributes
 from ..distribution.exchange import OwnerRoutes, owner_exchange, run_overlapped
-from ..distribution.group_plan import GroupPlan, offloaded_params
-from ..distribution.group_planner import GroupPlanner
-from ..distribution.phases import UPDATE, phase
-from ..distribution.teams import whole_results
+from ..distribution.team_groups import whole_results
+from ..observe.phases import UPDATE, phase
 from ..plan import MAX_EXCHANGE_BYTES
+from ..planner.group_plan import GroupPlan, offloaded_params
+from ..planner.group_planner import GroupPlanner
 from . import syrk
 from .checks import CheckResult
 from .muon_math import momentum_update_
@@ -54,7 +54,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             `highest` owners change no result bit, only where work runs (docs/design.md).
         max_team_size: owner mode may split a matrix whose Newton-Schulz alone exceeds its
             share over a team of up to this many ranks, orthogonalized together in
-            TensorParallelMuon's "distributed" form (--muon-max-team-size; plan/teams.py,
+            TensorParallelMuon's "distributed" form (--muon-max-team-size; plan/team_split.py,
             core/team_newton_schulz.py); 1 (the default): every matrix whole on one owner.
         byte_slack: the cap on the bytes owner mode moves beyond the layout's minimum, as a
             fraction of it (None, the default: none under "time"; plan.BYTE_SLACK under "bytes").
@@ -126,7 +126,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self.plans: list[GroupPlan] = self.planner.plan(byte_slack, max_exchange_bytes,
                                                          headroom=not offload_fraction)
         self._held_rows = self.planner.held_rows
-        self.interleaved = None  # stepped with another part (distribution.interleaving)
+        self.interleaved = None  # stepped with another part (planner.interleaving)
         self._check = OwnerCheck(self)
         self.host_state = HostState(self.device(), offloaded_params(self.plans, offload_fraction))
 

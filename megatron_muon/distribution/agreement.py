@@ -1,5 +1,5 @@
 """Every rank's verdict of a check agreed on, so that all ranks stop together or none does (the
-check interval's: core/owner_check.py; the weights' after the param sync: step/weights_check.py)."""
+check interval's: core/owner_check.py; the weights' after the param sync: chain/weights_check.py)."""
 
 import torch
 import torch.distributed as dist

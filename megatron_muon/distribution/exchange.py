@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from ..compat import upstream
+from ..observe.phases import GATHER, NEWTON_SCHULZ, SCATTER, UPDATE, phase
 from ..plan import (IN_FLIGHT, Matrix, RowLayout, gather_moves, gather_segments, scatter_moves,
                     scatter_segments)
-from .phases import GATHER, NEWTON_SCHULZ, SCATTER, UPDATE, phase
 
 
 def all_gather_ints(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[list[int]]:

@@ -1,5 +1,4 @@
-"""integrations: the entry points, Megatron-shaped and short. The factory (megatron-core's
-get_megatron_optimizer signature), megatron.training's switch (megatron_lm) and flags
-(arguments), the one table of refusals (rules), Megatron-Bridge (bridge), NeMo Automodel
-(automodel) and models outside Megatron (standalone, placement). Users import them by their
-public paths (megatron_muon.training, .bridge, .standalone, .automodel, .arguments)."""
+"""integrations: what every front end shares. The factory (megatron-core's
+get_megatron_optimizer signature), the muon_* settings with their defaults and checks
+(muon_settings), Megatron's flags (arguments), the one table of refusals (rules), and the state
+a front end keeps over one run (run_state). Imports the layers below it."""

@@ -6,11 +6,11 @@ what Megatron lacks.
 """
 
 import argparse
+import dataclasses
 import re
 
 from ..compat import upstream
 from ..core.zero_adaptive_muon import MOMENT2_METHODS, check_adaptive_settings
-from ..core.settings import DIST_MODES, OWNER_CHOICES
 from . import rules
 from .muon_settings import MuonSettings
 
@@ -52,60 +52,16 @@ def mend_help_texts(parser: argparse.ArgumentParser) -> None:
                                        action.help)
 
 
-def _at_least_0(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f'{value} (at least 0)')
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f'{value} (must be positive)')
-    return value
-
-
 def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     offer_fp32_newton_schulz(parser)
     group = parser.add_argument_group(title='muon on megatron-fsdp')
-    group.add_argument('--muon-dist-mode', choices=DIST_MODES, default=MuonSettings.dist_mode,
-                       help='How Muon orthogonalizes FSDP-sharded matrices: "owner" gathers each '
-                       'matrix on one rank, which runs Newton-Schulz and scatters the result; '
-                       '"allgather" gathers every matrix on every rank.')
-    group.add_argument('--muon-owner-choice', choices=OWNER_CHOICES,
-                       default=MuonSettings.owner_choice,
-                       help='How "owner" mode picks each matrix\'s owner: "time" for the shortest '
-                       'estimated step (Newton-Schulz seconds and bytes at rates measured when the '
-                       'optimizer is built), "bytes" for the fewest bytes moved, from shapes '
-                       'alone. With fp32 Newton-Schulz (--muon-fp32-matmul-prec highest) results '
-                       'are bit-identical either way.')
-    group.add_argument('--muon-max-exchange-bytes', type=_positive,
-                       default=MuonSettings.max_exchange_bytes,
-                       help='The most bytes "owner" mode\'s step holds at once on a rank beyond '
-                       'the weights, gradients and momentum: update rows, exchange buffers, '
-                       'assembled matrices, results and Newton-Schulz\'s working set of the two '
-                       'exchanges in flight. Default, per rank: what Muon\'s state saves it '
-                       'against Adam\'s (4 bytes per Muon element it holds) plus the most the '
-                       'step must exceed a rank\'s saving anyway (its largest matrices alone). '
-                       'Smaller: more, smaller exchanges and Newton-Schulz batches; a matrix '
-                       'that alone needs more than half goes alone in its batch and the start-up '
-                       'log names the largest.')
-    group.add_argument('--muon-max-team-size', type=_positive,
-                       default=MuonSettings.max_team_size,
-                       help='"owner" mode may split a matrix whose Newton-Schulz '
-                       'alone exceeds its share of the step over a team of up to this many ranks, '
-                       'which orthogonalize it together in megatron-core\'s "distributed" TP '
-                       'form (the Gram matrix summed over the team each iteration: equal to '
-                       'single-device Muon up to the order of those sums). Default 1: every '
-                       'matrix whole on one owner, bit-identical to single-device Muon.')
-    if not any('--muon-use-syrk' in action.option_strings
-               for action in upstream.parser_actions(parser)):  # megatron-core main defines it
-        group.add_argument('--muon-use-syrk', action='store_true',
-                           help='Run Newton-Schulz through emerging-optimizers\' Triton SYRK '
-                           'kernel (about half the FLOPs of its symmetric products): CUDA, '
-                           'Triton >= 3.4, --muon-fp32-matmul-prec medium; each matrix in its own '
-                           'call. Refused, naming why, where it cannot run.')
+    defined = {option for action in upstream.parser_actions(parser)
+               for option in action.option_strings}
+    for setting in dataclasses.fields(MuonSettings):
+        flag = '--muon-' + setting.name.replace('_', '-')
+        if flag not in defined:  # megatron-core main defines --muon-use-syrk
+            group.add_argument(flag, default=setting.default, help=setting.metadata['help'],
+                               **setting.metadata['parsed'])
     # megatron-core's OptimizerConfig fields for --optimizer adaptive_muon, which
     # megatron.training has no flags for (it builds OptimizerConfig from the args by field name).
     group.add_argument('--adaptive-muon-moment2-method', choices=MOMENT2_METHODS,
@@ -118,38 +74,45 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='--optimizer adaptive_muon: the second moment\'s decay rate.')
     group.add_argument('--adaptive-muon-eps', type=float, default=1e-8,
                        help='--optimizer adaptive_muon: the second moment\'s epsilon.')
-    group.add_argument('--muon-max-consecutive-skipped-steps', type=_at_least_0,
-                       default=MuonSettings.max_consecutive_skipped_steps,
-                       help='Stop with an error after this many optimizer steps in a row skipped '
-                       'for NaN or Inf gradients (a diverged run); 0: never stop. Each skipped '
-                       'step is reported.')
-    group.add_argument('--muon-check-interval', type=_at_least_0,
-                       default=MuonSettings.check_interval,
-                       help='Every this many optimizer steps, also compute each Muon matrix\'s '
-                       'update whole (as --muon-dist-mode allgather does) and stop with an error, '
-                       'naming the matrix, where the owner exchange\'s differs (beyond fp32 '
-                       'Newton-Schulz\'s 0, or a lower precision\'s own error); 0: never. Costs '
-                       'nothing between checks.')
     return parser
 
 
-# The --optimizer values megatron_muon steps on Megatron-FSDP (megatron.training refuses them there).
+# The --optimizer values megatron_muon steps on Megatron-FSDP (megatron.training refuses them
+# there).
 FSDP_OPTIMIZERS = ('muon', 'adaptive_muon')
 
 
-def muon_on_megatron_fsdp(args: argparse.Namespace) -> bool:
-    """Whether the flags ask for what megatron_muon provides: --optimizer muon (or
-    adaptive_muon) on Megatron-FSDP."""
-    return args.optimizer in FSDP_OPTIMIZERS and args.use_megatron_fsdp
+def asks_for_ours(optimizer: str, megatron_fsdp: bool) -> bool:
+    """Whether an optimizer name, on Megatron-FSDP or not, asks for what megatron_muon provides:
+    muon (or adaptive_muon) on Megatron-FSDP. Each front end reads the two from its own
+    settings: flags_ask_for_ours here, Bridge's muon_on_megatron_fsdp(cfg)."""
+    return optimizer in FSDP_OPTIMIZERS and megatron_fsdp
+
+
+def flags_ask_for_ours(args: argparse.Namespace) -> bool:
+    """asks_for_ours of megatron.training's --optimizer and --use-megatron-fsdp."""
+    return asks_for_ours(args.optimizer, args.use_megatron_fsdp)
+
+
+def takes_dist_muon(optimizer: str, megatron_fsdp: bool) -> bool:
+    """dist_muon (megatron-core's layer-wise distributed Muon, for Megatron DDP; Bridge's Kimi K2
+    recipe names it) on Megatron-FSDP, which megatron.training and Bridge refuse there: ours
+    steps it as muon, and the front end says so once, in taking_dist_muon's words."""
+    return optimizer == 'dist_muon' and megatron_fsdp
+
+
+def taking_dist_muon(asked: str) -> str:
+    """The line a front end prints where it takes dist_muon (`asked`: in its own settings)."""
+    return f"{asked}: megatron-muon's distributed Muon (ZeROTensorParallelMuon) steps it"
 
 
 def validate_muon_args(args: argparse.Namespace) -> None:
     """Refuse, with a clear message naming the flags, what Muon on Megatron-FSDP does not
     support, and what Megatron-FSDP does not with any optimizer (integrations.rules)."""
-    if args.use_megatron_fsdp and not muon_on_megatron_fsdp(args):
+    if args.use_megatron_fsdp and not flags_ask_for_ours(args):
         rules.refuse(lambda section, field: getattr(args, field), _flag, training_loop=True,
                      what='--use-megatron-fsdp', muon=False)
-    if not muon_on_megatron_fsdp(args):
+    if not flags_ask_for_ours(args):
         return
     what = f'--optimizer {args.optimizer} with --use-megatron-fsdp'
     if not hasattr(args, 'muon_dist_mode'):

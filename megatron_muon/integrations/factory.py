@@ -10,15 +10,16 @@ from megatron.core.optimizer import get_standard_config_overrides
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from ..compat import upstream, upstream_fixes
+from ..chain.chained import FSDPMuonChainedOptimizer
+from ..chain.model_chunks import find_megatron_fsdp
+from ..chain.qk_clip import build_max_attention_logits
+from ..compat import upstream
 from ..core.state_offload import offload_between_steps
 from ..core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
 from ..core.zero_muon import ZeROTensorParallelMuon
-from ..distribution.interleaving import interleave
-from ..distribution.param_tags import is_scalar_param, tag_params
-from ..step.chained import FSDPMuonChainedOptimizer
-from ..step.model_chunks import find_megatron_fsdp
-from ..step.qk_clip import build_max_attention_logits
+from ..fixes import upstream_fixes
+from ..planner.interleaving import interleave
+from ..planner.param_tags import is_scalar_param, tag_params
 from . import rules
 from .arguments import FSDP_OPTIMIZERS
 from .muon_settings import MuonSettings

@@ -1,12 +1,36 @@
-"""The `muon_*` settings, once: each one's name and default, for every front end that carries
-them (megatron.training's --muon-* flags: integrations.arguments; Bridge's MuonOptimizerConfig
-fields; the factory's `muon_*` arguments; each front end reads them with MuonSettings.of), and
-the checks of a value a config may hold without a flag's parser (Bridge's fields)."""
+"""The `muon_*` settings, once: each one's name, default and flag (its help and parsing), for
+every front end that carries them (megatron.training's --muon-* flags, added by
+integrations.arguments; Bridge's MuonOptimizerConfig fields; the factory's `muon_*` arguments;
+each front end reads them with MuonSettings.of), and the checks of a value a config may hold
+without a flag's parser (Bridge's fields)."""
 
+import argparse
 import dataclasses
 
 from ..core.settings import DIST_MODES, OWNER_CHOICES
 from ..plan import MAX_EXCHANGE_BYTES
+
+
+def positive(text: str) -> int:
+    """A flag's positive integer."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} (must be positive)")
+    return value
+
+
+def at_least_0(text: str) -> int:
+    """A flag's integer of 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} (at least 0)")
+    return value
+
+
+def _setting(default, help: str, **parsed):
+    """A setting: its default, and its --muon-<name> flag's help and how argparse parses it
+    (integrations.arguments.add_muon_args adds each, in this order)."""
+    return dataclasses.field(default=default, metadata={"help": help, "parsed": parsed})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,13 +38,48 @@ class MuonSettings:
     """Each field: ZeROTensorParallelMuon's argument of that name (FSDPMuonChainedOptimizer's
     for max_consecutive_skipped_steps); the flag is --muon-<name>, the config field and the
     factory's argument muon_<name> (the factory's docstring says what each does)."""
-    dist_mode: str = "owner"
-    owner_choice: str = "time"
-    check_interval: int = 0
-    max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES
-    max_team_size: int = 1
-    use_syrk: bool = False
-    max_consecutive_skipped_steps: int = 10
+    dist_mode: str = _setting(
+        "owner", choices=DIST_MODES,
+        help='How Muon orthogonalizes FSDP-sharded matrices: "owner" gathers each matrix on one '
+        'rank, which runs Newton-Schulz and scatters the result; "allgather" gathers every '
+        'matrix on every rank.')
+    owner_choice: str = _setting(
+        "time", choices=OWNER_CHOICES,
+        help='How "owner" mode picks each matrix\'s owner: "time" for the shortest estimated '
+        'step (Newton-Schulz seconds and bytes at rates measured when the optimizer is built), '
+        '"bytes" for the fewest bytes moved, from shapes alone. With fp32 Newton-Schulz '
+        '(--muon-fp32-matmul-prec highest) results are bit-identical either way.')
+    max_exchange_bytes: int | None = _setting(
+        MAX_EXCHANGE_BYTES, type=positive,
+        help='The most bytes "owner" mode\'s step holds at once on a rank beyond the weights, '
+        'gradients and momentum: update rows, exchange buffers, assembled matrices, results and '
+        'Newton-Schulz\'s working set of the two exchanges in flight. Default, per rank: what '
+        'Muon\'s state saves it against Adam\'s (4 bytes per Muon element it holds) plus the '
+        'most the step must exceed a rank\'s saving anyway (its largest matrices alone). '
+        'Smaller: more, smaller exchanges and Newton-Schulz batches; a matrix that alone needs '
+        'more than half goes alone in its batch and the start-up log names the largest.')
+    max_team_size: int = _setting(
+        1, type=positive,
+        help='"owner" mode may split a matrix whose Newton-Schulz alone exceeds its share of the '
+        'step over a team of up to this many ranks, which orthogonalize it together in '
+        'megatron-core\'s "distributed" TP form (the Gram matrix summed over the team each '
+        'iteration: equal to single-device Muon up to the order of those sums). Default 1: '
+        'every matrix whole on one owner, bit-identical to single-device Muon.')
+    use_syrk: bool = _setting(
+        False, action="store_true",
+        help='Run Newton-Schulz through emerging-optimizers\' Triton SYRK kernel (about half the '
+        'FLOPs of its symmetric products): CUDA, Triton >= 3.4, --muon-fp32-matmul-prec medium; '
+        'each matrix in its own call. Refused, naming why, where it cannot run.')
+    max_consecutive_skipped_steps: int = _setting(
+        10, type=at_least_0,
+        help='Stop with an error after this many optimizer steps in a row skipped for NaN or Inf '
+        'gradients (a diverged run); 0: never stop. Each skipped step is reported.')
+    check_interval: int = _setting(
+        0, type=at_least_0,
+        help='Every this many optimizer steps, also compute each Muon matrix\'s update whole (as '
+        '--muon-dist-mode allgather does) and stop with an error, naming the matrix, where the '
+        'owner exchange\'s differs (beyond fp32 Newton-Schulz\'s 0, or a lower precision\'s own '
+        'error); 0: never. Costs nothing between checks.')
 
     @classmethod
     def of(cls, source) -> "MuonSettings":

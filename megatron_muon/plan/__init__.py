@@ -1,8 +1,13 @@
-"""The plan: pure functions on shapes and ranks, shared by the optimizer and the scale estimate
-(tools/scale): rows held (layouts), what travels (traffic), owners (owners), working memory and
-budgets (budget), teams (teams), one exchange group's plan (owner_plan), the offloaded state
-(offload). No communication, no tensors: unit-tested without processes. Imports nothing else of
-megatron_muon; what it offers is what this module imports."""
+"""plan: pure functions on shapes and ranks, shared by the optimizer (through planner/) and the
+scale estimate (estimate/): rows held (layouts), what travels (traffic), owners (owners), working
+memory and budgets (budget), matrices split over teams (team_split), one exchange group's plan
+from shapes alone (owner_plan), the offloaded state (offload). No communication, no tensors:
+unit-tested without processes. Imports nothing else of megatron_muon; what it offers is what this
+module imports.
+
+"A plan" means one thing throughout: what one exchange group's step does (its matrices' owners,
+batches and exchanges). plan/ makes it from shapes (owner_plan.OwnerPlan); planner/ makes it
+for an optimizer's params (planner.group_plan.GroupPlan), which the optimizer carries out."""
 
 from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, alone_working, batch_bytes,
                      batch_matrices, exchange_batches, fewest_exchanges, largest_alone,
@@ -15,9 +20,9 @@ from .owner_plan import (OwnedBatches, OwnerPlan, owned_batches, owner_plan, pac
                          packed_plan)
 from .owners import (BYTE_SLACK, StepCost, TeamRule, choose_owners, choose_owners_by_time,
                      estimated_seconds, newton_schulz_seconds, rank_loads, whole_matrix_owners)
-from .teams import (TEAM_ABOVE, TeamCost, all_reduce_seconds, block_sizes, can_split,
-                    flops_cost, newton_schulz_flops, ring_bytes, team_all_reduces, team_blocks,
-                    team_members, team_sizes, team_step_cost, tiered_seconds, with_teams)
+from .team_split import (TEAM_ABOVE, TeamCost, all_reduce_seconds, block_sizes, can_split,
+                         flops_cost, newton_schulz_flops, ring_bytes, team_all_reduces, team_blocks,
+                         team_members, team_sizes, team_step_cost, tiered_seconds, with_teams)
 from .traffic import (gather_moves, gather_segments, gather_traffic, layout_min_bytes,
                       matrix_traffic, owner_traffic, scatter_moves, scatter_segments,
                       scatter_traffic)

@@ -29,7 +29,7 @@ def newton_schulz_bytes(matrix: Matrix, element_bytes: int) -> int:
     measured 3mn + m^2 at fp32 on CPU, test_memory checks the bound). Where the matrix is
     all-gathered first (`tp_gather`: newton_schulz_tp's duplicated mode, over one rank too),
     Newton-Schulz runs on the whole matrix, beside the gathered shards and their concatenation,
-    each as large as it. A team's block (plan/teams.py): its rows beside the whole matrix's
+    each as large as it. A team's block (plan/team_split.py): its rows beside the whole matrix's
     Gram side (Matrix.gram_side)."""
     shape = list(matrix.shape)
     gathered = 0
@@ -51,7 +51,7 @@ def owner_bytes(matrix: Matrix, element_bytes: int) -> int:
 def batch_matrices(matrices: Sequence[Matrix], max_bytes: int, element_bytes: int) -> list[list[int]]:
     """Matrices of one batch key (same shape, same orthogonalization) in batches whose owner_bytes
     add up to at most `max_bytes` (at least one matrix each, whoever owns them), in
-    first-appearance order; the blocks of a team (plan/teams.py) in one batch, whatever their
+    first-appearance order; the blocks of a team (plan/team_split.py) in one batch, whatever their
     bytes: its members orthogonalize it together, in one exchange."""
     by_key: dict[tuple, list[list[int]]] = {}
     for i, matrix in enumerate(matrices):
@@ -315,7 +315,7 @@ def rank_budgets(matrices: Sequence[Matrix], owners: Sequence[int],
     (headroom 0), every rank's step stays within its saving.
 
     `reserved`: what each rank holds beside this group's exchanges, another group's working
-    memory where their exchanges run interleaved (distribution.interleaving), taken off its
+    memory where their exchanges run interleaved (planner.interleaving), taken off its
     budget (its batches alone still fit)."""
     alone = alone_working(matrices, owners, batches, element_bytes)
     if max_exchange_bytes is not None:

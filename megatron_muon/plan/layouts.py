@@ -171,7 +171,7 @@ def team_ns_flops(gram_side: int, long_side: int, steps: int) -> int:
 
 @dataclass(frozen=True)
 class TeamBlock:
-    """Where a block of a matrix split over a team (plan/teams.py) sits: the team (the index of
+    """Where a block of a matrix split over a team (plan/team_split.py) sits: the team (the index of
     the whole matrix among its group's matrices), the whole matrix's shape, the block's first
     row or column in it along `dim`, and the team's size (its blocks)."""
 
@@ -216,7 +216,7 @@ class Matrix:
     holds `moment2_cols` elements per row. Under --muon-tp-mode duplicated a tensor-parallel
     matrix is all-gathered before Newton-Schulz: `tp_gather` is (the dim its TP shards tile,
     their number), None where nothing is gathered. A block of a matrix split over a team
-    (plan/teams.py) is a Matrix too, with its `team`."""
+    (plan/team_split.py) is a Matrix too, with its `team`."""
 
     layout: RowLayout
     cols: int

@@ -107,7 +107,7 @@ def _megatron_fsdp_buffers(model_chunks) -> dict[str, list[torch.Tensor]]:
     """Megatron-FSDP's buffers by kind (its ParameterGroup's DataParallelBuffer fields: main
     weights, gradients, model weights), which hold what its params view between steps (under
     ZeRO-1/2 the unsharded compute weights are reachable through no param then)."""
-    from ..step.model_chunks import find_megatron_fsdp
+    from ..chain.model_chunks import find_megatron_fsdp
 
     kinds = {"main weights": [], "gradients": [], "model weights": []}
     for chunk in model_chunks:

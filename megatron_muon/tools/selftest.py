@@ -15,7 +15,7 @@ backward or optimizer step adds, megatron_muon.tools.memory.measure_train_step) 
 status is 0 only when every configuration passed; 1 when one failed; 2 when one ran past
 --time-limit (it is named: a hang in a collective). NCCL on GPUs, gloo on CPU. Given the user's
 model (Megatron's model flags, or --estimate-model), rank 0 then prints its estimated optimizer
-step at W, 4 W and 16 W (tools.scale), Newton-Schulz timed here on the model's own shapes.
+step at W, 4 W and 16 W (estimate), Newton-Schulz timed here on the model's own shapes.
 """
 
 import argparse
@@ -36,10 +36,10 @@ import torch.distributed as dist
 from ..compat import versions
 from ..core.checks import MuonCheckError
 from ..core.second_moment import SECOND_MOMENTS
+from ..estimate.figures import assumed, estimated_steps, newton_schulz_shapes
+from ..estimate.model import MODEL_FLAGS, MODELS, spec_from_flags
+from ..estimate.parts import Rates, measure_rates
 from ..integrations.arguments import FSDP_OPTIMIZERS
-from .scale.estimate import assumed, estimated_steps, newton_schulz_shapes
-from .scale.model import MODEL_FLAGS, MODELS, spec_from_flags
-from .scale.parts import Rates, measure_rates
 
 ITERATIONS, CHECK_INTERVAL = 6, 2
 
@@ -91,11 +91,11 @@ class _NewtonSchulzClock:
 def run_configuration(config: dict, args, corrupt: bool, rates_dir: str | None = None) -> dict:
     """Train one configuration; its row's figures (collective: every rank returns the same);
     with `rates_dir`, the rates its optimizer measured at construction written there
-    (step.rates_file; `rates`: the file, or None where nothing was measured)."""
+    (reporting.rates_file; `rates`: the file, or None where nothing was measured)."""
     from megatron.core import parallel_state
 
     from ..integrations.factory import get_megatron_optimizer
-    from ..step.rates_file import write_rates
+    from ..reporting.rates_file import write_rates
     from .memory import measure_train_step
     from .testing import GPTShape, fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 
@@ -183,13 +183,12 @@ def time_limit(seconds: float, name: str):
               file=sys.stderr, flush=True)
         os._exit(2)
 
-    timer = threading.Timer(seconds, expire)
-    timer.daemon = True
-    timer.start()
-    try:
+    with contextlib.ExitStack() as cancelled_at_the_end:
+        watchdog = threading.Timer(seconds, expire)
+        watchdog.daemon = True
+        watchdog.start()
+        cancelled_at_the_end.callback(watchdog.cancel)
         yield
-    finally:
-        timer.cancel()
 
 
 def _rates_line(path) -> str:
@@ -228,7 +227,7 @@ def parse_args(argv=None):
                         help="corrupt one owner result in the first configuration, to see a "
                              "failure caught (the run then exits 1)")
     estimate = parser.add_argument_group(
-        "the step's estimate for your model (megatron_muon.tools.scale, as `make scale`), at "
+        "the step's estimate for your model (megatron_muon.estimate, as `make scale`), at "
         "this run's rates (Newton-Schulz timed on your model's shapes here, the network "
         "measured by the first configuration): a named model or Megatron's model flags")
     estimate.add_argument("--estimate-model", choices=tuple(MODELS),
@@ -274,7 +273,7 @@ def _estimate_problem(args, world_size: int) -> str | None:
 
 def print_estimates(args, world_size: int, run_rates) -> None:
     """Rank 0, in a group of its own (megatron-core builds the meta model under its parallel
-    state): args.estimate's step at W, 4 W and 16 W (scale.estimate.estimated_steps), its
+    state): args.estimate's step at W, 4 W and 16 W (estimate.figures.estimated_steps), its
     Newton-Schulz timed here, the rest from `run_rates` (the first configuration's file)."""
     from megatron.core.optimizer import OptimizerConfig
 
@@ -315,7 +314,7 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
-        from ..compat.cpu import apply_cpu_compat
+        from ..cpu.torch_compat import apply_cpu_compat
         apply_cpu_compat()
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()

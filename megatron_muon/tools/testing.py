@@ -14,7 +14,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-from ..compat.cpu_training import apply_megatron_training_compat
+from ..cpu.training_compat import apply_megatron_training_compat
 
 
 @dataclass(frozen=True)

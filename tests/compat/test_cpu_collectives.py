@@ -1,9 +1,9 @@
-"""The CPU layer's collectives mean what they mean on NCCL (megatron_muon.compat.cpu)."""
+"""The CPU layer's collectives mean what they mean on NCCL (megatron_muon.cpu.torch_compat)."""
 
 import torch
 import torch.distributed as dist
 
-from megatron_muon.compat.cpu import apply_cpu_compat
+from megatron_muon.cpu.torch_compat import apply_cpu_compat
 
 
 def _reduce_scatters_average(rank, world_size):

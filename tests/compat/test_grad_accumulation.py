@@ -5,7 +5,7 @@ without --overlap-grad-reduce), then the optimizer, iteration after iteration.
 
 Released Megatron-FSDP rescales a gradient buffer reduced over one rank at every micro-batch
 under ZeRO-2/3 (NVIDIA/Megatron-LM#6660): the experts' when expert parallelism spans the
-data-parallel ranks (EP=2 at W=2, NVIDIA's DP8/EP8 layout), compat.upstream_fixes corrects
+data-parallel ranks (EP=2 at W=2, NVIDIA's DP8/EP8 layout), fixes.upstream_fixes corrects
 it. TP=2 at W=2 (DP=1: a scale of 1) is a control that agrees with or without the fix; EP=2 at
 W=4 (expert groups of two), the other control, is a row of the flag sweep
 (benchmarks/sweep.py: every strategy, Adam and Muon, two micro-batches per rank)."""

@@ -1,8 +1,8 @@
 """Which precision Newton-Schulz runs at, on either kind of CPU: the probe for emulated bf16
-matmuls (compat.cpu.bf16_matmul_is_emulated) is patched both ways, so the suite shows the
+matmuls (torch_compat.torch_compat.bf16_matmul_is_emulated) is patched both ways, so the suite shows the
 choice whatever CPU it runs on.
 
-- the demo (and the benchmarks, through cpu.fast_newton_schulz_precision) run fp32 ('highest')
+- the demo (and the benchmarks, through torch_compat.fast_newton_schulz_precision) run fp32 ('highest')
   where bf16 matmuls are emulated and Megatron's bf16 ('medium') elsewhere; the command line
   wins; the demo says so in one line at start only when it chose fp32;
 - a user's own script keeps what it asks for; install() warns once, on rank 0, with the cost
@@ -42,10 +42,10 @@ def _parsed(provider, argv, rank=0):
 
 def _the_demo_chooses(rank, world_size, emulated):
     import megatron_muon.training
-    from megatron_muon.compat import cpu
+    from megatron_muon.cpu import torch_compat
 
     megatron_muon.training.install()
-    cpu.bf16_matmul_is_emulated = lambda: emulated
+    torch_compat.bf16_matmul_is_emulated = lambda: emulated
     sys.path.insert(0, str(REPO / "examples"))
     import pretrain_gpt
 
@@ -58,13 +58,13 @@ def _the_demo_chooses(rank, world_size, emulated):
 
     precision, said, warned = demo()
     if emulated:
-        assert precision == "highest" and cpu.fast_newton_schulz_precision() == "highest"
+        assert precision == "highest" and torch_compat.fast_newton_schulz_precision() == "highest"
         assert said.count("\n") == 1 and said.startswith(
             "pretrain_gpt.py: Newton-Schulz in fp32 (--muon-fp32-matmul-prec highest): this CPU "
             "has no native bf16 matmul"), said
         assert "--muon-fp32-matmul-prec medium asks for it anyway" in said
     else:
-        assert precision == "medium" and cpu.fast_newton_schulz_precision() == "medium"
+        assert precision == "medium" and torch_compat.fast_newton_schulz_precision() == "medium"
         assert said == ""
     assert not warned
     assert demo("--optimizer", "adam")[1] == ""  # no Newton-Schulz, nothing to say
@@ -83,13 +83,13 @@ def test_the_demo_keeps_megatrons_bf16_newton_schulz_where_bf16_matmuls_are_nati
 
 def _a_scripts_request(rank, world_size):
     import megatron_muon.training
-    from megatron_muon.compat import cpu
+    from megatron_muon.cpu import torch_compat
     from megatron_muon.integrations.arguments import add_muon_args
 
     megatron_muon.training.install()
-    cpu.bf16_matmul_is_emulated = lambda: False
+    torch_compat.bf16_matmul_is_emulated = lambda: False
     assert not _parsed(add_muon_args, SCRIPT)[2]  # native bf16: medium says nothing
-    cpu.bf16_matmul_is_emulated = lambda: True
+    torch_compat.bf16_matmul_is_emulated = lambda: True
     for quiet in (["--muon-fp32-matmul-prec", "highest"], ["--optimizer", "adam"]):
         assert not _parsed(add_muon_args, [*SCRIPT, *quiet])[2]
     assert not _parsed(add_muon_args, SCRIPT, rank=1)[2]  # rank 0 speaks for the job

@@ -1,7 +1,7 @@
 """--optimizer adaptive_muon on Megatron DDP: megatron-core 0.19's TensorParallelAdaptiveMuon
 fails in its first step (emerging-optimizers 0.3's AdaptiveMuon.step reads a `scale_mode` only
 AdaptiveMuon's constructor sets) and would scale twice, as 0.20's does (TensorParallelMuon's
-orthogonalize scales, then AdaptiveMuon's step). compat.upstream_fixes repairs it: every update
+orthogonalize scales, then AdaptiveMuon's step). fixes.upstream_fixes repairs it: every update
 equals emerging-optimizers' AdaptiveMuon's, bit for bit, for each second-moment method."""
 
 import typing
@@ -11,7 +11,8 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
 
-from megatron_muon.compat import upstream, upstream_fixes
+from megatron_muon.compat import upstream
+from megatron_muon.fixes import upstream_fixes
 
 SETTINGS = dict(lr=0.02, momentum=0.9, weight_decay=0.01, nesterov=True,
                 fp32_matmul_prec="highest", coefficient_type="quintic", num_ns_steps=5,

@@ -45,7 +45,7 @@ def _tag(chunk):
     """The factory's tags (its `config` only names the attention shape)."""
     from types import SimpleNamespace
 
-    from megatron_muon.distribution.param_tags import tag_params
+    from megatron_muon.planner.param_tags import tag_params
 
     chunk.config = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8)
     tag_params([chunk])
@@ -114,7 +114,7 @@ def test_fused_orthogonalization_would_differ():
 
 
 def test_factory_tags_grouped_weights_and_gives_them_to_muon():
-    from megatron_muon.distribution.param_tags import is_scalar_param
+    from megatron_muon.planner.param_tags import is_scalar_param
 
     chunk = torch.nn.Module()
     chunk.moe = MoENet()

@@ -30,15 +30,15 @@ from megatron_muon.compat.newton_schulz_loop import distributed_newton_schulz
 from megatron_muon.core.team_newton_schulz import (orthogonalized_by_team, reordering_bound,
                                                    team_orthogonalize)
 from megatron_muon.distribution.exchange import Traffic, observed
-from megatron_muon.distribution.measured_cost import node_bytes_per_second
-from megatron_muon.step.rates_file import rates_table
+from megatron_muon.observe.measured_cost import node_bytes_per_second
+from megatron_muon.reporting.rates_file import rates_table
 from megatron_muon.plan import (Matrix, Nodes, RowLayout, StepCost, applies_gram_twice,
                                 batch_matrices, choose_owners, choose_owners_by_time,
                                 newton_schulz_flops, ring_bytes, team_all_reduces, team_blocks,
                                 team_members, team_sizes, tiered_seconds, whole_matrix_owners,
                                 with_teams)
 from megatron_muon.plan.layouts import team_ns_flops
-from megatron_muon.distribution.step_report import step_scalars
+from megatron_muon.reporting.step_report import step_scalars
 from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
 from tolerances import ATOL, muon_drift, reordering_error

@@ -1,5 +1,5 @@
 """The factory's dense and expert Muon parts planned and stepped together
-(distribution.interleaving): the expert part's owners count each rank's dense load, and its step
+(planner.interleaving): the expert part's owners count each rank's dense load, and its step
 runs both parts' exchanges in rounds, so no scatter is awaited before a rank has computed both
 parts' matrices; where memory does not allow it, the parts run apart as before. The updates are
 megatron-core's either way (test_factory's reference cases run interleaved: asserted there)."""
@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.distribution.exchange import Observer, observed
+from megatron_muon.planner.interleaving import MuonPart
+from megatron_muon.planner.planned_muon import PlannedMuon
 from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
 
 ONE_EXCHANGE = 1 << 30  # a budget that holds every matrix of a part in one exchange
@@ -53,6 +55,9 @@ def _parts_step_in_rounds(rank, world_size):
     optimizer = get_megatron_optimizer(optimizer_config(), [model], muon_owner_choice="bytes",
                                        muon_max_exchange_bytes=ONE_EXCHANGE)
     dense, expert = optimizer.muon_optimizers
+    # What the planner and interleaving read of the optimizer, as their Protocols name it.
+    assert all(isinstance(part, MuonPart) and isinstance(part, PlannedMuon)
+               for part in (dense, expert))
     assert dense.interleaved is expert.interleaved is not None
     assert expert.planner.reserved is not None  # packed beside the dense part's exchanges
     assert [len(plan.routes) for plan in dense.plans + expert.plans] == [1, 1]

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from fsdp_models import (MUON_KWARGS, ONE_BATCH, fully_shard, matrices_per_newton_schulz_call,
                          same_shape_linears)
 from megatron_muon import ZeROTensorParallelMuon
-from megatron_muon.distribution import group_planner, measured_cost
-from megatron_muon.distribution.group_planner import GroupPlanner
+from megatron_muon.planner import group_planner
+from megatron_muon.observe import measured_cost
+from megatron_muon.planner.group_planner import GroupPlanner
 
 
 def _gathered(value):

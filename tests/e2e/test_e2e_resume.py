@@ -105,7 +105,7 @@ def test_a_checkpoint_from_two_processes_resumes_on_four_at_the_same_global_batc
 
 def test_with_dropout_a_resumed_run_draws_the_uninterrupted_runs_dropout(tmp_path):
     """Megatron's checkpoint holds the RNG states; on CPU dropout draws from the default
-    generator, which compat.cpu keeps as the load restored it while the data iterators are
+    generator, which cpu.torch_compat keeps as the load restored it while the data iterators are
     built: the resumed run is the uninterrupted one, dropout included."""
     uninterrupted = training_log(*SMALL, '--save', str(tmp_path), '--save-interval', '3',
                                  iterations=6)

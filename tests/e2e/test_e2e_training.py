@@ -16,9 +16,9 @@ from e2e_harness import (NO_DROPOUT, SMALL, STRATEGIES, STRATEGY_ITERATIONS, ass
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
 from tolerances import RTOL, printed_within
 
-from megatron_muon.distribution.step_report import SCALARS
-from megatron_muon.step.rates_file import RATES_FILE
-from megatron_muon.tools.scale.parts import Rates
+from megatron_muon.reporting.step_report import SCALARS
+from megatron_muon.reporting.rates_file import RATES_FILE
+from megatron_muon.estimate.parts import Rates
 
 PHASES = ('muon-grads', 'muon-update', 'muon-gather', 'muon-newton-schulz', 'muon-scatter',
           'muon-scalar-optimizer', 'muon-param-sync', 'muon-check')
@@ -36,9 +36,9 @@ def test_muon_on_megatron_fsdp_loss_falls(tmp_path):
     every 5th iteration's updates also computed whole and compared, and the compute weights
     checked after the param sync (and found equal: a failed check stops the run). At
     --timing-log-level 2 each iteration's log has our step and its phases among Megatron's
-    timers, each with its (min, max) over the ranks (distribution.phases); with
+    timers, each with its (min, max) over the ranks (observe.phases); with
     --log-timers-to-tensorboard TensorBoard's event file has them (each one's max over ranks)
-    and the step's scalars (distribution.step_report) every iteration."""
+    and the step's scalars (reporting.step_report) every iteration."""
     log = demo_run_log('--optimizer', 'muon', '--muon-check-interval', '5',
                        '--timing-log-level', '2', '--logging-level', '20',
                        '--log-timers-to-tensorboard', '--tensorboard-dir', str(tmp_path),
@@ -84,7 +84,7 @@ def test_muon_on_megatron_fsdp_loss_falls(tmp_path):
     assert sorted(check) == list(range(5, CHECKED_ITERATIONS + 1))
     assert check[CHECKED_ITERATIONS] == pytest.approx(float(checks[-1][1]), rel=1e-3)
     # Beside the event file, the rates the run measured at construction, as `make scale` reads
-    # them (step.rates_file; tests/plan/test_scale_model.py holds them to the measurements).
+    # them (reporting.rates_file; tests/plan/test_scale_model.py holds them to the measurements).
     rates = Rates(json.loads((tmp_path / RATES_FILE).read_text()))
     assert rates.all_to_all_gbps > 0 and rates.newton_schulz_seconds(1e9) > 0
 

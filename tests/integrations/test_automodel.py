@@ -1,7 +1,7 @@
 """NeMo Automodel's Megatron-FSDP strategy with Muon, built and stepped as Automodel's LLM recipe
 (recipes/llm/train_ft.py) does: a tiny Hugging Face Llama parallelized by Automodel's
 parallelize_megatron_fsdp (the standalone megatron-fsdp 0.5.0 Automodel pins), the optimizer from
-a recipe YAML naming megatron_muon.integrations.automodel.MegatronFSDPMuonConfig, then Automodel's
+a recipe YAML naming megatron_muon.front_ends.automodel.MegatronFSDPMuonConfig, then Automodel's
 shard_optimizers_for_megatron_fsdp (megatron_fsdp's fully_shard_optimizer) around it; every step
 bit-identical to single-device Muon + AdamW. Runs in its own venv (make test-automodel): Automodel
 pins transformers and megatron-fsdp apart from the main suite's; skipped elsewhere."""
@@ -27,7 +27,7 @@ from nemo_automodel.components.distributed.megatron_fsdp import \
 from nemo_automodel.recipes._dist_utils import shard_optimizers_for_megatron_fsdp  # noqa: E402
 from nemo_automodel.recipes._typed_config import RecipeConfig  # noqa: E402
 
-from megatron_muon.integrations.automodel import MegatronFSDPMuonConfig  # noqa: E402
+from megatron_muon.front_ends.automodel import MegatronFSDPMuonConfig  # noqa: E402
 from test_standalone import (ADAMW, MUON, dcp_model_state_dict, resumes_exactly,  # noqa: E402
                              steps_match_single_device, tiny_hugging_face_model)
 
@@ -35,7 +35,7 @@ RECIPE = f"""
 distributed:
   strategy: megatron_fsdp
 optimizer:
-  _target_: megatron_muon.integrations.automodel.MegatronFSDPMuonConfig
+  _target_: megatron_muon.front_ends.automodel.MegatronFSDPMuonConfig
   lr: {MUON["lr"]}
   momentum: {MUON["momentum"]}
   nesterov: {str(MUON["nesterov"]).lower()}

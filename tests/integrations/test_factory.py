@@ -11,7 +11,7 @@ from megatron_muon import FSDPMuonChainedOptimizer, ZeROTensorParallelMuon, get_
 from megatron_muon.compat import upstream
 from fsdp_models import STRATEGIES
 from megatron_muon.plan import team_members, team_sizes
-from megatron_muon.plan import teams as plan_teams
+from megatron_muon.plan import team_split as plan_teams
 from megatron_muon.tools import testing
 from megatron_muon.tools.testing import (fsdp_gpt, gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
@@ -177,7 +177,7 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
                                                              TensorParallelMuon)
 
     from fsdp_models import full_tensor
-    from megatron_muon.step.model_chunks import named_main_weights
+    from megatron_muon.chain.model_chunks import named_main_weights
 
     init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel,
                         replicas=2 if outer else 1, expert_tensor_parallel=1)
@@ -204,7 +204,7 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
         _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts)
     parts = _parts(optimizer, ZeROTensorParallelMuon)
     # With experts in owner mode and the state on the device, the dense and expert parts step
-    # in rounds (distribution.interleaving): equal to the reference too.
+    # in rounds (planner.interleaving): equal to the reference too.
     interleaved = experts and dist_mode == "owner" and offload_fraction is None
     assert [part.interleaved is not None for part in parts] == [bool(interleaved)] * len(parts)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -267,7 +267,7 @@ def _empty_and_uneven_shards(params) -> tuple[bool, bool]:
 def _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts):
     """The params Muon steps are those megatron-core's own Muon factory gives Muon on the
     unsharded model (its own rules: 2-D, not embedding or output layer, not the router's...)."""
-    from megatron_muon.step.model_chunks import named_main_weights
+    from megatron_muon.chain.model_chunks import named_main_weights
 
     ours = {name.removeprefix("module.module.")
             for part in _parts(optimizer, ZeROTensorParallelMuon)
@@ -387,7 +387,7 @@ def test_muon_leaves_to_the_scalar_optimizer_what_megatron_cores_own_muon_does()
     """Which params go to the scalar optimizer is megatron-core's own rule, as the installed
     version states it (0.19: not 2-D, or embedding or output; main also a param marked
     use_muon=False, as Mamba's and GDN's in_proj are), with stacked experts Muon's."""
-    from megatron_muon.distribution.param_tags import is_scalar_param
+    from megatron_muon.planner.param_tags import is_scalar_param
 
     (theirs,) = [key.predicate.fn for key in
                  upstream.EMERGING_OPTIMIZERS["muon"].default_param_overrides]

@@ -1,7 +1,7 @@
 """Every optimizer request that is not Muon on Megatron-FSDP goes to megatron-core's own factory:
 through megatron_muon's it builds the same optimizer and trains the same model bit for bit, or
 fails as megatron-core alone fails, for each optimizer megatron-core offers on Megatron DDP; but
-where megatron_muon.compat.upstream_fixes repairs megatron-core's optimizer (adaptive_muon), which
+where megatron_muon.fixes.upstream_fixes repairs megatron-core's optimizer (adaptive_muon), which
 then trains (its updates: tests/core/test_adaptive_muon.py)."""
 
 import torch

@@ -22,10 +22,10 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
 from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon, TensorParallelMuon
 
 from fsdp_models import MEGATRON_FSDP, STRATEGIES, ForwardReads, fully_shard, full_tensor
-from megatron_muon.compat import upstream_fixes
-from megatron_muon.integrations.placement import place
-from megatron_muon.distribution.phases import TIMERS
-from megatron_muon.integrations.standalone import muon_optimizer
+from megatron_muon.fixes import upstream_fixes
+from megatron_muon.front_ends.placement import place
+from megatron_muon.observe.phases import TIMERS
+from megatron_muon.front_ends.standalone import muon_optimizer
 from megatron_muon.standalone import step_report
 from megatron_muon.tools.testing import hugging_face_model
 from tolerances import ATOL, RTOL

@@ -45,8 +45,8 @@ def _switch(rank, world_size, checkout):
     import megatron.training.global_vars
     import megatron.training.training
 
-    from megatron_muon.compat import upstream_fixes
-    from megatron_muon.integrations import megatron_lm
+    from megatron_muon.fixes import upstream_fixes
+    from megatron_muon.front_ends import megatron_lm
     # In a Megatron-LM checkout (a Makefile beside the helper) the build runs, and a failing build
     # still stops the run.
     wheel_file, build = datasets.__file__, datasets.compile_helpers
@@ -137,7 +137,7 @@ def test_install_lets_megatron_validate_muon_on_megatron_fsdp_only(distributed, 
     (["helpers.cpp"], False),  # nothing to build with, nothing built: the build fails, as before
 ])
 def test_dataset_helper_is_prebuilt_only_in_the_wheels_layout(tmp_path, files, prebuilt):
-    from megatron_muon.compat.upstream_fixes import dataset_helper_is_prebuilt
+    from megatron_muon.fixes.upstream_fixes import dataset_helper_is_prebuilt
 
     for name in files:
         (tmp_path / name).touch()
@@ -153,11 +153,11 @@ def _inert_with_cuda():
     # (megatron.core.ssm.ops.gdp.common, where triton is installed).
     torch.cuda.get_device_name = lambda device=None: "NVIDIA H100 80GB HBM3"
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
-    from megatron_muon.compat import cpu, cpu_training
+    from megatron_muon.cpu import torch_compat, training_compat
 
-    assert cpu.apply_cpu_compat() is False
-    assert cpu_training.apply_megatron_training_compat() is False
-    from megatron_muon.integrations import megatron_lm
+    assert torch_compat.apply_cpu_compat() is False
+    assert training_compat.apply_megatron_training_compat() is False
+    from megatron_muon.front_ends import megatron_lm
 
     megatron_lm.install()
     assert torch.cuda.Stream is stream and torch.cuda.device_count is device_count

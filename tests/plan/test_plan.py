@@ -202,7 +202,7 @@ def test_owners_count_each_ranks_load_in_the_group_planned_beside():
 def test_packed_beside_another_groups_exchanges_fits_the_budget_apart_or_says_not():
     """Packed to run interleaved with another group's exchanges, of which each rank holds
     `reserved`: within each rank's budget less that, and each rank told whether both fit the
-    budget it has apart (else they run apart: distribution.interleaving)."""
+    budget it has apart (else they run apart: planner.interleaving)."""
     matrices = [_matrix((2, 2)), _matrix((1, 1), cols=4), _matrix((2, 2), key="x")]
     owned = OwnedBatches([0, 1, 0], [[0], [1], [2]])
     apart = packed_plan(matrices, owned, 4, None, headroom=0, saved=[10 ** 6] * 2)

@@ -1,4 +1,4 @@
-"""The scale estimate (megatron_muon.tools.scale: `make scale`, the self-test) plans from shapes
+"""The scale estimate (megatron_muon.estimate: `make scale`, the self-test) plans from shapes
 alone what a real run plans: the rows it derives from Megatron-FSDP's bucketing are the rows each
 rank's main weights hold, and its plan has the matrices and owners ZeROTensorParallelMuon
 chose."""
@@ -10,11 +10,11 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.step.model_chunks import named_main_weights
-from megatron_muon.step.rates_file import rates_table
-from megatron_muon.tools.scale.model import fsdp_rows, muon_matrices, tensor_parallel_part
-from megatron_muon.tools.scale.parts import Part, Rates, planned_parts
-from megatron_muon.tools.scale.step import collective_latency, syrk_share
+from megatron_muon.chain.model_chunks import named_main_weights
+from megatron_muon.reporting.rates_file import rates_table
+from megatron_muon.estimate.model import fsdp_rows, muon_matrices, tensor_parallel_part
+from megatron_muon.estimate.parts import Part, Rates, planned_parts
+from megatron_muon.estimate.step_time import collective_latency, syrk_share
 from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, gpt, init_parallel_state,
                                          optimizer_config)
 from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
@@ -59,7 +59,7 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
     # The run's measured rates stand in for the scale model's (StepCost), or none: by bytes.
     assert [plan.cost is None for plan in plans] == [owner_choice == "bytes"] * len(plans)
     # Planned as the factory plans the parts: the expert part beside the dense part
-    # (distribution.interleaving) where every rank holds both, each rank's budget its saving
+    # (planner.interleaving) where every rank holds both, each rank's budget its saving
     # over both parts plus the headroom over both.
     parts = planned_parts(dense, expert, data_parallel, expert_parallel, plans[0].cost,
                           plans[-1].cost,
@@ -76,7 +76,7 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
         # every part).
         assert plan.matrices == part.matrices
         assert [route.batches for route in plan.routes] == part.exchanges
-    # What the run measured, as its rates file says it (step.rates_file): the scale model's
+    # What the run measured, as its rates file says it (reporting.rates_file): the scale model's
     # rates give each measured call back, and the all-to-all as its bandwidth.
     table = rates_table(optimizer) if owner_choice == "time" else None
     assert (table is None) == (owner_choice == "bytes")
@@ -142,7 +142,7 @@ def test_megatron_flags_give_the_model_megatron_builds_from_them():
     validate_args fills in (an FFN of 4 x hidden, 8/3 x with --swiglu as a multiple of 64; as many
     query groups as heads; an expert's FFN the dense one's, top-2 routing), a clear error
     naming the flags a model needs, and None where no flag is given."""
-    from megatron_muon.tools.scale.model import MODEL_FLAGS, spec_from_flags
+    from megatron_muon.estimate.model import MODEL_FLAGS, spec_from_flags
 
     none = dict.fromkeys(MODEL_FLAGS)
     llama = dict(none, num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=32000)

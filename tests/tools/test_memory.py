@@ -207,7 +207,7 @@ def test_the_owner_step_holds_what_the_plan_counts_within_the_budget(distributed
 
 
 def _interleaved_within_budget(rank, world_size):
-    """The dense and expert Muon parts stepped in rounds (distribution.interleaving) hold both
+    """The dense and expert Muon parts stepped in rounds (planner.interleaving) hold both
     parts' exchanges at once: the expert part's step (which runs both) holds at most the two
     parts' counts together (each plan.working_memory), and those stay within the rank's budget
     (its saving over both parts plus the headroom, which covers both parts' batches alone side

@@ -18,8 +18,8 @@ import pytest
 import conftest
 from rank_processes import Ended, run_as_torchrun
 
-from megatron_muon.step.rates_file import RATES_FILE
-from megatron_muon.tools.scale.parts import Rates
+from megatron_muon.reporting.rates_file import RATES_FILE
+from megatron_muon.estimate.parts import Rates
 
 pytestmark = pytest.mark.e2e  # torchrun, as a user runs it
 
@@ -64,7 +64,7 @@ def test_every_configuration_is_exact_and_passes(tmp_path):
     """At W=4, every configuration W=2 runs and those W=4 adds (the run at W=2: the next test);
     with --rates-dir, the first configuration's measured rates written as the scale model's
     rates file and said in a line; with the user's model in Megatron's flags, its estimated step
-    at W, 4 W and 16 W (tools.scale; tests/plan/test_scale_model.py holds the estimate to a
+    at W, 4 W and 16 W (estimate; tests/plan/test_scale_model.py holds the estimate to a
     run's plan) in the layout the flags give."""
     run = selftest_in_forked_ranks(4, "--rates-dir", str(tmp_path), *MODEL_FLAGS)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-4000:]}"

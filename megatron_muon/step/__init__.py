@@ -1,6 +1,0 @@
-"""step: what Megatron's training loop steps. FSDPMuonChainedOptimizer (chained) runs
-Megatron-FSDP's step contract around the Muon + Adam chain: the grad sync, the NaN/Inf skip
-(nonfinite_skip), MuonClip (qk_clip), the weights' checks after the param sync (weights_check),
-the model's chunks and names (model_chunks), the step in timed phases (timed_step), the rates it
-measured as the scale model's file (rates_file). Checkpoints are the next layer's (checkpoint).
-Imports the layers below it."""
