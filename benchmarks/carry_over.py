@@ -142,10 +142,26 @@ def outcome(row: Row, difference: float | None, refusal: str | None) -> str:
     return "differs"
 
 
+def launch_environment(flags) -> dict[str, str]:
+    """What a run's launch sets beside its flags, as Megatron's launch scripts do:
+    megatron.training's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for Megatron DDP with
+    tensor or context parallelism (before Blackwell), and for Megatron-FSDP asserts it unset or
+    above 1. A run moving between the two changes it with its flags."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if "--no-use-megatron-fsdp" in flags else {}
+
+
+def _launched(world: int, flags) -> str:
+    """A run's table cell: its world size, environment and flags, as a user launches it."""
+    environment = " ".join(f"`{name}={value}`" for name, value in launch_environment(flags).items())
+    return f"{world}: " + " ".join(part for part in (environment, f"`{' '.join(flags) or '-'}`")
+                                   if part)
+
+
 def markdown_table(results: list[dict]) -> str:
     """The docs' table: one line per row, its layouts, what it ended as, the largest relative
     difference of the compared iterations, what a refusal said, and the main suite's test."""
-    lines = ["| change between save and load | saved: W, flags | loaded: W, flags | outcome "
+    lines = ["| change between save and load | saved: W, environment, flags "
+             "| loaded: W, environment, flags | outcome "
              "| largest relative difference | said, or the suite's test |",
              "|---|---|---|---|---|---|"]
     for result in results:
@@ -156,8 +172,8 @@ def markdown_table(results: list[dict]) -> str:
         where = "`test_carry_over`" if result["suite"] else (
             f"`{result['tested_by']}`" if result["tested_by"] else "")
         lines.append(" | ".join([
-            f"| {result['row']}", f"{result['saved_world']}: `{' '.join(result['saved']) or '-'}`",
-            f"{result['loaded_world']}: `{' '.join(result['loaded']) or '-'}`", shown,
+            f"| {result['row']}", _launched(result["saved_world"], result["saved"]),
+            _launched(result["loaded_world"], result["loaded"]), shown,
             "-" if difference is None else f"{difference:.1e}",
             "; ".join(part for part in (said, where) if part)]) + " |")
     return "\n".join(lines)

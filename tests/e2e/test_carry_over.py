@@ -3,7 +3,6 @@ its row says. The main suite runs the rows marked `suite`; `make carry-over` run
 (CARRY_OVER=all) and writes benchmarks/results/carry_over.json and the table in
 docs/reliability.md, which test_the_docs_show_the_committed_carry_over holds to each other."""
 
-import json
 import os
 import re
 import tempfile
@@ -13,7 +12,7 @@ import pytest
 
 import demo_log
 from benchmarks import carry_over
-from benchmarks.docs_table import with_table
+from benchmarks.docs_table import GeneratedTable
 from conftest import first_failure
 from e2e_harness import DEMO, REPO, script_argv
 from e2e_harness import no_idle_workers  # noqa: F401 (an autouse fixture)
@@ -22,16 +21,15 @@ from rank_processes import run_as_torchrun_would
 pytestmark = pytest.mark.e2e
 EVERY_ROW = os.environ.get("CARRY_OVER") == "all"
 ROWS = [row for row in carry_over.ROWS if EVERY_ROW or row.suite]
-RESULTS = REPO / "benchmarks" / "results" / "carry_over.json"
-DOCS = REPO / "docs" / "reliability.md"
+TABLE = GeneratedTable(carry_over.ROWS, REPO / "benchmarks" / "results" / "carry_over.json",
+                       REPO / "docs" / "reliability.md", carry_over.TABLE_START,
+                       carry_over.TABLE_END, carry_over.markdown_table)
 
 
 def rank_as_launched(rank, world_size, argv, log_dir):
-    """run_as_torchrun_would with the environment Megatron's launch scripts set for Megatron DDP
-    (CUDA_DEVICE_MAX_CONNECTIONS=1, which megatron.training asserts there with TP and refuses
-    on Megatron-FSDP)."""
-    if "--no-use-megatron-fsdp" in argv:
-        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    """run_as_torchrun_would with the environment the table says its launch sets
+    (carry_over.launch_environment)."""
+    os.environ.update(carry_over.launch_environment(argv))
     run_as_torchrun_would(rank, world_size, argv, log_dir)
 
 
@@ -94,28 +92,14 @@ def run_row(row: carry_over.Row, directory: Path) -> dict:
 def results():
     """Each row's result; with CARRY_OVER=all, written to benchmarks/results/carry_over.json in
     the table's order once every row has run, and docs/reliability.md's table from it."""
-    collected = {}
-    yield collected
-    if EVERY_ROW and len(collected) == len(ROWS):
-        ordered = [collected[row.name] for row in ROWS]
-        RESULTS.write_text(json.dumps(ordered, indent=1) + "\n")
-        DOCS.write_text(_with_table(DOCS.read_text(), carry_over.markdown_table(ordered)))
-
-
-def _with_table(page: str, table: str) -> str:
-    return with_table(page, carry_over.TABLE_START, carry_over.TABLE_END, table)
+    yield from TABLE.collecting()
 
 
 @pytest.mark.skipif(EVERY_ROW, reason="make carry-over writes them once its rows have run")
 def test_the_docs_show_the_committed_carry_over():
     """docs/reliability.md's table is the one benchmarks/results/carry_over.json makes, from a
     run of every row of the table as it is now, each ending as its row says."""
-    results = json.loads(RESULTS.read_text())
-    assert [result["row"] for result in results] == [row.name for row in carry_over.ROWS]
-    assert all(result["as_expected"] for result in results), [
-        result["row"] for result in results if not result["as_expected"]]
-    page = DOCS.read_text()
-    assert _with_table(page, carry_over.markdown_table(results)) == page
+    assert TABLE.mismatches() == []
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)

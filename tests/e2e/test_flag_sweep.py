@@ -10,8 +10,9 @@ import pytest
 from conftest import close_pools, run_distributed
 
 from benchmarks import sweep
-from benchmarks.docs_table import with_table
-from megatron_muon.compat import upstream, upstream_fixes
+from benchmarks.docs_table import GeneratedTable
+from megatron_muon.compat import upstream
+from megatron_muon.fixes import upstream_fixes
 
 EVERY_ROW = os.environ.get("SWEEP") == "all"
 ROWS = [row for row in sweep.ROWS if EVERY_ROW or row.suite]
@@ -23,8 +24,9 @@ RUN_ORDER = sorted(ROWS, key=lambda row: row.parallel_layout)
 # over a thousand of them after a hundred rows, and spent its time there.
 ROWS_PER_POOL = 8
 _run_in_pool = {"layout": None, "rows": 0}
-RESULTS = sweep.REPO / "benchmarks" / "results" / "sweep.json"
-DOCS = sweep.REPO / "docs" / "flags.md"
+TABLE = GeneratedTable(sweep.ROWS, sweep.REPO / "benchmarks" / "results" / "sweep.json",
+                       sweep.REPO / "docs" / "flags.md", sweep.TABLE_START, sweep.TABLE_END,
+                       sweep.markdown_table)
 
 
 def _run_row(rank, world_size, row, path):
@@ -37,28 +39,14 @@ def _run_row(rank, world_size, row, path):
 def results():
     """Each row's result; with SWEEP=all, written to benchmarks/results/sweep.json in the
     table's order once every row has run, and docs/flags.md's table from it."""
-    collected = {}
-    yield collected
-    if EVERY_ROW and len(collected) == len(ROWS):
-        results = [collected[row.name] for row in ROWS]
-        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-        DOCS.write_text(_with_table(DOCS.read_text(), sweep.markdown_table(results)))
-
-
-def _with_table(page: str, table: str) -> str:
-    return with_table(page, sweep.TABLE_START, sweep.TABLE_END, table)
+    yield from TABLE.collecting()
 
 
 @pytest.mark.skipif(EVERY_ROW, reason="make sweep writes them once its rows have run")
 def test_the_docs_show_the_committed_sweep():
     """docs/flags.md's table is the one benchmarks/results/sweep.json makes, and that sweep ran
     every row of the table as it is now, each ending as its row says."""
-    results = json.loads(RESULTS.read_text())
-    assert [result["row"] for result in results] == [row.name for row in sweep.ROWS]
-    assert all(result["as_expected"] for result in results), [
-        result["row"] for result in results if not result["as_expected"]]
-    page = DOCS.read_text()
-    assert _with_table(page, sweep.markdown_table(results)) == page
+    assert TABLE.mismatches() == []
 
 
 @pytest.mark.parametrize("row", RUN_ORDER, ids=lambda row: row.name)
