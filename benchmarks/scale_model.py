@@ -37,9 +37,9 @@ from megatron_muon.estimate.step_time import planned_step
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # owner: ours (owners by estimated time); teams: ours with --muon-max-team-size (a matrix too
-# large for one rank's share split over a team, plan/team_split.py); owner-by-bytes: byte-first owners
-# (our choice before owners by time, and its fallback); whole-matrix-per-rank: megatron-core's
-# layer-wise placement.
+# large for one rank's share split over a team, plan/team_split.py); owner-by-bytes: byte-first
+# owners (our choice before owners by time, and its fallback); whole-matrix-per-rank:
+# megatron-core's layer-wise placement.
 MODES = ("owner", "teams", "owner-by-bytes", "allgather", "whole-matrix-per-rank")
 # --optimizer muon, and --optimizer adaptive_muon's --adaptive-muon-moment2-method values: each
 # planned as ZeROTensorParallelMuon plans it (the variants table, owner mode).
@@ -50,6 +50,9 @@ VARIANTS = ("muon", "adamuon", "normuon", "namo")
 # benchmark batch (2048 sequences of 4096 tokens): 1029 model TFLOP/s per GPU against AdamW's 1051.
 NVIDIA = dict(model="kimi-k2", world=256, tokens_per_step=2048 * 4096, muon_tflops=1029,
               adam_tflops=1051)
+# FP8 training (NVIDIA's runs above train in MXFP8) runs forward-backward about 1.5x as fast as
+# bf16 (issue 83), while Newton-Schulz stays at the rates' precision.
+FP8_SPEEDUP = 1.5
 # The memory column: bytes per element of each rank's shard at rest (Megatron-FSDP ZeRO-3 with
 # bf16 compute weights: the bf16 weight and its fp32 main weight, an fp32 gradient; Adam's two fp32
 # moments, Muon's one fp32 momentum), and the working-memory budget that keeps Muon's transient
@@ -75,6 +78,14 @@ def with_second_moment(matrices, variant: str):
 
 
 
+def fwd_bwd_tflops(rates: Rates, args) -> float:
+    """Forward-backward's model TFLOP/s a rank: --fwd-bwd-tflops where given, else the matmul
+    rate x --fwd-bwd-efficiency, FP8_SPEEDUP times that with --fwd-bwd-fp8."""
+    if args.fwd_bwd_tflops:
+        return args.fwd_bwd_tflops
+    return rates.matmul_tflops * args.fwd_bwd_efficiency * (FP8_SPEEDUP if args.fwd_bwd_fp8 else 1)
+
+
 def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: int = 1) -> dict:
     """One model on `world` ranks, `tensor_parallel` of them a model's TP group (`model`: one TP
     rank's part, meta_model), data parallel over the rest: the plan's figures
@@ -89,8 +100,7 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
     tokens = args.tokens_per_step or spec.tokens_per_step
 
     def fwd_bwd_seconds(tokens_per_step):
-        return 6 * planned.active * tokens_per_step / world / (
-            rates.matmul_tflops * 1e12 * args.fwd_bwd_efficiency)
+        return 6 * planned.active * tokens_per_step / world / (fwd_bwd_tflops(rates, args) * 1e12)
 
     fwd_bwd, fwd_bwd_at_nvidia = fwd_bwd_seconds(tokens), fwd_bwd_seconds(NVIDIA["tokens_per_step"])
     result = dict(model=name, world=world, tensor_parallel=tensor_parallel, data_parallel=ranks,
@@ -264,7 +274,11 @@ def assumptions(rates: Rates, args) -> list[str]:
         "device whole for its step (offload_between_steps); each way at "
         + ", ".join(f"{link} {gbps:g} GB/s" for link, gbps in HOST_LINKS_GBPS.items()),
         "forward-backward = 6 x active params (without the embedding lookup) x tokens per step / "
-        f"W / (matmul rate x {args.fwd_bwd_efficiency:g}); attention's own FLOPs left out (a "
+        f"W / {fwd_bwd_tflops(rates, args):.4g} TFLOP/s ("
+        + ("--fwd-bwd-tflops" if args.fwd_bwd_tflops else
+           f"matmul rate x {args.fwd_bwd_efficiency:g}"
+           + (f" x {FP8_SPEEDUP:g} for FP8 (--fwd-bwd-fp8)" if args.fwd_bwd_fp8 else ""))
+        + "); attention's own FLOPs left out (a "
         "shorter step: the overhead is overstated); tokens per step "
         + (f"{args.tokens_per_step} for every model" if args.tokens_per_step else
            "each model's own: " + ", ".join(f"{name} {MODELS[name][2] / 1e6:.1f}M"
@@ -420,7 +434,8 @@ def plot(results, path, caption):
     fig.savefig(path)
 
 
-def main():
+def command_line() -> argparse.ArgumentParser:
+    """The scale model's command line (`make scale SCALE_ARGS="..."`)."""
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_muon.core.settings import TP_MODES
@@ -448,10 +463,21 @@ def main():
                         help="for every model (default: each model's own, from its report)")
     parser.add_argument("--fwd-bwd-efficiency", type=float, default=0.5,
                         help="forward-backward's share of the measured matmul rate")
+    rate = parser.add_mutually_exclusive_group()
+    rate.add_argument("--fwd-bwd-fp8", action="store_true",
+                      help=f"forward-backward in FP8: {FP8_SPEEDUP:g} x its bf16 rate "
+                      "(Newton-Schulz at the rates' precision)")
+    rate.add_argument("--fwd-bwd-tflops", type=float, default=None,
+                      help="forward-backward's model TFLOP/s a rank, in place of the matmul rate "
+                      "x --fwd-bwd-efficiency")
     parser.add_argument("--ns-steps", type=int, default=5)
     parser.add_argument("--muon-tp-mode", choices=TP_MODES, default=OptimizerConfig.muon_tp_mode,
                         help="as Megatron's flag (default: the installed megatron-core's)")
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = command_line().parse_args()
 
     if args.rates:
         table = json.loads(args.rates.read_text())

@@ -4,6 +4,7 @@ rank's main weights hold, and its plan has the matrices and owners ZeROTensorPar
 chose."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +167,30 @@ def test_one_measured_call_gives_every_call_its_rate():
     rates = Rates({"newton_schulz": [[1.0, 2.0]]})  # 1 GFLOP at 2 TFLOP/s
     assert [rates.newton_schulz_seconds(flops) for flops in (1e9, 1e12)] == pytest.approx(
         [5e-4, 0.5])
+
+
+def test_forward_backward_runs_at_the_rate_the_user_chooses():
+    """The scale model's forward-backward rate: by default the matmul rate x --fwd-bwd-efficiency
+    (as before), FP8_SPEEDUP times it with --fwd-bwd-fp8, or --fwd-bwd-tflops; the assumptions
+    printed and saved beside the tables say which."""
+    from benchmarks import scale_model
+    from megatron_muon.estimate.figures import assumed
+
+    table = json.loads((Path(scale_model.__file__).parent / "rates" / "h100.json").read_text())
+    rates = Rates(table)
+
+    def chosen(*flags):
+        args = scale_model.command_line().parse_args(list(flags))
+        vars(args).update(vars(assumed(rates)))
+        note = next(line for line in scale_model.assumptions(rates, args)
+                    if line.startswith("forward-backward"))
+        return scale_model.fwd_bwd_tflops(rates, args), note
+
+    bf16, note = chosen()
+    assert bf16 == rates.matmul_tflops * 0.5 and "matmul rate x 0.5)" in note
+    fp8, note = chosen("--fwd-bwd-fp8")
+    assert fp8 == bf16 * scale_model.FP8_SPEEDUP and "for FP8 (--fwd-bwd-fp8)" in note
+    given, note = chosen("--fwd-bwd-tflops", "700")
+    assert given == 700 and "700 TFLOP/s (--fwd-bwd-tflops)" in note
+    with pytest.raises(SystemExit):  # one rate or the other
+        chosen("--fwd-bwd-fp8", "--fwd-bwd-tflops", "700")
