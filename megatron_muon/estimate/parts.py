@@ -266,8 +266,7 @@ def _pack(parts, world: int, ep: int, expert_rank: int | None, groups=None) -> N
                     q = rank_in_part(r)
                     in_part[q] = saving[r] if in_part[q] is None else min(in_part[q], saving[r])
             part.pack(parts.headroom, in_part)
-            held = working_memory(dense.matrices, dense.owned.owners, dense.exchanges,
-                                  ELEMENT_BYTES)
+            held = dense.working()
             continue
         alone = alone_of[id(part)]
         beside = max([parts.headroom] + [held[r] + alone[rank_in_part(r)] - saving[r]

@@ -351,7 +351,7 @@ def skip_dataset_helper_build():
     """Replaces compile_helpers where the helper is prebuilt (dataset_helper_is_prebuilt)."""
 
 
-def skip_the_dataset_helper_build(compile_helpers: str) -> None:
+def skip_dataset_helper_build_at(compile_helpers: str) -> None:
     """Where the helper is prebuilt (dataset_helper_is_prebuilt), patch `compile_helpers`, the
     dotted name a training loop calls it by (megatron.training's initialize imports it from its
     module when it runs; Bridge's initialize holds its own copy), with skip_dataset_helper_build:

@@ -205,7 +205,7 @@ def install(cfg) -> None:
                    _load_base_checkpoint)
     _RUN.bridge_logger = cfg.logger
     _checksum_checkpoints(cfg)
-    upstream_fixes.skip_the_dataset_helper_build(
+    upstream_fixes.skip_dataset_helper_build_at(
         "megatron.bridge.training.initialize.compile_helpers")
     if training_compat.apply_bridge_compat():
         cfg.dist.distributed_backend = "gloo"  # NCCL needs GPUs

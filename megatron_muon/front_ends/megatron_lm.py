@@ -273,7 +273,7 @@ def install() -> None:
     Each patch is listed in megatron_muon.compat.upstream; `uninstall()` undoes them all."""
     apply_megatron_training_compat()
     upstream_fixes.apply()
-    upstream_fixes.skip_the_dataset_helper_build('megatron.core.datasets.utils.compile_helpers')
+    upstream_fixes.skip_dataset_helper_build_at('megatron.core.datasets.utils.compile_helpers')
     for target, replacement in (
             ('megatron.training.arguments.add_megatron_arguments', _add_megatron_arguments),
             ('megatron.training.arguments.validate_args', _validate_args),

@@ -95,9 +95,10 @@ class MuonSettings:
     def refusal(self, field_name) -> str | None:
         """What is wrong with a value no flag's parser checked (a config's), naming its field
         as `field_name(name)` gives it; None where every value is one the factory takes."""
-        for name, choices in (("dist_mode", DIST_MODES), ("owner_choice", OWNER_CHOICES)):
-            if getattr(self, name) not in choices:
-                return f"{field_name(name)} {getattr(self, name)!r}: choose from {choices}"
+        for setting in dataclasses.fields(self):  # the choices its flag takes
+            choices, value = setting.metadata["parsed"].get("choices"), getattr(self, setting.name)
+            if choices is not None and value not in choices:
+                return f"{field_name(setting.name)} {value!r}: choose from {choices}"
         budget = self.max_exchange_bytes
         if budget is not None and (not isinstance(budget, int) or budget <= 0):
             return (f"{field_name('max_exchange_bytes')} {budget!r}: None (what Muon's state "

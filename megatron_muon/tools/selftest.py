@@ -183,12 +183,13 @@ def time_limit(seconds: float, name: str):
               file=sys.stderr, flush=True)
         os._exit(2)
 
-    with contextlib.ExitStack() as cancelled_at_the_end:
-        watchdog = threading.Timer(seconds, expire)
-        watchdog.daemon = True
-        watchdog.start()
-        cancelled_at_the_end.callback(watchdog.cancel)
+    watchdog = threading.Timer(seconds, expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
         yield
+    finally:
+        watchdog.cancel()
 
 
 def _rates_line(path) -> str:
