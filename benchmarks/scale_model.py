@@ -29,8 +29,9 @@ import json
 from pathlib import Path
 
 from megatron_muon.estimate.figures import assumed, mode_figures, plan_model
-from megatron_muon.estimate.model import (MAX_EXPERT_PARALLEL, MODELS, expert_parallel,
-                                             is_dense, meta_model)
+from megatron_muon.estimate.model import (MAX_EXPERT_PARALLEL, MODELS, SEQUENCE_LENGTH,
+                                          attention_flops_per_token, expert_parallel, is_dense,
+                                          meta_model)
 from megatron_muon.estimate.parts import (ELEMENT_BYTES, LATENCY_US_PER_RANK, Planned, Rates,
                                              measure_rates, planned_parts)
 from megatron_muon.estimate.step_time import planned_step
@@ -100,7 +101,8 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
     tokens = args.tokens_per_step or spec.tokens_per_step
 
     def fwd_bwd_seconds(tokens_per_step):
-        return 6 * planned.active * tokens_per_step / world / (fwd_bwd_tflops(rates, args) * 1e12)
+        flops = 6 * planned.active + attention_flops_per_token(spec)
+        return flops * tokens_per_step / world / (fwd_bwd_tflops(rates, args) * 1e12)
 
     fwd_bwd, fwd_bwd_at_nvidia = fwd_bwd_seconds(tokens), fwd_bwd_seconds(NVIDIA["tokens_per_step"])
     result = dict(model=name, world=world, tensor_parallel=tensor_parallel, data_parallel=ranks,
@@ -116,6 +118,7 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
                   interleaved=parts.beside is not None,
                   teams=team_figures(planned.team_parts),
                   adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3,
+                  ns_floor_ms=planned.ideal / (rates.matmul_tflops * 1e12) * 1e3,
                   memory_gb=result_memory, modes={})
     for mode in MODES:
         figures = mode_figures(planned, mode, args)
@@ -227,8 +230,8 @@ def assumptions(rates: Rates, args) -> list[str]:
         + f"; {_matmul_dtype(rates)} matmul {rates.matmul_tflops:.1f} TFLOP/s; Adam "
         f"{rates.adam_ns_per_element:.4f} "
         f"ns/element; Muon elementwise {rates.muon_elementwise_ns_per_element:.4f} ns/element",
-        f"network: {args.bandwidth_gbps:g} GB/s per rank, each way; a rank's bytes move at that "
-        "rate, the larger of in and out (full duplex)",
+        f"network: {args.bandwidth_gbps:g} GB/s per rank, each way; a rank's bytes in one "
+        "collective move at that rate, the larger of in and out (full duplex)",
         "ZeRO-3 (optim_grads_params), PP = CP = 1; W ranks, TP of them a tensor-parallel group "
         "(each row's TP; the dense models at TP = " + ", ".join(map(str, args.tensor_parallel))
         + ", the MoE models at TP = 1), data parallel over W / TP; a TP rank plans and steps its "
@@ -240,15 +243,21 @@ def assumptions(rates: Rates, args) -> list[str]:
         f"{args.ns_steps} steps, QKV split (Megatron's defaults), at --muon-fp32-matmul-prec "
         f"{rates.newton_schulz_precision} ({_matmul_dtype(rates)} matmuls), --muon-tp-mode "
         f"{args.muon_tp_mode}",
-        "Muon step = the slowest rank's elementwise step, plus for each exchange group (dense "
-        "matrices over dp_cp, experts over expert data parallelism) its slowest rank's "
-        "Newton-Schulz + network (the group's all-to-alls synchronize it), nothing overlapped (an "
-        "upper bound: the exchange overlaps the next batch's gather with compute); in our owner "
-        "modes the dense and expert parts are planned together and run interleaved "
-        "(planner.interleaving: the expert groups' owners counting each rank's dense load, "
-        "the parts' exchanges in rounds), so there the slowest rank's both parts together "
-        "(exact for one exchange a part; the variants table plans the parts apart, an upper "
-        "bound); 'lat ms' and "
+        "Muon step = the slowest rank's elementwise step, plus the owner step charged in the "
+        "order the code runs it (estimate.step_time: the step's own drivers, run_overlapped and "
+        "exchange_rounds, give the order): each exchange's gather all-to-all, its owners' "
+        "Newton-Schulz (teams' all-reduces inside it) once the gather has ended, its scatter, "
+        "the rows applied once the scatter has ended; two exchanges in flight (exchange k + 1's "
+        "gather beside exchange k's Newton-Schulz, exchange k's scatter ended before k + 2's "
+        "gather); a rank's all-to-alls one after another, each ending with its slowest rank "
+        "(each rank's bytes in one direction, the larger of in and out, at the bandwidth); the "
+        "dense part (over dp_cp) and the experts' (over expert data parallelism) one after the "
+        "other, or, in our owner modes where they are planned together (planner.interleaving: "
+        "the expert groups' owners counting each rank's dense load), in rounds, each stage "
+        "ending with the slowest rank of every group (the variants table plans the parts "
+        "apart); 'G', 'NS', 'S path ms': the gathers', Newton-Schulz's and the scatters' "
+        "seconds on the step's critical path; 'NS ms', 'net ms': the most a rank spends in "
+        "Newton-Schulz and moving bytes; 'lat ms' and "
         "'+ latency': each collective's latency besides "
         f"({args.latency_us_per_rank:g} us per rank of its group: an all-to-all's gather and "
         "scatter per exchange, an all-gather per matrix in allgather mode; nccl-tests' "
@@ -265,21 +274,23 @@ def assumptions(rates: Rates, args) -> list[str]:
         f"{rates.table.get('node_all_reduce_gbps', args.bandwidth_gbps):g} GB/s, then one "
         "between nodes over each member's share at the network's rate); the busiest rank's "
         "FLOPs count each member's repeated A A where it forms it; 'ideal' is the whole "
-        "matrices' FLOPs over W; the optimizer sizes them alike with its measured rates (no "
-        "latency; inside a node at the rate it measures over its group)",
+        "matrices' FLOPs over W, and 'NS floor ms' those FLOPs at the matmul rate (the standard "
+        "Newton-Schulz spread perfectly); the optimizer sizes them alike with its measured "
+        "rates (no latency; inside a node at the rate it measures over its group)",
         "Adam step = Adam's elementwise step over each rank's shard of all params (memory-bound, "
         "no communication)",
         "--optimizer-cpu-offload (plan.offload_figures): Muon's state streamed to the device "
         "exchange by exchange, two in flight, at the default budget; Adam's moments to the "
         "device whole for its step (offload_between_steps); each way at "
         + ", ".join(f"{link} {gbps:g} GB/s" for link, gbps in HOST_LINKS_GBPS.items()),
-        "forward-backward = 6 x active params (without the embedding lookup) x tokens per step / "
-        f"W / {fwd_bwd_tflops(rates, args):.4g} TFLOP/s ("
+        "forward-backward = (6 x active params (without the embedding lookup) + core "
+        "attention's FLOPs (estimate.model.attention_flops_per_token: causal, as "
+        "num_floating_point_operations counts them)) a token x tokens per step, in sequences "
+        f"of {SEQUENCE_LENGTH}, / W / {fwd_bwd_tflops(rates, args):.4g} TFLOP/s ("
         + ("--fwd-bwd-tflops" if args.fwd_bwd_tflops else
            f"matmul rate x {args.fwd_bwd_efficiency:g}"
            + (f" x {FP8_SPEEDUP:g} for FP8 (--fwd-bwd-fp8)" if args.fwd_bwd_fp8 else ""))
-        + "); attention's own FLOPs left out (a "
-        "shorter step: the overhead is overstated); tokens per step "
+        + "); tokens per step "
         + (f"{args.tokens_per_step} for every model" if args.tokens_per_step else
            "each model's own: " + ", ".join(f"{name} {MODELS[name][2] / 1e6:.1f}M"
                                            for name in args.models)
@@ -316,8 +327,10 @@ def print_table(results, notes):
                ("tokens", 7, ">"),
                ("plan s", 7, ">"), ("owners", 7, ">"), ("batches", 8, ">"), ("exch", 5, ">"),
                ("mode", 22, "<"), ("busiest NS GF", 14, ">"), ("ideal GF", 10, ">"),
-               ("x ideal", 8, ">"),
-               ("max in MB", 10, ">"), ("NS ms", 9, ">"), ("net ms", 9, ">"), ("coll", 5, ">"),
+               ("x ideal", 8, ">"), ("NS floor ms", 12, ">"),
+               ("max in MB", 10, ">"), ("NS ms", 9, ">"), ("net ms", 9, ">"),
+               ("G path ms", 10, ">"), ("NS path ms", 11, ">"), ("S path ms", 10, ">"),
+               ("coll", 5, ">"),
                ("lat ms", 8, ">"), ("step ms", 9, ">"), ("SYRK ms", 9, ">"),
                ("Adam ms", 9, ">"), ("fwd-bwd ms", 11, ">"), ("overhead", 9, ">"),
                ("+ latency", 10, ">"),
@@ -332,9 +345,11 @@ def print_table(results, notes):
                         f"{r['tokens_per_step'] / 1e6:.1f}M", f"{r['plan_seconds']:.2f}",
                         r["owners"], r["batches"], r["exchanges"], mode,
                         f"{m['busiest_ns_gflop']:.0f}", f"{m['ideal_ns_gflop']:.0f}",
-                        f"{m['busiest_over_ideal']:.2f}",
+                        f"{m['busiest_over_ideal']:.2f}", f"{r['ns_floor_ms']:.4g}",
                         f"{m['max_received_mb']:.0f}", f"{m['ns_ms']:.4g}",
-                        f"{m['network_ms']:.4g}", m["collectives"], f"{m['latency_ms']:.4g}",
+                        f"{m['network_ms']:.4g}", f"{m['path_gather_ms']:.4g}",
+                        f"{m['path_newton_schulz_ms']:.4g}", f"{m['path_scatter_ms']:.4g}",
+                        m["collectives"], f"{m['latency_ms']:.4g}",
                         f"{m['step_ms']:.4g}",
                         f"{m['syrk_step_ms']:.4g}", f"{r['adam_step_ms']:.4g}",
                         f"{r['fwd_bwd_ms']:.4g}", f"{m['overhead']:.2%}",

@@ -72,7 +72,7 @@ def plan_model(spec: ModelSpec, world: int, model, rates: Rates, args, tensor_pa
 
     # Teams sized, and their blocks placed, with their all-reduces weighed (with their latency);
     # reported with Newton-Schulz at the rates and the all-reduces' bytes over the network
-    # (step.rank_figures) and their latency (step.collective_latency).
+    # (step_time.exchange_costs) and their latency (step_time.collective_latency).
     def teams(group_ranks, stride):
         nodes = nodes_in_rank_order(group_ranks, stride * tensor_parallel, rates, args)
         plan_cost = team_step_cost(cost, args.ns_steps, args.gram_bytes,
@@ -108,10 +108,12 @@ def plan_model(spec: ModelSpec, world: int, model, rates: Rates, args, tensor_pa
 
 
 def mode_figures(planned: PlannedModel, mode: str, args) -> dict:
-    """The step in `mode` (step.planned_step; "teams": the parts with teams): the busiest
-    rank's Newton-Schulz FLOPs beside the ideal, the most bytes a rank receives, Newton-Schulz's
-    and the network's seconds, collectives and their latency, and the step (the elementwise part
-    added) with the plain and the SYRK Newton-Schulz, ms."""
+    """The step in `mode` (step_time.planned_step; "teams": the parts with teams): the busiest
+    rank's Newton-Schulz FLOPs beside the ideal, the most bytes a rank receives, the most
+    Newton-Schulz and network seconds a rank spends, collectives and their latency, the step
+    (the elementwise part added) with the plain and the SYRK Newton-Schulz, and where the
+    slowest rank's owner step went (waiting for gathers, in Newton-Schulz, waiting for
+    scatters), ms."""
     step = planned_step(planned.team_parts if mode == "teams" else planned.parts, mode,
                         planned.cost, args, planned.ranks)
     per_rank = step["per_rank"]
@@ -122,6 +124,7 @@ def mode_figures(planned: PlannedModel, mode: str, args) -> dict:
                 ns_ms=max(f["ns_seconds"] for f in per_rank) * 1e3,
                 network_ms=max(f["network_seconds"] for f in per_rank) * 1e3,
                 collectives=step["collectives"], latency_ms=step["latency"] * 1e3,
+                **{f"path_{stage}_ms": seconds * 1e3 for stage, seconds in step["path"].items()},
                 step_ms=(planned.elementwise + step["seconds"]) * 1e3,
                 syrk_step_ms=(planned.elementwise + step["syrk_seconds"]) * 1e3,
                 interleaved=step["together"])

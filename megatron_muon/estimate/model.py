@@ -84,6 +84,24 @@ def spec_from_flags(flags: dict, swiglu: bool) -> ModelSpec | None:
     return ModelSpec(config, dict(vocab_size=vocab_size), 0)
 
 
+# The sequences a step's tokens come in: DeepSeek-V3's and Kimi K2's reports train at 4096, and
+# NVIDIA's benchmark batch is 2048 of them; the Llamas' 4M tokens are taken so too.
+SEQUENCE_LENGTH = 4096
+
+
+def attention_flops_per_token(spec: ModelSpec, sequence_length: int = SEQUENCE_LENGTH) -> float:
+    """Core attention's forward-backward FLOPs a token (Q K^T and its softmax times V, causal), as
+    megatron.training's num_floating_point_operations counts them: 3 (forward and backward) x
+    the sequence length x heads x (the query-key head dim, MLA's rope part too, + the value
+    head dim), a layer; the projections are among the active params' matmuls already."""
+    config = spec.config
+    heads = config["num_attention_heads"]
+    head_dim = config.get("kv_channels") or config["hidden_size"] // heads
+    query_key = config.get("qk_head_dim", head_dim) + config.get("qk_pos_emb_head_dim", 0)
+    value = config.get("v_head_dim", head_dim)
+    return 3 * sequence_length * heads * (query_key + value) * config["num_layers"]
+
+
 def is_dense(spec: ModelSpec) -> bool:
     return "num_moe_experts" not in spec.config
 

@@ -1,36 +1,102 @@
-"""A planned step's figures (estimate.parts' Planned): per rank, Newton-Schulz FLOPs and
-seconds, bytes and network seconds; per step, its slowest rank's seconds, collectives and their
-latency."""
+"""A planned step's figures (estimate.parts' Planned), charged in the order the step pays them:
+each exchange's gather, Newton-Schulz and scatter per rank (exchange_costs), the exchanges in
+the order the step's own drivers run them (exchange_order), each rank's time through them with
+every all-to-all ending with its slowest rank (in_order); per step, its slowest rank's seconds
+and where they go, its collectives and their latency."""
 
-from ..plan import (newton_schulz_flops, newton_schulz_seconds, owner_traffic, ring_bytes,
-                    team_all_reduces, tiered_seconds)
+from collections.abc import Sequence
+
+from ..distribution.exchange import exchange_rounds, run_overlapped
+from ..plan import (gather_traffic, newton_schulz_flops, newton_schulz_seconds, owner_traffic,
+                    ring_bytes, scatter_traffic, team_all_reduces, tiered_seconds)
 from .parts import ELEMENT_BYTES, Part, Planned
 
-
-def part_step(part: Part, mode: str, cost, args) -> dict:
-    """One part's figures in `mode`: per rank (rank_figures), the seconds of its slowest rank
-    (its all-to-alls synchronize the part) with and without the SYRK kernel, its collectives
-    and their latency."""
-    figures = rank_figures(part, mode, cost, args.ns_steps, args.gram_bytes)
-    collectives, latency = collective_latency(part, mode, args.latency_us_per_rank, args.ns_steps)
-    return dict(figures=figures, collectives=collectives, latency=latency,
-                seconds=max(f["ns_seconds"] + f["network_seconds"] for f in figures),
-                syrk_seconds=max(f["syrk_seconds"] + f["network_seconds"] for f in figures))
-
-
+# One exchange's stages as a rank meets them (distribution.exchange.owner_exchange): its gather
+# issued; its gather awaited, Newton-Schulz run, its scatter issued; its scatter awaited, its
+# rows applied.
+GATHER, NEWTON_SCHULZ, SCATTER, APPLIED = "gather", "newton_schulz", "scatter", "applied"
+SYRK = "syrk"  # Newton-Schulz with the SYRK kernel, in its place
+# Each rank's figures its exchanges add up (planned_step's per_rank).
+TOTALS = ("ns_flops", "ns_seconds", "syrk_seconds", "received", "sent", "network_seconds")
 # The modes whose owners a part planned beside the dense part changes (Part's `base`).
 JOINT_MODES = ("owner", "owner-by-bytes", "teams")
 
 
+def exchange_order(exchanges: Sequence[int], together: bool) -> list[tuple[str, int, int]]:
+    """(stage, stream, exchange) in the order one rank meets them, stream s (a part's) of
+    `exchanges[s]` exchanges, run as the step runs them: each stream by run_overlapped, one after
+    another (ZeROTensorParallelMuon.step, parts apart), or `together` in rounds (exchange_rounds:
+    planner.interleaving's Interleaved.step). The order is the drivers' own: they run here on
+    stand-ins that yield where owner_exchange yields."""
+    order = []
+
+    def stand_in(s: int, k: int):
+        order.append((GATHER, s, k))
+        yield
+        order.extend([(NEWTON_SCHULZ, s, k), (SCATTER, s, k)])
+        yield
+        order.append((APPLIED, s, k))
+
+    def stream(s: int):
+        return (stand_in(s, k) for k in range(exchanges[s]))
+
+    if together:
+        run_overlapped(exchange_rounds([stream(s) for s in range(len(exchanges))]))
+    else:
+        for s in range(len(exchanges)):
+            run_overlapped(stream(s))
+    return order
+
+
+def in_order(order: Sequence[tuple[str, int, int]], stages: dict, ranks: int,
+             newton_schulz: str = NEWTON_SCHULZ) -> dict:
+    """Each rank's time through `order` (exchange_order), `stages[stream, exchange]` that
+    exchange's {stage: each rank's seconds} (Newton-Schulz's as `newton_schulz` says). An
+    all-to-all starts on a rank when the rank issues it and the one before it has ended (a
+    rank's collectives run one after another), and ends with its slowest rank's part (none is
+    issued where no rank moves anything); Newton-Schulz starts once its gather has ended, and the
+    rows are applied once its scatter has. The step's seconds (its slowest rank's) and its
+    critical path: the gathers', Newton-Schulz's and the scatters' seconds on the chain of
+    stages that ends last, each stage waiting for the one that ended latest before it."""
+    clock, via = [0.0] * ranks, [_NONE] * ranks  # each rank's time, and the path to it
+    network, ended = (0.0, _NONE), {}
+    for stage, s, k in order:
+        seconds = stages[s, k]
+        if stage in (GATHER, SCATTER):
+            ended[stage, s, k] = (0.0, _NONE)
+            if any(seconds[stage]):
+                start, took = max(((max((t, p), network), d) for t, p, d in
+                                   zip(clock, via, seconds[stage])), key=lambda x: x[0][0] + x[1])
+                network = ended[stage, s, k] = (start[0] + took, _plus(start[1], stage, took))
+            continue
+        awaited = ended[GATHER if stage == NEWTON_SCHULZ else SCATTER, s, k]
+        for r in range(ranks):
+            if awaited[0] > clock[r]:
+                clock[r], via[r] = awaited
+            if stage == NEWTON_SCHULZ:
+                clock[r] += seconds[newton_schulz][r]
+                via[r] = _plus(via[r], NEWTON_SCHULZ, seconds[newton_schulz][r])
+    slowest = max(range(ranks), key=clock.__getitem__)
+    return dict(seconds=clock[slowest], **dict(zip(_PATH, via[slowest])))
+
+
+_PATH = (GATHER, NEWTON_SCHULZ, SCATTER)  # a critical path's seconds, in this order
+_NONE = (0.0, 0.0, 0.0)
+
+
+def _plus(path: tuple, stage: str, seconds: float) -> tuple:
+    return tuple(t + seconds if name == stage else t for name, t in zip(_PATH, path))
+
+
 def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
     """`planned`'s step in `mode`: each rank's figures over the parts it steps (the dense part
-    and its expert group's), the step's seconds with and without the SYRK kernel, and the
-    collectives and their latency of the dense part and of one expert group (the groups run side
-    by side). The parts one after the other (each its slowest rank: its all-to-alls synchronize
-    it, the groups side by side), or, where they run interleaved (planned.beside, the owner
-    modes), both in rounds: each rank's parts together, its slowest rank's (exact where each
-    part is one exchange; with more, a round's scatters wait for its slowest rank in that round,
-    which this leaves out)."""
+    and its expert group's: exchange_costs' TOTALS, summed), the step in order (in_order over
+    exchange_order: the parts one after the other, or, where they run interleaved
+    (planned.beside, the owner modes), in rounds) with the plain and the SYRK Newton-Schulz and
+    where the slowest rank's time went (`path`), and the collectives and their latency of the
+    dense part and of one expert group (the groups run side by side). Every expert group is
+    charged as many exchanges as the one with most (its own, where it has fewer, cost
+    nothing), and a stage ends with the slowest rank of all groups."""
     together = planned.beside is not None and mode in JOINT_MODES
     dense = planned[0][0]
     if together:
@@ -41,32 +107,28 @@ def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
         expert_of = lambda r: (planned[1][0], planned[1][1](r))  # noqa: E731
     else:
         experts, expert_of = {}, None
-    figures = {id(part): part_step(part, mode, cost, args)
-               for part in [dense, *experts.values()]}
-    per_rank = []
-    for r in range(ranks):
-        sums = dict(figures[id(dense)]["figures"][r])
-        if expert_of:
-            part, q = expert_of(r)
-            for key, value in figures[id(part)]["figures"][q].items():
-                sums[key] += value
-        per_rank.append(sums)
-    parts = [figures[id(part)] for part in experts.values()]
-
-    def slowest(rank_key, part_key):
-        """Together: the slowest rank's `rank_key` seconds and network; apart: the dense part's
-        `part_key` (its slowest rank's) and the slowest expert group's."""
-        if together:
-            return max(f[rank_key] + f["network_seconds"] for f in per_rank)
-        return figures[id(dense)][part_key] + max([f[part_key] for f in parts], default=0.0)
-
-    return dict(per_rank=per_rank, together=together,
-                seconds=slowest("ns_seconds", "seconds"),
-                syrk_seconds=slowest("syrk_seconds", "syrk_seconds"),
-                collectives=figures[id(dense)]["collectives"] + max(
-                    [f["collectives"] for f in parts], default=0),
-                latency=figures[id(dense)]["latency"] + max([f["latency"] for f in parts],
-                                                            default=0.0))
+    costs = {id(part): exchange_costs(part, mode, cost, args.ns_steps, args.gram_bytes)
+             for part in [dense, *experts.values()]}
+    streams = [[(costs[id(dense)], lambda r: r)] * ranks]
+    if expert_of:
+        streams.append([(costs[id(part)], lambda r, q=q: q)
+                        for part, q in map(expert_of, range(ranks))])
+    counts = [max(len(exchanges) for exchanges, _ in stream) for stream in streams]
+    stages = {(s, k): {key: [exchanges[k][key][to_part(r)] if k < len(exchanges) else 0
+                             for r, (exchanges, to_part) in enumerate(stream)]
+                       for key in (GATHER, NEWTON_SCHULZ, SYRK, SCATTER) + TOTALS}
+              for s, stream in enumerate(streams) for k in range(counts[s])}
+    order = exchange_order(counts, together)
+    path, syrk_path = (in_order(order, stages, ranks, key) for key in (NEWTON_SCHULZ, SYRK))
+    collectives, latency = zip(*(collective_latency(part, mode, args.latency_us_per_rank,
+                                                    args.ns_steps)
+                                 for part in [dense, *experts.values()]))
+    return dict(per_rank=[{key: sum(exchange[key][r] for exchange in stages.values())
+                           for key in TOTALS} for r in range(ranks)],
+                together=together, seconds=path.pop("seconds"), path=path,
+                syrk_seconds=syrk_path["seconds"],
+                collectives=collectives[0] + max(collectives[1:], default=0),
+                latency=latency[0] + max(latency[1:], default=0.0))
 
 
 def syrk_share(matrix) -> float:
@@ -101,42 +163,57 @@ def _owners(part: Part, mode: str) -> list[int]:
     return part.owners["owner" if mode == "teams" else mode]
 
 
-def rank_figures(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int = 4) -> list[dict]:
-    """Per rank of `part`: Newton-Schulz FLOPs (a team member's: plan.newton_schulz_flops) and
-    seconds (and seconds with the SYRK kernel: each owned matrix in its own call, at the plain
-    call's rate on the FLOPs it keeps), bytes received and sent over the network: the
-    exchange's, and its teams' all-reduces' between nodes (plan.ring_bytes of each Gram matrix,
-    `gram_bytes` an element, each way, over the nodes its team is on: part.nodes, else one a
-    rank); and its network seconds, those bytes' at the bandwidth and the all-reduces' inside
-    nodes at theirs (plan.tiered_seconds)."""
-    world, matrices = part.world, part.matrices
-    flops = [m.ns_flops(ns_steps) for m in matrices]
+def exchange_costs(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int = 4) -> list[dict]:
+    """Per exchange of `part` (allgather mode: one, every matrix gathered to every rank), each
+    rank's {stage: seconds} (its gather's and scatter's bytes, the larger of in and out, at the
+    bandwidth; its Newton-Schulz, plain and with the SYRK kernel, with its teams' all-reduces,
+    which run inside it) and the TOTALS a rank's exchanges add up: Newton-Schulz FLOPs (a team
+    member's: plan.newton_schulz_flops) and seconds (an owner's matrices of one batch in one
+    call: plan.newton_schulz_seconds; with the SYRK kernel each owned matrix in its own call at
+    the plain call's rate on the FLOPs it keeps), bytes received and sent (the teams'
+    all-reduces' between nodes too: plan.ring_bytes of each Gram matrix, `gram_bytes` an
+    element, each way, over the nodes its team is on: part.nodes, else one a rank), and the
+    network's seconds (the all-reduces' inside nodes at theirs: plan.tiered_seconds). Every
+    mode's exchanges are the plan's (its owners as `mode` chooses)."""
+    world, matrices, bandwidth = part.world, part.matrices, cost.bytes_per_second
     if mode == "allgather":  # every rank gathers every matrix (padded shards) and runs it alone
-        per_matrix = sum(cost.call_seconds(m, 1) for m in matrices)
-        ns_flops, ns_seconds = [sum(flops)] * world, [per_matrix] * world
-        syrk_seconds = [sum(cost.call_seconds(m, 1) * syrk_share(m) for m in matrices)] * world
+        seconds = sum(cost.call_seconds(m, 1) for m in matrices)
+        syrk = sum(cost.call_seconds(m, 1) * syrk_share(m) for m in matrices)
         moved = sum((m.layout.ranks - 1) * m.layout.max_rows * m.cols * ELEMENT_BYTES
                     for m in matrices if len(m.layout.rows) > 1)
-        received = sent = [moved] * world
-    else:
-        owners = _owners(part, mode)
-        ns_flops = newton_schulz_flops(matrices, owners, ns_steps, world)
-        syrk_seconds = [0.0] * world
-        for matrix, owner in zip(matrices, owners):
-            syrk_seconds[owner] += cost.call_seconds(matrix, 1) * syrk_share(matrix)
-        # an owner's matrices of one batch: one batched call (plan.newton_schulz_seconds)
-        ns_seconds = newton_schulz_seconds(matrices, owners, part.batches, cost)
-        received, sent = owner_traffic(matrices, owners, ELEMENT_BYTES)
-    network = [max(into, out) / cost.bytes_per_second for into, out in zip(received, sent)]
-    for rank, calls in (team_all_reduces(matrices, owners, ns_steps, part.nodes).items()
-                        if mode != "allgather" else ()):
-        wire = round(sum(ring_bytes(elements * spanned / k, spanned, gram_bytes)
-                         for elements, k, spanned in calls))
-        received[rank] += wire
-        sent[rank] += wire
-        network[rank] += sum(tiered_seconds(elements, k, spanned, gram_bytes,
-                                            cost.bytes_per_second, part.nodes)
-                             for elements, k, spanned in calls)
-    return [dict(ns_flops=ns_flops[r], ns_seconds=ns_seconds[r], syrk_seconds=syrk_seconds[r],
-                 received=received[r], sent=sent[r], network_seconds=network[r])
-            for r in range(world)]
+        flops = sum(m.ns_flops(ns_steps) for m in matrices)
+        return [{GATHER: [moved / bandwidth] * world, NEWTON_SCHULZ: [seconds] * world,
+                 SYRK: [syrk] * world, SCATTER: [0.0] * world, "ns_flops": [flops] * world,
+                 "ns_seconds": [seconds] * world, "syrk_seconds": [syrk] * world,
+                 "received": [moved] * world, "sent": [moved] * world,
+                 "network_seconds": [moved / bandwidth] * world}]
+    owners = _owners(part, mode)
+    found = []
+    for batches in part.exchanges:
+        held = [i for batch in batches for i in batch]
+        ms, os = [matrices[i] for i in held], [owners[i] for i in held]
+        figures = {"ns_flops": newton_schulz_flops(ms, os, ns_steps, world),
+                   "ns_seconds": newton_schulz_seconds(matrices, owners, batches, cost),
+                   "syrk_seconds": [0.0] * world, "received": [0] * world, "sent": [0] * world}
+        for matrix, owner in zip(ms, os):
+            figures["syrk_seconds"][owner] += cost.call_seconds(matrix, 1) * syrk_share(matrix)
+        for stage, direction in ((GATHER, gather_traffic), (SCATTER, scatter_traffic)):
+            into, out = owner_traffic(ms, os, ELEMENT_BYTES, direction)
+            figures[stage] = [max(i, o) / bandwidth for i, o in zip(into, out)]
+            figures["received"] = [a + b for a, b in zip(figures["received"], into)]
+            figures["sent"] = [a + b for a, b in zip(figures["sent"], out)]
+        reducing = [0.0] * world  # the teams' all-reduces, inside Newton-Schulz
+        for rank, calls in team_all_reduces(ms, os, ns_steps, part.nodes).items():
+            wire = round(sum(ring_bytes(elements * spanned / k, spanned, gram_bytes)
+                             for elements, k, spanned in calls))
+            figures["received"][rank] += wire
+            figures["sent"][rank] += wire
+            reducing[rank] = sum(tiered_seconds(elements, k, spanned, gram_bytes, bandwidth,
+                                                part.nodes) for elements, k, spanned in calls)
+        figures[NEWTON_SCHULZ] = [a + b for a, b in zip(figures["ns_seconds"], reducing)]
+        figures[SYRK] = [a + b for a, b in zip(figures["syrk_seconds"], reducing)]
+        figures["network_seconds"] = [g + s + t for g, s, t in
+                                      zip(figures[GATHER], figures[SCATTER], reducing)]
+        found.append(figures)
+    return found
+

@@ -48,13 +48,14 @@ def matrix_traffic(matrix: Matrix, owner: int, element_bytes: int) -> dict[int, 
     return traffic
 
 
-def owner_traffic(matrices: Sequence[Matrix], owners: Sequence[int],
-                  element_bytes: int) -> tuple[list[int], list[int]]:
-    """(bytes received, bytes sent) by each rank in an owner step (matrix_traffic, summed)."""
+def owner_traffic(matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int,
+                  direction=matrix_traffic) -> tuple[list[int], list[int]]:
+    """(bytes received, bytes sent) by each rank in an owner step (matrix_traffic, summed), or
+    in one `direction` of it (gather_traffic, scatter_traffic)."""
     world = matrices[0].layout.ranks if matrices else 0
     received, sent = [0] * world, [0] * world
     for matrix, owner in zip(matrices, owners):
-        for rank, (into, out) in matrix_traffic(matrix, owner, element_bytes).items():
+        for rank, (into, out) in direction(matrix, owner, element_bytes).items():
             received[rank] += into
             sent[rank] += out
     return received, sent

@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.distribution.exchange import Observer, observed
+from megatron_muon.estimate.step_time import (APPLIED, GATHER, NEWTON_SCHULZ, SCATTER,
+                                              exchange_order)
 from megatron_muon.planner.interleaving import MuonPart
 from megatron_muon.planner.planned_muon import PlannedMuon
 from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state, lm_loss, optimizer_config
@@ -16,14 +18,12 @@ from megatron_muon.tools.testing import fsdp_gpt, init_parallel_state, lm_loss, 
 ONE_EXCHANGE = 1 << 30  # a budget that holds every matrix of a part in one exchange
 
 
-def _step_events(model, optimizer, rank) -> list:
+def _step_events(model, optimizer, rank, together: bool) -> list:
     """What one step does, in order: all-to-alls (by group size), and each part's Newton-Schulz
-    and updates applied (by part, repeats merged)."""
+    calls and updates applied (by part, repeats merged). Unmerged, they are what the scale
+    model charges in its order (step_time.exchange_order, parts `together` or apart)."""
     events = []
-
-    def record(event):
-        if not events or events[-1] != event:
-            events.append(event)
+    record = events.append
 
     class Order(Observer):
         def collective(self, call):
@@ -45,6 +45,26 @@ def _step_events(model, optimizer, rank) -> list:
     model.finish_grad_sync()
     with observed(Order()):
         assert optimizer.step()[0]
+    assert events == _in_the_scale_models_order(optimizer, together)
+    return [event for k, event in enumerate(events) if k == 0 or events[k - 1] != event]
+
+
+def _in_the_scale_models_order(optimizer, together: bool) -> list:
+    """The events _step_events records, as the scale model orders this rank's exchanges
+    (exchange_order) and each plan's routes say what they hold: a gather's and a scatter's
+    all-to-all where its route moves rows, a Newton-Schulz call for each batch this rank owns
+    matrices of, and an update applied for each matrix."""
+    parts = [(routes, name, dist.get_world_size(part.plans[0].group))
+             for part, name in zip(optimizer.muon_optimizers, ("dense", "expert"))
+             for routes in [part.plans[0].routes]]
+    events = []
+    for stage, s, k in exchange_order([len(routes) for routes, _, _ in parts], together):
+        routes, name, size = parts[s]
+        exchange = routes[k]
+        events += {GATHER: [("all-to-all", size)] * exchange.gather.moves,
+                   NEWTON_SCHULZ: [("computed", name)] * sum(map(bool, exchange.owned_batches)),
+                   SCATTER: [("all-to-all", size)] * exchange.scatter.moves,
+                   APPLIED: [("applied", name)] * len(exchange.batch)}[stage]
     return events
 
 
@@ -64,7 +84,7 @@ def _parts_step_in_rounds(rank, world_size):
     # One exchange each, as one round: the dense part's gather (over dp_cp, 4 ranks) first, and
     # both parts' Newton-Schulz before either part's update is applied (apart, the dense part's
     # updates come before the expert part's Newton-Schulz).
-    events = _step_events(model, optimizer, rank)
+    events = _step_events(model, optimizer, rank, together=True)
     computed = [k for k, (kind, _) in enumerate(events) if kind == "computed"]
     applied = [k for k, (kind, _) in enumerate(events) if kind == "applied"]
     assert events[0] == ("all-to-all", 4), events
@@ -84,7 +104,7 @@ def _parts_step_apart_where_memory_forbids(rank, world_size):
     dense, expert = optimizer.muon_optimizers
     assert dense.interleaved is None and expert.interleaved is None
     assert expert.planner.reserved is None
-    events = _step_events(model, optimizer, rank)
+    events = _step_events(model, optimizer, rank, together=False)
     parts = [name for kind, name in events if kind != "all-to-all"]
     assert parts == sorted(parts) and "dense" in parts, events  # the dense part's work first
     dense_calls, expert_calls = ([k for k, event in enumerate(events) if event == ("all-to-all", n)]

@@ -5,6 +5,7 @@ chose."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from megatron_muon import get_megatron_optimizer
 from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.reporting.rates_file import rates_table
 from megatron_muon.estimate.model import fsdp_rows, muon_matrices, tensor_parallel_part
-from megatron_muon.estimate.parts import Part, Rates, planned_parts
-from megatron_muon.estimate.step_time import collective_latency, syrk_share
+from megatron_muon.estimate.parts import Part, Planned, Rates, planned_parts
+from megatron_muon.estimate.step_time import (APPLIED, GATHER, NEWTON_SCHULZ, SCATTER,
+                                              collective_latency, exchange_order, in_order,
+                                              planned_step, syrk_share)
 from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, gpt, init_parallel_state,
                                          optimizer_config)
 from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
@@ -136,6 +139,50 @@ def test_each_collective_costs_its_latency_per_rank_of_its_group():
     count, seconds = collective_latency(part, "owner", 2.5)
     assert count == 2 * exchanges and seconds == pytest.approx(2 * exchanges * 4 * 2.5e-6)
     assert collective_latency(part, "allgather", 1.0) == (5, pytest.approx(20e-6))
+
+
+def test_an_owner_pays_its_gather_then_newton_schulz_then_its_scatter():
+    """One matrix, three rows on rank 0 (its owner) and one on rank 1: rank 0 receives a row in
+    the gather and sends it back in the scatter, one after the other with Newton-Schulz between,
+    as owner_exchange runs them (a rank's bytes as the larger of in and out over the whole
+    step, as the model charged them before, leaves one of the two out)."""
+    from megatron_muon.plan import Matrix, RowLayout, StepCost
+
+    row_bytes = 8 * 4
+    cost = StepCost(lambda matrix, count: 1e-3 * count, row_bytes / 1e-3)  # 1 ms: a call, a row
+    part = Part([Matrix(RowLayout((3, 1)), 8)], 2, cost)
+    part.pack(headroom=0)
+    step = planned_step(Planned([(part, lambda r: r)]), "owner", cost,
+                        SimpleNamespace(ns_steps=5, gram_bytes=2, latency_us_per_rank=0.0), 2)
+    assert part.owners["owner"] == [0]
+    assert step["seconds"] == pytest.approx(3e-3)
+    assert step["path"] == pytest.approx(dict(gather=1e-3, newton_schulz=1e-3, scatter=1e-3))
+    assert [f["network_seconds"] for f in step["per_rank"]] == pytest.approx([2e-3, 2e-3])
+
+
+def test_exchanges_are_charged_in_the_order_the_step_runs_them():
+    """Two in flight (exchange.run_overlapped): exchange k + 1's gather runs beside exchange k's
+    Newton-Schulz, and exchange k's scatter ends before k + 2's gather starts; in rounds
+    (exchange_rounds) both parts' gathers first, then each one's Newton-Schulz and scatter. An
+    all-to-all ends with its slowest rank; the critical path's seconds add up to the step."""
+    g, n, s, a = GATHER, NEWTON_SCHULZ, SCATTER, APPLIED
+    assert exchange_order([3], together=False) == [
+        (g, 0, 0), (g, 0, 1), (n, 0, 0), (s, 0, 0), (a, 0, 0), (g, 0, 2), (n, 0, 1), (s, 0, 1),
+        (a, 0, 1), (n, 0, 2), (s, 0, 2), (a, 0, 2)]
+    assert exchange_order([2, 1], together=True) == [
+        (g, 0, 0), (g, 1, 0), (g, 0, 1), (n, 0, 0), (s, 0, 0), (n, 1, 0), (s, 1, 0), (a, 0, 0),
+        (a, 1, 0), (n, 0, 1), (s, 0, 1), (a, 0, 1)]
+    assert exchange_order([1, 2], together=False)[4:] == [
+        (g, 1, 0), (g, 1, 1), (n, 1, 0), (s, 1, 0), (a, 1, 0), (n, 1, 1), (s, 1, 1), (a, 1, 1)]
+    # Two ranks, seconds per exchange and rank. Rank 0: G1 ends at 2 (rank 0's 2), G2 at 5
+    # (after G1; rank 0's 3), NS1 to 7, S1 issued at 7 ends at 8 (rank 1's, from 5: 7); G3
+    # from 8 to 12 (rank 1's 4); NS2 to 8 (rank 1's to 10), S2 after G3: 13; NS3 to 14, S3 16.
+    stages = {(0, k): {g: gather, n: newton_schulz, s: scatter} for k, (gather, newton_schulz,
+              scatter) in enumerate([([2, 1], [5, 1], [1, 2]), ([3, 0], [0, 2], [0, 1]),
+                                     ([1, 4], [1, 1], [2, 2])])}
+    step = in_order(exchange_order([3], together=False), stages, 2)
+    # The path: G1 2, NS1 5, S1 1 (rank 0's), G3 4, S2 1, NS3 1, S3 2.
+    assert step == pytest.approx(dict(seconds=16, gather=6, newton_schulz=6, scatter=4))
 
 
 def test_megatron_flags_give_the_model_megatron_builds_from_them():
