@@ -16,6 +16,7 @@ from .parts import ELEMENT_BYTES, Part, Planned
 # rows applied.
 GATHER, NEWTON_SCHULZ, SCATTER, APPLIED = "gather", "newton_schulz", "scatter", "applied"
 SYRK = "syrk"  # Newton-Schulz with the SYRK kernel, in its place
+GROUP = "group"  # each rank's process group in an exchange (in_order)
 # Each rank's figures its exchanges add up (planned_step's per_rank).
 TOTALS = ("ns_flops", "ns_seconds", "syrk_seconds", "received", "sent", "network_seconds")
 # The modes whose owners a part planned beside the dense part changes (Part's `base`).
@@ -51,28 +52,38 @@ def exchange_order(exchanges: Sequence[int], together: bool) -> list[tuple[str, 
 def in_order(order: Sequence[tuple[str, int, int]], stages: dict, ranks: int,
              newton_schulz: str = NEWTON_SCHULZ) -> dict:
     """Each rank's time through `order` (exchange_order), `stages[stream, exchange]` that
-    exchange's {stage: each rank's seconds} (Newton-Schulz's as `newton_schulz` says). An
-    all-to-all starts on a rank when the rank issues it and the one before it has ended (a
-    rank's collectives run one after another), and ends with its slowest rank's part (none is
-    issued where no rank moves anything); Newton-Schulz starts once its gather has ended, and the
-    rows are applied once its scatter has. The step's seconds (its slowest rank's) and its
-    critical path: the gathers', Newton-Schulz's and the scatters' seconds on the chain of
-    stages that ends last, each stage waiting for the one that ended latest before it."""
+    exchange's {stage: each rank's seconds} (Newton-Schulz's as `newton_schulz` says) and, as
+    GROUP, each rank's process group in it (absent: one group of every rank). An all-to-all
+    starts on a rank when the rank issues it and its collective before has ended (a rank's
+    collectives run one after another), and ends with its group's slowest rank's part (none is
+    issued in a group where no rank moves anything); Newton-Schulz starts once its gather has
+    ended, and the rows are applied once its scatter has. The step's seconds (its slowest
+    rank's) and its critical path: the gathers', Newton-Schulz's and the scatters' seconds on
+    the chain of stages that ends last, each stage waiting for the one that ended latest before
+    it."""
     clock, via = [0.0] * ranks, [_NONE] * ranks  # each rank's time, and the path to it
-    network, ended = (0.0, _NONE), {}
+    network = [(0.0, _NONE)] * ranks  # when each rank's last collective ended, and the path
+    ended = {}
     for stage, s, k in order:
         seconds = stages[s, k]
         if stage in (GATHER, SCATTER):
-            ended[stage, s, k] = (0.0, _NONE)
-            if any(seconds[stage]):
-                start, took = max(((max((t, p), network), d) for t, p, d in
-                                   zip(clock, via, seconds[stage])), key=lambda x: x[0][0] + x[1])
-                network = ended[stage, s, k] = (start[0] + took, _plus(start[1], stage, took))
+            groups: dict = {}
+            for r, group in enumerate(seconds.get(GROUP) or [0] * ranks):
+                groups.setdefault(group, []).append(r)
+            ended[stage, s, k] = ends = [(0.0, _NONE)] * ranks
+            for members in groups.values():
+                if not any(seconds[stage][r] for r in members):
+                    continue
+                start, took = max(((max((clock[r], via[r]), network[r]), seconds[stage][r])
+                                   for r in members), key=lambda x: x[0][0] + x[1])
+                end = (start[0] + took, _plus(start[1], stage, took))
+                for r in members:
+                    network[r] = ends[r] = end
             continue
         awaited = ended[GATHER if stage == NEWTON_SCHULZ else SCATTER, s, k]
         for r in range(ranks):
-            if awaited[0] > clock[r]:
-                clock[r], via[r] = awaited
+            if awaited[r][0] > clock[r]:
+                clock[r], via[r] = awaited[r]
             if stage == NEWTON_SCHULZ:
                 clock[r] += seconds[newton_schulz][r]
                 via[r] = _plus(via[r], NEWTON_SCHULZ, seconds[newton_schulz][r])
@@ -96,7 +107,7 @@ def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
     where the slowest rank's time went (`path`), and the collectives and their latency of the
     dense part and of one expert group (the groups run side by side). Every expert group is
     charged as many exchanges as the one with most (its own, where it has fewer, cost
-    nothing), and a stage ends with the slowest rank of all groups."""
+    nothing)."""
     together = planned.beside is not None and mode in JOINT_MODES
     dense = planned[0][0]
     if together:
@@ -118,6 +129,8 @@ def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
                              for r, (exchanges, to_part) in enumerate(stream)]
                        for key in (GATHER, NEWTON_SCHULZ, SYRK, SCATTER) + TOTALS}
               for s, stream in enumerate(streams) for k in range(counts[s])}
+    for k in range(counts[-1] if expert_of else 0):  # dp_cp rank r: expert group r % EP's
+        stages[1, k][GROUP] = [r % planned.ep for r in range(ranks)]
     order = exchange_order(counts, together)
     path, syrk_path = (in_order(order, stages, ranks, key) for key in (NEWTON_SCHULZ, SYRK))
     collectives, latency = zip(*(collective_latency(part, mode, args.latency_us_per_rank,

@@ -16,7 +16,7 @@ from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.reporting.rates_file import rates_table
 from megatron_muon.estimate.model import fsdp_rows, muon_matrices, tensor_parallel_part
 from megatron_muon.estimate.parts import Part, Planned, Rates, planned_parts
-from megatron_muon.estimate.step_time import (APPLIED, GATHER, NEWTON_SCHULZ, SCATTER,
+from megatron_muon.estimate.step_time import (APPLIED, GATHER, GROUP, NEWTON_SCHULZ, SCATTER,
                                               collective_latency, exchange_order, in_order,
                                               planned_step, syrk_share)
 from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, gpt, init_parallel_state,
@@ -183,6 +183,14 @@ def test_exchanges_are_charged_in_the_order_the_step_runs_them():
     step = in_order(exchange_order([3], together=False), stages, 2)
     # The path: G1 2, NS1 5, S1 1 (rank 0's), G3 4, S2 1, NS3 1, S3 2.
     assert step == pytest.approx(dict(seconds=16, gather=6, newton_schulz=6, scatter=4))
+    # Each rank its own process group (expert groups side by side): an all-to-all ends with its
+    # group's slowest rank, and a group that moves nothing issues none. Rank 0 ends at 12
+    # (G3 at 9, NS3 to 10, S3 from 10), rank 1 too (S2 from 8 after G3, NS3 9 to 10, S3 10-12).
+    for exchange in stages.values():
+        exchange[GROUP] = [0, 1]
+    apart = in_order(exchange_order([3], together=False), stages, 2)
+    assert apart["seconds"] == pytest.approx(12)
+    assert sum(apart[stage] for stage in (g, n, s)) == pytest.approx(12)
 
 
 def test_megatron_flags_give_the_model_megatron_builds_from_them():
