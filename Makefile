@@ -10,7 +10,9 @@
 # Muon on DDP and Adam (benchmarks/results/demo.json); `make scale`
 # estimates it, and the memory per rank, for 8B/70B/DeepSeek-V3/Kimi K2 shapes at W=8..2048 from
 # the real planning code and rates
-# measured here (SCALE_ARGS="--rates benchmarks/rates/h100.json" for the H100's). `make sweep`
+# measured here (SCALE_ARGS="--rates benchmarks/rates/h100.json" for the H100's; with
+# benchmarks/scale_tables.py's SCALE_RUN, `python -m benchmarks.scale_tables` then writes
+# docs/scale-model.md's tables from it). `make sweep`
 # runs every flag of benchmarks/sweep.py's table on Megatron-FSDP against Megatron DDP and writes
 # benchmarks/results/sweep.json and docs/flags.md's table (the main suite runs a subset).
 # Both create or refresh .venv (Python >= 3.12) whenever setup.py, the ranges
