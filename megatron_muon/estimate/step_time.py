@@ -1,8 +1,8 @@
 """A planned step's figures (estimate.parts' Planned), charged in the order the step pays them:
 each exchange's gather, Newton-Schulz and scatter per rank (exchange_costs), the exchanges in
 the order the step's own drivers run them (exchange_order), each rank's time through them with
-every all-to-all ending with its slowest rank (in_order); per step, its slowest rank's seconds
-and where they go, its collectives and their latency."""
+every all-to-all ending with its group's slowest rank (in_order); per step, its slowest rank's
+seconds and where they go, its collectives and their latency."""
 
 from collections.abc import Sequence
 
