@@ -54,9 +54,8 @@ def _in_the_scale_models_order(optimizer, together: bool) -> list:
     (exchange_order) and each plan's routes say what they hold: a gather's and a scatter's
     all-to-all where its route moves rows, a Newton-Schulz call for each batch this rank owns
     matrices of, and an update applied for each matrix."""
-    parts = [(routes, name, dist.get_world_size(part.plans[0].group))
-             for part, name in zip(optimizer.muon_optimizers, ("dense", "expert"))
-             for routes in [part.plans[0].routes]]
+    parts = [(part.plans[0].routes, name, dist.get_world_size(part.plans[0].group))
+             for part, name in zip(optimizer.muon_optimizers, ("dense", "expert"))]
     events = []
     for stage, s, k in exchange_order([len(routes) for routes, _, _ in parts], together):
         routes, name, size = parts[s]
