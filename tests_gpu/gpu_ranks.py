@@ -51,6 +51,44 @@ def offloaded_state_rank(rank, world_size):
                 without=found[False], offloaded=found[True])
 
 
+def backward_gather_rank(rank, world_size):
+    """A GPU per rank on NCCL: a GPT on Megatron-FSDP ZeRO-3 with --overlap-grad-reduce and its
+    Muon chain, three clipped steps on the same batches with and without
+    --muon-gather-inside-backward (the exchanges' rows sent from the reduce's stream as each
+    bucket's reduce ends): whether every main weight is equal, bit for bit, and how many
+    exchanges gathered ahead."""
+    from megatron_muon import get_megatron_optimizer
+    from megatron_muon.chain.model_chunks import named_main_weights
+    from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, init_parallel_state, lm_loss,
+                                             optimizer_config)
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    init_parallel_state()
+    shape = GPTShape(layers=4, hidden=256, ffn=1024, heads=8, vocab=1024, seq=64)
+    weights, ahead = [], 0
+    for gather in (False, True):
+        torch.manual_seed(0)
+        model = fsdp_gpt(shape, overlap=True)
+        chain = get_megatron_optimizer(
+            optimizer_config(clip_grad=0.05), [model], muon_max_exchange_bytes=1,
+            muon_owner_choice="bytes", muon_gather_inside_backward=gather)
+        for step in range(3):
+            chain.zero_grad()
+            with model.no_sync():
+                pass
+            lm_loss(model, step, rank, shape).backward()
+            if gather:
+                ahead += sum(len(muon.ahead.started) for muon in chain.muon_optimizers)
+            chain.step()
+        torch.cuda.synchronize()
+        weights.append({n: p.to_local().cpu() for n, p in named_main_weights(model)})
+        del model, chain
+        gc.collect()
+    return dict(same=all(torch.equal(weights[0][n], w) for n, w in weights[1].items()),
+                ahead=ahead)
+
+
 # Row blocks, column blocks, and 512 of a square matrix's 1024 columns a member (which applies
 # the Gram matrix twice): (partition dim, shape).
 TEAM_CASES = ((0, (4096, 1024)), (1, (1024, 4096)), (1, (1024, 1024)))

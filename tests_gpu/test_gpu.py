@@ -20,6 +20,9 @@ why each test skips on a machine without one). The gloo suite in tests/ hides CU
   three steps is the run's without offload, bit for bit (W=1 on NCCL);
 - a team's Newton-Schulz on CUDA tensors (two ranks over gloo) is megatron-core's distributed
   form;
+- --muon-gather-inside-backward: every weight after three clipped steps is the run's without it,
+  bit for bit, its rows sent from a stream that waits for each bucket's reduce (W=1 on NCCL; W=2
+  with two GPUs);
 - the self-test's step estimate times Newton-Schulz on the GPU on a model's shapes and plans
   its step from those rates.
 
@@ -33,7 +36,7 @@ import pytest
 import torch
 
 import launcher  # first: every process below starts from its server
-from gpu_ranks import estimate_rank, offloaded_state_rank, team_rank
+from gpu_ranks import backward_gather_rank, estimate_rank, offloaded_state_rank, team_rank
 
 sys.path.insert(0, str(launcher.REPO / "tests" / "tools"))  # test_memory
 
@@ -162,6 +165,18 @@ def test_offloaded_state_leaves_the_gpu_between_steps_and_the_step_exact():
     rounding = 512 * 200
     assert without["between"] - offloaded["between"] >= without["state"] - rounding, found
     assert offloaded["peak"] <= without["peak"], found
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_gather_inside_backward_gives_the_same_weights_on_nccl(world_size):
+    """--muon-gather-inside-backward on CUDA streams (gpu_ranks.backward_gather_rank): every
+    weight after three clipped steps is the run's without it, bit for bit; at W=1 the streams
+    and buffers only (nothing moves), at W=2 the rows too."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs (NCCL refuses two ranks on one GPU)")
+    found = launcher.run_ranks(backward_gather_rank, world_size, timeout=300)[0]
+    print(found)
+    assert found["same"] and found["ahead"] > 0, found
 
 
 def test_a_teams_newton_schulz_on_cuda_is_megatron_cores_distributed_form():

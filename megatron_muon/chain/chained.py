@@ -1,22 +1,23 @@
 """The optimizer Megatron's training loop steps: Megatron-FSDP's step contract around the
 inner Muon + Adam chain."""
 
-import collections
+import contextlib
 import functools
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from ..compat import upstream
 from ..core.zero_muon import ZeROTensorParallelMuon
 from ..observe.phases import CHECK, PARAM_SYNC, phase
+from .backward_gather import BackwardGather
+from .checkpointed import CheckpointedChain
 from .model_chunks import at_global_expert_index, find_megatron_fsdp, named_main_weights
 from .nonfinite_skip import NonfiniteSkip
 from .timed_step import TimedStep
 from .weights_check import check_after_param_sync
 
 
-class FSDPMuonChainedOptimizer:
+class FSDPMuonChainedOptimizer(CheckpointedChain):
     """Steps Megatron-FSDP models the way `megatron_fsdp.fully_shard_optimizer` does, for a chain.
 
     `step()`: `finish_grad_sync()` on each chunk unless it auto-syncs or something (Megatron's
@@ -40,12 +41,17 @@ class FSDPMuonChainedOptimizer:
     equal; compute weights equal`, or every rank raises naming what differs. `iteration` is
     Megatron's: every call of step, skipped steps too, continued from a checkpoint's step count.
 
-    Checkpoints: `sharded_state_dict` / `load_state_dict` in Megatron's `fsdp_dtensor` format, and
-    torch's pair (the same dict). `report_interval`: chain.timed_step's (outside Megatron).
+    `gather_inside_backward` (--muon-gather-inside-backward; chain.backward_gather): the Muon
+    parts' first exchanges gather during backward, as Megatron-FSDP reduces their gradients, and
+    the step forms their updates on the owners.
+
+    Checkpoints (chain.checkpointed): `sharded_state_dict` / `load_state_dict` in Megatron's
+    `fsdp_dtensor` format, and torch's pair (the same dict). `report_interval`: chain.timed_step's (outside Megatron).
     """
 
     def __init__(self, optimizer, model_chunks, max_consecutive_skipped_steps: int = 10,
-                 max_attention_logits=None, report_interval: int = 0):
+                 max_attention_logits=None, report_interval: int = 0,
+                 gather_inside_backward: bool = False):
         fsdp_models = [find_megatron_fsdp(chunk) for chunk in model_chunks]
         missing = [i for i, m in enumerate(fsdp_models) if m is None]
         if not model_chunks or missing:
@@ -54,7 +60,7 @@ class FSDPMuonChainedOptimizer:
                 f"{len(model_chunks)} are not wrapped by Megatron-FSDP (use --use-megatron-fsdp)")
         self._skip = NonfiniteSkip(optimizer, max_consecutive_skipped_steps)
         self.optimizer = optimizer
-        self._state_dict_post_hooks = collections.OrderedDict()
+        super().__init__()
         self.model_chunks = list(model_chunks)
         self._fsdp_models = fsdp_models
         self._synced = set()
@@ -70,6 +76,8 @@ class FSDPMuonChainedOptimizer:
         self.check_interval = max((muon.check_interval for muon in self.muon_optimizers), default=0)
         for muon in self.muon_optimizers:
             muon.log_checks = False  # one line per check, with the weights' checks: here
+        self.backward_gather = BackwardGather(self.muon_optimizers, fsdp_models) \
+            if gather_inside_backward else None
         for index, chunk in enumerate(self.model_chunks):
             self._record_grad_syncs(index, chunk)
         inners = [getattr(part, "optimizer", None) for part in self._parts()]
@@ -84,18 +92,27 @@ class FSDPMuonChainedOptimizer:
 
         @functools.wraps(sync)
         def finish_grad_sync(*args, **kwargs):
-            result = sync(*args, **kwargs)
+            gather = self.backward_gather
+            fsdp = self._fsdp_models[index]
+            with gather.finish_grad_sync(fsdp) if gather else contextlib.nullcontext():
+                result = sync(*args, **kwargs)
             self._synced.add(index)
             return result
 
         chunk.finish_grad_sync = finish_grad_sync
+        if self.backward_gather:
+            self.backward_gather.watch_scaling(chunk)
 
     def step(self):
         if upstream.called_by_fully_shard_optimizer():
             return None  # its construction step, with zero grads: see fully_shard_optimizer below
         # megatron.training sets megatron-core's OptimizerConfig.timers: the phases report there.
         with self._timed.timed(getattr(getattr(self._parts()[0], "config", None), "timers", None)):
-            return self._step()
+            try:
+                return self._step()
+            finally:
+                if self.backward_gather:  # nothing gathered ahead outlives a step, skipped too
+                    self.backward_gather.after_step()
 
     def _step(self):
         self.iteration += 1
@@ -108,6 +125,8 @@ class FSDPMuonChainedOptimizer:
         self._synced.clear()
         if self.max_attention_logits is not None:
             self.max_attention_logits.reduce()
+        if self.backward_gather:
+            self.backward_gather.before_step()
         # Decided here, or inside the chain between its grad norm and its update.
         result = None if self._skip.begin_step() else self._timed.inner_step(self.optimizer)
         if self._skip.end_step():
@@ -161,81 +180,6 @@ class FSDPMuonChainedOptimizer:
         return [(self._param_names[p], p, part, group) for part in self._parts()
                 for group in part.optimizer.param_groups for p in group["params"]]
 
-    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
-        """The optimizer's part of a Megatron `fsdp_dtensor` checkpoint: each param's state under
-        its name, as DTensors sharded like the param (DCP reshards them to another world size),
-        and the step count once. Muon's momentum sits under "muon", apart from the other parts'
-        "state": Megatron's checkpoint code rewrites "state" in Adam's terms
-        (handle_swiglu_in_state_dict splits a gated fc1's exp_avg and exp_avg_sq into halves and
-        would fail on a momentum), while Muon orthogonalizes the whole fc1 matrix.
-
-        Params without state first get the parts' zero state (`init_state_fn`, what Megatron wants
-        before a load): every rank then holds the same keys, empty tensors where its shard is
-        empty, which the per-DTensor collectives of saving and loading need (Adam creates state
-        only for non-empty shards). No optimizer step runs and nothing communicates, so this
-        changes no param, momentum, moment or step count, on any rank, also when loading."""
-        # With the step count too: a load that finds no checkpoint (Megatron then trains from
-        # scratch) leaves this state as it is, and Adam expects a step beside its moments.
-        self._create_missing_state()
-        sections = {"state": {}, "muon": {}}
-        for name, p, part, _ in self._named_params():
-            sections[self._section(part)][name] = {
-                key: value for key, value in part.optimizer.state[p].items() if key != "step"}
-        # The step count is host metadata, the same for every rank and device.
-        return {**sections, "step": torch.tensor(self._successful_steps, device="cpu")}
-
-    @staticmethod
-    def _section(part) -> str:
-        return "muon" if isinstance(part.optimizer, ZeROTensorParallelMuon) else "state"
-
-    def state_dict(self):
-        """torch's convention, for tools outside megatron.training: what `load_state_dict` takes
-        back, i.e. `sharded_state_dict()` (the state's tensors themselves, as torch's optimizers
-        return theirs), through the hooks registered with `register_state_dict_post_hook`."""
-        return self._through_post_hooks(self.sharded_state_dict())
-
-    def _through_post_hooks(self, state_dict):
-        for hook in list(self._state_dict_post_hooks.values()):
-            state_dict = hook(self, state_dict) or state_dict
-        return state_dict
-
-    def load_state_dict(self, state_dict):
-        """Load what `sharded_state_dict` made (DCP has usually filled its tensors in place),
-        the step count included (`_set_step_counts`). The main weights are the
-        model's: its load_state_dict installs them (Megatron-FSDP's post-load hook), and they
-        are installed and synced here once more, so the next forward reads them whatever ran
-        before (a process that trained first has its ZeRO-1/2 compute weights gathered)."""
-        named_params = self._named_params()
-        missing = [name for name, _, part, _ in named_params
-                   if name not in state_dict[self._section(part)]]
-        if missing:
-            raise KeyError(f"the checkpoint has no optimizer state for {missing}")
-        self._successful_steps = int(state_dict["step"])
-        self.iteration = self._successful_steps
-        for name, p, part, _ in named_params:
-            part.optimizer.state[p].update(state_dict[self._section(part)][name])
-        self._set_step_counts()
-        self._install_weights_for_the_next_forward(force_sync=True)
-
-    def _create_missing_state(self):
-        """Every param's state, zero where it has none yet (the parts' `init_state_fn`), and the
-        step count beside it: no step runs, no value changes."""
-        for part in self._parts():
-            part.init_state_fn(part.optimizer, part.config)
-        self._set_step_counts()
-
-    def _set_step_counts(self):
-        """Each param's step, the count of steps taken, where its optimizer keeps it: the param
-        group's (TE FusedAdam) or each param's state (torch Adam; Muon keeps none)."""
-        for _, p, part, group in self._named_params():
-            if "step" in group:
-                group["step"] = self._successful_steps
-            elif isinstance(part.optimizer, torch.optim.Adam):  # AdamW too
-                on_param = group.get("capturable") or group.get("fused")
-                part.optimizer.state[p]["step"] = torch.tensor(
-                    float(self._successful_steps), dtype=torch.float32,
-                    device=p.device if on_param else "cpu")
-
     def zero_grad(self, set_to_none: bool = True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for fsdp in self._fsdp_models:
@@ -251,15 +195,6 @@ class FSDPMuonChainedOptimizer:
         if name in ("step", "zero_grad") and upstream.is_fully_shard_optimizer_wrapper(value):
             return
         super().__setattr__(name, value)
-
-    def register_state_dict_post_hook(self, hook, prepend: bool = False):
-        """torch.optim.Optimizer's: `hook(optimizer, state_dict)` after each `state_dict()`,
-        returning a replacement or None."""
-        handle = RemovableHandle(self._state_dict_post_hooks)
-        self._state_dict_post_hooks[handle.id] = hook
-        if prepend:
-            self._state_dict_post_hooks.move_to_end(handle.id, last=False)
-        return handle
 
     def __getattr__(self, name):
         # Only reached for names not set on the wrapper: param_groups, state_dict, get_lr, ...

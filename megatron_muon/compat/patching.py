@@ -1,4 +1,5 @@
-"""How upstream names are reached and patched: `resolve` finds the object a dotted name names;
+"""How upstream names are reached and patched: `resolve` finds the object a dotted name names,
+`borrow` the same or None, noting the name `missing` (compat/upstream.py raises for them all);
 a `Patcher` replaces only the attributes its table lists (compat/upstream.py's PATCHES) and puts
 back what it replaced, newest first. Nothing here names upstream code."""
 
@@ -87,3 +88,34 @@ class Patcher:
         for undo in reversed(list(self._applied.values())):
             undo()
         self._applied.clear()
+
+
+# Borrowed names the installed versions lack: dotted name -> why megatron-muon needs it
+# (compat/upstream.py raises one ImportError naming them all).
+missing: dict[str, str] = {}
+
+
+def borrow(dotted: str, why: str, get: Callable[[], Any] | None = None) -> Any:
+    """The named object (`get` finds one that no dotted name reaches), or None, recorded as
+    missing, when the installed version lacks it."""
+    try:
+        return get() if get else resolve(dotted)
+    except AttributeError:
+        pass
+    except RuntimeError:  # torch.ops raises it for an unknown op; elsewhere it is not ours to hide
+        if not dotted.startswith("torch.ops."):
+            raise
+    missing[dotted] = why
+    return None
+
+
+def borrow_first(locations: tuple[str, ...], why: str) -> Any:
+    """The object at the first of `locations` the installed version has (a name upstream moved:
+    its new location first, the old as fallback), or None, recorded as missing, where neither."""
+    for dotted in locations:
+        found = borrow(dotted, why)
+        if found is not None:
+            for missed in locations:
+                missing.pop(missed, None)
+            return found
+    return None

@@ -25,6 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .patching import Patcher, resolve
+from .patching import borrow as _borrow
+from .patching import borrow_first as _borrow_first
+from .patching import missing as _missing
 from .versions import cannot_import, unsupported
 
 # Patched only where installed: the standalone Megatron-FSDP (megatron-core uses its own copy).
@@ -32,35 +35,6 @@ _OPTIONAL_MODULES = ("megatron_fsdp",)
 # Resolved when megatron_muon.bridge is imported, not before: Bridge is an optional extra, and
 # importing it without TransformerEngine needs megatron_muon.cpu.torch_compat's stand-ins first.
 _BRIDGE = "megatron.bridge."
-
-
-_missing: dict[str, str] = {}  # dotted name -> why megatron-muon needs it
-
-
-def _borrow(dotted: str, why: str, get: Callable[[], Any] | None = None) -> Any:
-    """The named object (`get` finds one that no dotted name reaches), or None, recorded as
-    missing, when the installed version lacks it."""
-    try:
-        return get() if get else resolve(dotted)
-    except AttributeError:
-        pass
-    except RuntimeError:  # torch.ops raises it for an unknown op; elsewhere it is not ours to hide
-        if not dotted.startswith("torch.ops."):
-            raise
-    _missing[dotted] = why
-    return None
-
-
-def _borrow_first(locations: tuple[str, ...], why: str) -> Any:
-    """The object at the first of `locations` the installed version has (a name upstream moved:
-    its new location first, the old as fallback), or None, recorded as missing, where neither."""
-    for dotted in locations:
-        found = _borrow(dotted, why)
-        if found is not None:
-            for missed in locations:
-                _missing.pop(missed, None)
-            return found
-    return None
 
 
 # torch
@@ -188,6 +162,15 @@ def called_by_fully_shard_optimizer() -> bool:
     return sys._getframe(2).f_code in _fully_shard_optimizer_codes
 
 
+# The gather inside backward (chain.backward_gather): where Megatron-FSDP reduces a bucket group
+# (each param's gradient shard final after the last micro-batch's), and the clip it replays.
+BUCKET_REDUCE_TARGET = "param_and_grad_buffer.GradReducePipeline._bucket_group_gradient_reduce"
+CLIP_TARGET = "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32"
+clip_grad_by_total_norm_fp32 = _borrow(
+    "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+    "an owner clips the whole gradient it gathered inside backward with megatron-core's own clip")
+
+
 def has_one_rank_reduce_defect(copy: str) -> bool:
     """Whether a Megatron-FSDP copy (MEGATRON_FSDP_COPIES) rescales a gradient buffer reduced
     over one rank at every micro-batch, read from its code (megatron_muon.fixes.upstream_fixes):
@@ -305,6 +288,12 @@ PATCHES = {
                                          "FSDP reads for the experts' factor: the dense group's "
                                          "then (not reported upstream)"
        for fsdp in MEGATRON_FSDP_COPIES},
+    # The gather inside backward (chain.backward_gather), while a chain holds one.
+    **{f"{fsdp}.{BUCKET_REDUCE_TARGET}": "each bucket group's reduce issued: its params' rows "
+                                         "start toward their Muon owners"
+       for fsdp in MEGATRON_FSDP_COPIES},
+    CLIP_TARGET: "the clip's arguments recorded per param, for an owner to clip the whole "
+                 "gradient it gathered as each holder's rows were clipped",
     # megatron-core's TensorParallelAdaptiveMuon made to step AdaptiveMuon (upstream_fixes).
     **{target: "megatron-core's TensorParallelAdaptiveMuon scales in orthogonalize, and 0.19's "
                "fails in its first step (no scale_mode): Newton-Schulz unscaled, Muon's scale "

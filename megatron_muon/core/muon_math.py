@@ -19,10 +19,26 @@ def momentum_update_(optimizer: Any, param: torch.Tensor, grad: torch.Tensor, mo
     """Apply weight decay (emerging_optimizers' helper, any of its methods) and the momentum EMA
     in place; return the tensor to orthogonalize."""
     upstream.apply_weight_decay_inplace(optimizer, param, grad, group["lr"], group["weight_decay"])
+    return momentum_and_nesterov_(optimizer, grad, momentum_buffer, group)
+
+
+def momentum_and_nesterov_(optimizer: Any, grad: torch.Tensor, momentum_buffer: torch.Tensor,
+                           group: dict) -> torch.Tensor:
+    """The momentum EMA in place, and the tensor to orthogonalize: what follows weight decay.
+    An owner forms a matrix's update with it from the old momentum and the gradient its holders
+    sent (the gather inside backward), where weight decay leaves the gradient alone."""
     momentum_buffer.lerp_(grad, 1 - group["momentum"])
     if optimizer.nesterov:
         return grad.lerp(momentum_buffer, group["momentum"])
     return momentum_buffer
+
+
+def weight_decay_leaves_the_gradient(optimizer: Any) -> bool:
+    """Whether weight decay never changes a gradient (every method but "l2" with a nonzero decay,
+    emerging_optimizers' WeightDecayMixin), so an owner can form the update without the
+    param's rows."""
+    return getattr(optimizer, "weight_decay_method", "l2") != "l2" or all(
+        group["weight_decay"] == 0.0 for group in optimizer.param_groups)
 
 
 def _eta(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -20,6 +20,7 @@ from ..planner.group_plan import GroupPlan, offloaded_params
 from ..planner.group_planner import GroupPlanner
 from . import syrk
 from .checks import CheckResult
+from .gather_ahead import GatheredAhead
 from .muon_math import momentum_update_
 from .owner_check import ApplyUpdate, OwnerCheck
 from .second_moment import SecondMoment
@@ -128,6 +129,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._held_rows = self.planner.held_rows
         self.interleaved = None  # stepped with another part (planner.interleaving)
         self._check = OwnerCheck(self)
+        self.ahead = GatheredAhead(self)  # exchanges gathered inside backward (chain's hooks)
         self.host_state = HostState(self.device(), offloaded_params(self.plans, offload_fraction))
 
     def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
@@ -143,8 +145,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     def device(self) -> torch.device:
         """The params' device, that of their process groups (CPU without params)."""
-        return next((p.to_local().device for group in self.param_groups for p in group["params"]),
-                    torch.device("cpu"))
+        return next((p.to_local().device for p in self._group_index), torch.device("cpu"))
 
     def name_of(self, p: torch.Tensor) -> str:
         return self._param_names.get(p) or f"the parameter of shape {tuple(p.shape)}"
@@ -197,10 +198,9 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             self._init_group(group)
         apply = self.apply_update
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec), \
-                self.host_state.stepping(self.state):
+                self.host_state.stepping(self.state), self.ahead.consumed_or_discarded():
             if checking:
-                self._check.step(apply)
-                return None
+                return self._check.step(apply)
             if self.interleaved is not None:  # run beside another part's (the factory's)
                 return self.interleaved.step(self)
             for plan in self.plans:
@@ -261,9 +261,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         for k, routes in enumerate(plan.routes):
             if ahead and k + 1 < len(plan.routes):
                 ahead(plan.routes[k + 1])
-            with phase(UPDATE):
+            with phase(UPDATE):  # where gathered ahead: the holders' momentum and weights only
                 local = {i: local_rows(i) for i in routes.batch}
-            yield owner_exchange(routes, plan.group, local, orthogonalize, partial(apply, plan))
+            yield (self.ahead.exchange(plan, k, orthogonalize, partial(apply, plan)) or
+                   owner_exchange(routes, plan.group, local, orthogonalize, partial(apply, plan)))
 
     def orthogonalize_whole(self, p: DTensor, full: torch.Tensor) -> torch.Tensor:
         """One matrix's update as "allgather" mode computes it, on its own (the check's

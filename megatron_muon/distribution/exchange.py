@@ -114,20 +114,38 @@ def _all_to_all(route: Route, send: list[torch.Tensor], like: torch.Tensor, grou
 
 
 
+class Gathered(NamedTuple):
+    """A gather issued: its receive buffer, its payload (None once the caller let it go: the
+    collective keeps what it sends until it ends), its in-flight work (None: nothing moved)."""
+
+    received: torch.Tensor
+    payload: torch.Tensor | None
+    work: object
+
+
+def issue_gather(routes: OwnerRoutes, group: dist.ProcessGroup | None,
+                 local: dict[int, torch.Tensor]) -> Gathered:
+    """An exchange's gather all-to-all issued: this rank's rows of each matrix (`local[i]`) to
+    its owner."""
+    with phase(GATHER):
+        return Gathered(*_all_to_all(
+            routes.gather, [local[i] for segments in routes.gather.sends for i, _, _ in segments],
+            local[routes.batch[0]], group))
+
+
 def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: dict[int, torch.Tensor],
                    orthogonalize: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]],
-                   apply: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
+                   apply: Callable[[int, torch.Tensor], None],
+                   gathered: Gathered | None = None) -> Iterator[None]:
     """One exchange, as a generator that yields after issuing each of its (at most two)
     collectives, so a driver (run_overlapped) can start others before it resumes this one.
 
-    `local[i]`: this rank's rows of each matrix of the exchange. The owners assemble their full
-    matrices, `orthogonalize(owned, fulls)` each owned batch, and send the result rows back;
-    finally `apply(i, rows)` for this rank's rows of every matrix (the rows are views into this
-    exchange's buffers, which are freed when the generator ends)."""
-    with phase(GATHER):
-        received, payload, work = _all_to_all(
-            routes.gather, [local[i] for segments in routes.gather.sends for i, _, _ in segments],
-            local[routes.batch[0]], group)
+    `local[i]`: this rank's rows of each matrix of the exchange (where its gather was issued
+    already, `gathered`: only the owned matrices' rows are read, the others' may be empty). The
+    owners assemble their full matrices, `orthogonalize(owned, fulls)` each owned batch, and send
+    the result rows back; finally `apply(i, rows)` for this rank's rows of every matrix (the rows
+    are views into this exchange's buffers, which are freed when the generator ends)."""
+    received, payload, work = gathered or issue_gather(routes, group, local)
     with _held(received, payload):
         yield
         with phase(GATHER):

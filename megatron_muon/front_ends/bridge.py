@@ -95,6 +95,10 @@ class MuonOptimizerConfig(OptimizerConfig):
     """A matrix whose Newton-Schulz alone exceeds its share may be split over a team of up to this
     many ranks (--muon-max-team-size; ZeROTensorParallelMuon's max_team_size); 1: never."""
 
+    muon_gather_inside_backward: bool = MuonSettings.gather_inside_backward
+    """Each exchange's momentum and gradient rows sent to their owners during backward, the
+    owners forming the update (--muon-gather-inside-backward; docs/design.md)."""
+
     def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False,
                 pg_collection=None):
         chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]

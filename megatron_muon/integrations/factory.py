@@ -37,7 +37,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
                            muon_owner_choice=MuonSettings.owner_choice,
                            muon_max_exchange_bytes=MuonSettings.max_exchange_bytes,
                            muon_use_syrk=MuonSettings.use_syrk,
-                           muon_max_team_size=MuonSettings.max_team_size):
+                           muon_max_team_size=MuonSettings.max_team_size,
+                           muon_gather_inside_backward=MuonSettings.gather_inside_backward):
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` (ZeROTensorParallelMuon)
     and `optimizer='adaptive_muon'` (ZeROTensorParallelAdaptiveMuon) on Megatron-FSDP chunks.
 
@@ -56,7 +57,9 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
     - `muon_use_syrk`: its `use_syrk`, Newton-Schulz through emerging-optimizers' SYRK kernel
       (also on with `OptimizerConfig.muon_use_syrk`, where megatron-core has it);
     - `muon_max_consecutive_skipped_steps`: FSDPMuonChainedOptimizer's limit on steps skipped
-      in a row for a non-finite gradient before the run stops."""
+      in a row for a non-finite gradient before the run stops;
+    - `muon_gather_inside_backward`: FSDPMuonChainedOptimizer's `gather_inside_backward`, the
+      exchanges' rows sent to their owners during backward (chain.backward_gather)."""
     upstream_fixes.apply()  # for every optimizer, where the installed upstream needs them
     fsdp_modules = [find_megatron_fsdp(chunk) for chunk in model_chunks]
     ours = config.optimizer in FSDP_OPTIMIZERS and all(fsdp_modules)
@@ -85,8 +88,12 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
         _say_what_is_offloaded(parts, config.optimizer_offload_fraction)
     max_attention_logits = build_max_attention_logits(
         model_chunks, pg_collection.dp_cp, _held_rows_in(parts))
-    return FSDPMuonChainedOptimizer(ChainedOptimizer(parts), model_chunks,
-                                    muon_max_consecutive_skipped_steps, max_attention_logits)
+    chain = FSDPMuonChainedOptimizer(ChainedOptimizer(parts), model_chunks,
+                                     muon_max_consecutive_skipped_steps, max_attention_logits,
+                                     gather_inside_backward=muon_gather_inside_backward)
+    if chain.backward_gather:
+        chain.backward_gather.say()
+    return chain
 
 
 # The config class that holds each section of integrations.rules' settings, as users name them.

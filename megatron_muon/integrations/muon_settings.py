@@ -80,6 +80,13 @@ class MuonSettings:
         '--muon-dist-mode allgather does) and stop with an error, naming the matrix, where the '
         'owner exchange\'s differs (beyond fp32 Newton-Schulz\'s 0, or a lower precision\'s own '
         'error); 0: never. Costs nothing between checks.')
+    gather_inside_backward: bool = _setting(
+        False, action="store_true",
+        help='"owner" mode sends each matrix\'s momentum and reduced gradient rows to its owner '
+        'during backward, as Megatron-FSDP finishes reducing them, instead of its update rows '
+        'after backward; the owner forms the update itself after the clip, bit-identically. '
+        'Only as many exchanges as the owners can hold within what Muon\'s state saves against '
+        'Adam\'s; the start-up log says how many, or why none. Shown on CPU; not yet on a GPU.')
 
     @classmethod
     def of(cls, source) -> "MuonSettings":

@@ -251,6 +251,24 @@ def working_memory(matrices: Sequence[Matrix], owners: Sequence[int],
     return held
 
 
+def exchanges_ahead(matrices: Sequence[Matrix], owners: Sequence[int],
+                    exchanges: Sequence[Sequence[Sequence[int]]], element_bytes: int,
+                    saved: Sequence[int]) -> int:
+    """How many of a plan's exchanges, from the first, may gather inside backward: from its
+    gather until the step each owner holds its owned matrices whole, momentum beside gradient
+    (Matrix.carrying_momentum), during backward, where a run's peak is; no rank may hold more
+    than what Muon's state saves it against Adam's (`saved`). At the step these exchanges run
+    first, each one's rows becoming its assembled matrices."""
+    held = [0] * (matrices[0].layout.ranks if matrices else 0)
+    for k, batches in enumerate(exchanges):
+        for i in (i for batch in batches for i in batch):
+            parts = matrices[i].carrying_momentum()
+            held[owners[i]] += parts.layout.num_rows * parts.gather_width * element_bytes
+        if any(bytes_held > kept for bytes_held, kept in zip(held, saved)):
+            return k
+    return len(exchanges)
+
+
 def state_saved(matrices: Sequence[Matrix], element_bytes: int) -> list[int]:
     """What Muon's one state element (momentum) per element saves each rank of the group against
     Adam's two (exp_avg, exp_avg_sq), on the rows of the matrices it holds, less a variant's

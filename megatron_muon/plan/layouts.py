@@ -2,7 +2,7 @@
 exchange group hold (RowLayout), its width and batch key (Matrix), and the QKV row blocks and
 expert splits that make one param several matrices."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import accumulate
 from typing import Sequence
@@ -242,6 +242,12 @@ class Matrix:
     def long_side(self) -> int:
         """Its other side: the larger, or for a team's block its part of the whole's long side."""
         return self.shape[self.team.dim] if self.team else max(self.shape)
+
+    def carrying_momentum(self) -> "Matrix":
+        """This matrix as the gather inside backward carries it: each row's old momentum beside
+        its gradient, to the owner, which forms the update (twice the update's columns there,
+        the update's back)."""
+        return replace(self, state_cols=self.state_cols + self.cols)
 
     @property
     def gather_width(self) -> int:

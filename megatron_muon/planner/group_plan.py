@@ -2,6 +2,7 @@
 within the ranks' budgets) and the GroupPlan ZeROTensorParallelMuon carries out each step."""
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import torch
@@ -10,8 +11,9 @@ from torch.distributed.tensor import DTensor
 
 from ..distribution.dtensor_rows import as_rows
 from ..distribution.exchange import OwnerRoutes
-from ..plan import (Matrix, OwnedBatches, StepCost, alone_working, newton_schulz_flops, offloaded,
-                    owned_batches, packed_beside, packed_plan, state_saved, team_all_reduces)
+from ..plan import (Matrix, OwnedBatches, StepCost, alone_working, exchanges_ahead,
+                    newton_schulz_flops, offloaded, owned_batches, packed_beside, packed_plan,
+                    state_saved, team_all_reduces)
 
 
 class GroupPlan:
@@ -37,6 +39,22 @@ class GroupPlan:
 
     def param_of(self, i: int) -> DTensor:
         return self.params[self.pieces[i][0]]
+
+    @functools.cached_property
+    def routes_carrying_momentum(self) -> list[OwnerRoutes]:
+        """Each exchange's routes for the gather inside backward: the same batches and owners,
+        each row's old momentum beside its gradient (Matrix.carrying_momentum)."""
+        matrices = [matrix.carrying_momentum() for matrix in self.matrices]
+        return [OwnerRoutes(matrices, self.owners, routes.batches, self.rank)
+                for routes in self.routes]
+
+    def exchanges_ahead(self) -> int:
+        """How many exchanges, from the first, may gather inside backward within what Muon's
+        state saves each rank (plan.exchanges_ahead)."""
+        element_bytes = self.param_of(0).element_size() if self.matrices else 0
+        return exchanges_ahead(self.matrices, self.owners,
+                               [routes.batches for routes in self.routes], element_bytes,
+                               state_saved(self.matrices, element_bytes))
 
     def bytes_received(self) -> int:
         """What this rank receives in one owner step (gather and scatter)."""

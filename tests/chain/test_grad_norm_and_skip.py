@@ -1,7 +1,13 @@
 """The chain's gradient norm is the unsharded model's, clipping acts as on the unsharded model,
 and a step with a NaN or an Inf on one rank's shard is skipped on every rank with nothing changed:
 decided from the grad norm's reduction where the chain computes one, else by a reduction of our
-own."""
+own.
+
+The gather inside backward (--muon-gather-inside-backward): exchanges whose rows leave for their
+owners as Megatron-FSDP reduces each bucket give the very weights the step gives without it, bit
+for bit, with the clip on and off, gradient accumulation, and a gradient changed after its rows
+left (reduced again, or scaled as --calculate-per-token-loss scales it: the step then gathers
+them itself); a skipped step drops what was gathered ahead."""
 
 import pytest
 import torch
@@ -13,12 +19,13 @@ from megatron_muon.chain.chained import FSDPMuonChainedOptimizer
 from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.distribution.exchange import Traffic, observed
 from megatron_muon.reporting.step_report import step_scalars
-from megatron_muon.tools.testing import (TINY, fsdp_gpt, gpt, init_parallel_state, lm_loss,
-                                         optimizer_config)
+from megatron_muon.tools.testing import (TINY, GPTShape, fsdp_gpt, gpt, init_parallel_state,
+                                         lm_loss, optimizer_config)
 from tolerances import adam_drift, assert_within, muon_drift, reordering_error
 
 CLIP = 0.05  # well below the gradient norm (~1), so every step is clipped
 STEPS = 3
+GATHER_STEPS = 2  # the second with the first's momentum
 REORDERING = reordering_error(GLOBAL_BATCH * TINY.seq)
 
 
@@ -131,19 +138,25 @@ CHAINS = {"megatron-core's": lambda chain: chain, "without a grad norm": _Withou
           "stepping without a norm": _StepsWithoutANorm}
 
 
-def _nonfinite_on_one_rank(rank, world_size, dist_mode, value, chain, offload=False):
+def _nonfinite_on_one_rank(rank, world_size, dist_mode, value, chain, offload=False,
+                           gather=False):
     init_parallel_state()
     model = fsdp_gpt()
+    many_exchanges = dict(muon_max_exchange_bytes=1, muon_owner_choice="bytes") if gather else {}
     built = get_megatron_optimizer(
         optimizer_config(clip_grad=1.0, optimizer_cpu_offload=offload,
-                         optimizer_offload_fraction=1.0), [model], muon_dist_mode=dist_mode)
-    optimizer = FSDPMuonChainedOptimizer(CHAINS[chain](built.optimizer), [model])
+                         optimizer_offload_fraction=1.0), [model], muon_dist_mode=dist_mode,
+        **many_exchanges)
+    optimizer = FSDPMuonChainedOptimizer(CHAINS[chain](built.optimizer), [model],
+                                         gather_inside_backward=gather)
     optimizer.zero_grad()
     _backward(model, 0, rank)
     assert optimizer.step()[0]
     before = _snapshot(optimizer)
 
     _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, 1, rank, world_size, value)
+    if gather:  # gathered ahead at the grad sync, dropped by the skip
+        assert any(muon.ahead.started for muon in optimizer.muon_optimizers)
     with observed(Traffic()) as traffic:
         assert optimizer.step() == (False, None, None)
     assert traffic.by_name == {"allreduce_": 1}  # nothing else: no exchange, no param sync
@@ -166,14 +179,14 @@ def _backward_with_a_nonfinite_on_the_last_rank(model, optimizer, step, rank, wo
         grad.view(-1)[0] = value
 
 
-@pytest.mark.parametrize("dist_mode, value, chain, offload", [
-    ("owner", float("nan"), "megatron-core's", False),
-    ("allgather", -float("inf"), "megatron-core's", True),  # the state in host memory
-    ("owner", float("inf"), "without a grad norm", False),
-    ("owner", float("nan"), "stepping without a norm", False)])
+@pytest.mark.parametrize("dist_mode, value, chain, offload, gather", [
+    ("owner", float("nan"), "megatron-core's", False, True),  # gathered inside backward
+    ("allgather", -float("inf"), "megatron-core's", True, False),  # the state in host memory
+    ("owner", float("inf"), "without a grad norm", False, False),
+    ("owner", float("nan"), "stepping without a norm", False, False)])
 def test_a_nan_or_inf_on_one_ranks_shard_skips_the_step_everywhere(distributed, dist_mode, value,
-                                                                   chain, offload):
-    distributed(_nonfinite_on_one_rank, 2, dist_mode, value, chain, offload)
+                                                                   chain, offload, gather):
+    distributed(_nonfinite_on_one_rank, 2, dist_mode, value, chain, offload, gather)
 
 
 def _diverged_run_stops(rank, world_size):
@@ -215,3 +228,66 @@ def test_the_default_limit_is_megatrons_ten_wherever_the_chain_is_built():
     factory_default = inspect.signature(get_megatron_optimizer).parameters[
         "muon_max_consecutive_skipped_steps"].default
     assert parsed.muon_max_consecutive_skipped_steps == factory_default == 10
+
+
+def _counting_starts(chain) -> list[int]:
+    """How many exchanges each step started ahead (wraps each Muon part's start)."""
+    counts = [0]
+    for muon in chain.muon_optimizers:
+        start = muon.ahead.start
+
+        def counted(*args, start=start, **kwargs):
+            counts[-1] += 1
+            return start(*args, **kwargs)
+
+        muon.ahead.start = counted
+    return counts
+
+
+def _train(rank, world_size, strategy, gather, clip, micro_batches, overlap, after=None):
+    # Layers enough that an owner's first exchanges fit within what Muon's state saves it.
+    shape = GPTShape(layers=2 * world_size)
+    torch.manual_seed(0)
+    model = fsdp_gpt(shape, strategy=strategy, overlap=overlap)
+    chain = get_megatron_optimizer(optimizer_config(clip_grad=clip), [model],
+                                   muon_max_exchange_bytes=1, muon_owner_choice="bytes",
+                                   muon_gather_inside_backward=gather)
+    starts = _counting_starts(chain)
+    for step in range(GATHER_STEPS):
+        chain.zero_grad()
+        with model.no_sync():
+            for micro_batch in range(micro_batches - 1):
+                lm_loss(model, 10 * step + micro_batch, rank, shape).backward()
+        lm_loss(model, 10 * step + micro_batches, rank, shape).backward()
+        if after == "reduced again":  # a micro-batch outside no_sync after the last
+            lm_loss(model, 10 * step + 9, rank, shape).backward()
+        if after == "scaled":  # as finalize_model_grads under --calculate-per-token-loss
+            model.finish_grad_sync()
+            model.scale_gradients(0.5)
+        chain.step()
+        starts.append(0)
+    return {name: p.to_local().clone() for name, p in named_main_weights(model)}, starts[:-1]
+
+
+def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap):
+    init_parallel_state()
+    expected, _ = _train(rank, world_size, strategy, False, clip, micro_batches, overlap)
+    got, starts = _train(rank, world_size, strategy, True, clip, micro_batches, overlap)
+    assert all(count > 0 for count in starts), starts  # it ran, every step
+    for name, weight in expected.items():
+        assert torch.equal(got[name], weight), (name, (got[name] - weight).abs().max())
+    for after in (["reduced again", "scaled"] if world_size == 2 else []):
+        changed, _ = _train(rank, world_size, strategy, True, clip, 1, overlap, after)
+        expected, _ = _train(rank, world_size, strategy, False, clip, 1, overlap, after)
+        assert all(torch.equal(changed[name], w) for name, w in expected.items()), after
+
+
+@pytest.mark.parametrize("world_size, strategy, clip, micro_batches, overlap", [
+    (1, "optim_grads_params", CLIP, 1, True),
+    (2, "optim_grads_params", CLIP, 1, True),
+    (2, "optim", 0.0, 2, False),
+    (4, "optim_grads", CLIP, 2, True),
+])
+def test_the_weights_are_those_of_the_gather_at_the_step(distributed, world_size, strategy, clip,
+                                                          micro_batches, overlap):
+    distributed(_same_weights, world_size, strategy, clip, micro_batches, overlap)

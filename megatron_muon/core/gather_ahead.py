@@ -1,0 +1,108 @@
+"""The gather inside backward, on the optimizer's side: an exchange's rows sent to their owners
+before the step, once their gradients are final (the chain's hooks say when: chain/
+backward_gather.py), and each owner forming, at the step, the very update its holders would
+have sent.
+
+Why it is exact: Muon's update is elementwise in two things known before the step, the momentum
+before this step and the reduced gradient; what Megatron does to the gradient between its
+reduce-scatter and the optimizer (the clip by the grad norm, known only after backward) is
+elementwise too. The owner replays that on the whole gradient (`replay`: megatron-core's own
+function with the arguments the step's clip took), then runs momentum and Nesterov
+(muon_math.momentum_and_nesterov_) on the whole matrix: the same operations on the same values
+as each holder's on its rows, so the same bits. Weight decay acts on the weights alone where
+this runs (muon_math.weight_decay_leaves_the_gradient); the holders still update their own
+momentum rows and weights at the step, as without it.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..distribution.exchange import Gathered, issue_gather, owner_exchange
+from ..planner.group_plan import GroupPlan
+from .muon_math import momentum_and_nesterov_
+
+if TYPE_CHECKING:
+    from .zero_muon import ZeROTensorParallelMuon
+
+# What Megatron did to a param's reduced gradient before the optimizer, done again in place on
+# an owner's whole gradient of it (the chain's BackwardGather.replay).
+GradientReplay = Callable[[DTensor, torch.Tensor], None]
+Orthogonalize = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
+
+
+class GatheredAhead:
+    """One optimizer's exchanges whose gathers were issued before its step, by (plan, exchange
+    index): each holds the owned matrices' own rows and the gather's receive buffer until the
+    step consumes it (`exchange`) or drops it (`discard`)."""
+
+    def __init__(self, muon: "ZeROTensorParallelMuon") -> None:
+        self.muon = muon
+        self.started: dict[tuple[GroupPlan, int], tuple[dict[int, torch.Tensor], Gathered]] = {}
+        self.replay: GradientReplay | None = None
+
+    def start(self, plan: GroupPlan, k: int, gradient: Callable[[DTensor], torch.Tensor]) -> None:
+        """Exchange k of `plan` gathered now: each matrix's old momentum rows beside its gradient
+        rows to its owner. `gradient(p)`: this rank's reduced gradient shard of param p, as the
+        step will read it."""
+        routes = plan.routes_carrying_momentum[k]
+        local = {}
+        for i in routes.batch:
+            grad = plan.rows_of(i, gradient(plan.param_of(i)))
+            local[i] = torch.cat([self._old_momentum(plan, i, grad), grad], dim=1)
+        received, _, work = issue_gather(routes, plan.group, local)
+        for i in routes.batch:  # sent: the collective holds what it sends until it ends
+            if i not in routes.owned:
+                local[i] = local[i].new_empty((0, local[i].shape[1]))
+        self.started[(plan, k)] = (local, Gathered(received, None, work))
+
+    def _old_momentum(self, plan: GroupPlan, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of matrix i's momentum before this step: zeros before the first
+        step, which creates it (ZeROTensorParallelMuon.initial_state)."""
+        if "momentum_buffer" not in self.muon.state[plan.param_of(i)]:
+            return torch.zeros_like(grad)
+        return self.muon.momentum_rows(plan, i)
+
+    def exchange(self, plan: GroupPlan, k: int, orthogonalize: Orthogonalize,
+                 apply: Callable[[int, torch.Tensor], None]) -> Iterator[None] | None:
+        """Exchange k's rest where its gather was issued ahead (None where not): the owners form
+        each update (`update`), then `orthogonalize` as the exchange would."""
+        entry = self.started.pop((plan, k), None)
+        if entry is None:
+            return None
+
+        def formed_then_orthogonalized(owned, fulls):
+            return orthogonalize(owned, [self.update(plan, i, full)
+                                         for i, full in zip(owned, fulls)])
+
+        local, gathered = entry
+        return owner_exchange(plan.routes_carrying_momentum[k], plan.group, local,
+                              formed_then_orthogonalized, apply, gathered)
+
+    def update(self, plan: GroupPlan, i: int, parts: torch.Tensor) -> torch.Tensor:
+        """Matrix i's update on its owner, from its whole old momentum and gradient side by side
+        (`parts`), as its holders form theirs on their rows."""
+        cols, p = plan.matrices[i].cols, plan.param_of(i)
+        momentum, grad = parts[:, :cols].contiguous(), parts[:, cols:].contiguous()
+        self.replay(p, grad)
+        return momentum_and_nesterov_(self.muon, grad, momentum, self.muon.group_of(p))
+
+    @contextlib.contextmanager
+    def consumed_or_discarded(self) -> Iterator[None]:
+        """A step: nothing gathered ahead outlives it (what its path did not consume, e.g. a
+        step that raised, is discarded)."""
+        try:
+            yield
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Every exchange gathered ahead dropped, its gather awaited: a skipped step, a step that
+        runs another path, or a gradient changed after its gather."""
+        for _, gathered in self.started.values():
+            if gathered.work is not None:
+                gathered.work.wait()
+        self.started.clear()
