@@ -16,7 +16,8 @@ turns step by step; a ratio of two modes is the median of its rounds' ratios, pr
 quartiles [q1-q3] (a round's two steps ran a moment apart). Ours ("owner": owners by estimated
 time, the default) runs beside ours with byte-first owners ("owner_bytes": --muon-owner-choice
 bytes) on every config. Beside megatron-core's modes runs ours on Megatron-FSDP's ZeRO-1
-("owner_zero1": weights unsharded in the forward, as Megatron DDP keeps them). Bytes and collectives
+("owner_zero1": weights unsharded in the forward, as Megatron DDP keeps them), and on the dense
+configs ours with --muon-gather-inside-backward ("owner_inside"). Bytes and collectives
 are the optimizer step's (gradient reductions run before it, ZeRO-3's weight gathers in the
 forward). megatron-core's layer-wise optimizer cannot be built in fp32 (docs/reliability.md,
 "Refused configurations"), so it runs with bf16 set on a fp32 model: its params stay fp32 and so
@@ -57,6 +58,10 @@ CHECKED_MODE = "owner_checked"
 # the host is the device, so its copies are host-to-host; the bytes each way and the most state
 # on the device at once are the optimizer's own accounting (core/state_offload.HostState).
 OFFLOAD_MODE = "owner_offload"
+# "owner" with --muon-gather-inside-backward: the batches its owners can hold gathered at the grad
+# sync (finish_grad_sync, before the step's clock starts; with --overlap-grad-reduce, during
+# backward), the rest at the step. "step ms" is then what stays after backward's reductions.
+INSIDE_MODE = "owner_inside"
 WARMUP = 3
 # The warm-up step whose collectives, bytes, buffers and FLOPs are counted (exchange.observed and
 # torch's FlopCounterMode: every op passes through Python while they count, so no timed step is
@@ -120,7 +125,8 @@ def build(shape, parallel, mode):
     optimizer = get_megatron_optimizer(config, [model],
                                        muon_dist_mode="allgather" if mode == "allgather" else "owner",
                                        muon_owner_choice="bytes" if mode == BYTES_MODE else "time",
-                                       muon_check_interval=1 if mode == CHECKED_MODE else 0)
+                                       muon_check_interval=1 if mode == CHECKED_MODE else 0,
+                                       muon_gather_inside_backward=mode == INSIDE_MODE)
     return model, optimizer, config
 
 
@@ -131,7 +137,8 @@ def measure(shape, parallel, steps):
     init_parallel_state(expert_parallel=parallel.get("expert_parallel", 1),
                         replicas=parallel.get("replicas", 1))
     rank = dist.get_rank()
-    modes = MODES + ((CHECKED_MODE, OFFLOAD_MODE) + SIDE_BY_SIDE_MODES if not parallel else ())
+    modes = MODES + ((CHECKED_MODE, OFFLOAD_MODE, INSIDE_MODE) + SIDE_BY_SIDE_MODES
+                     if not parallel else ())
     built = {mode: build(shape, parallel, mode) for mode in modes}
     traffic = {mode: Traffic() for mode in modes}
     flops = {mode: FlopCounterMode(display=False) for mode in modes}
@@ -173,6 +180,10 @@ def measure(shape, parallel, steps):
         phase_s={phase: statistics.median(p[phase] for p in phases[mode]) for phase in PHASES})
         for mode, (_, optimizer, _) in built.items()}
     figures["plan"] = plan_figures(*built["owner"])
+    if INSIDE_MODE in built:
+        plans = [plan for muon in built[INSIDE_MODE][1].muon_optimizers for plan in muon.plans]
+        figures[INSIDE_MODE]["exchanges_ahead"] = (sum(plan.ahead for plan in plans),
+                                                   sum(len(plan.routes) for plan in plans))
     if OFFLOAD_MODE in built:  # of its last step; the parts step one after the other
         host_states = [part.optimizer.host_state
                        for part in built[OFFLOAD_MODE][1].chained_optimizers]
@@ -310,6 +321,11 @@ def summarize(world, per_rank):
             over_owner_train_step=paired_ratio(per_rank, OFFLOAD_MODE, "owner", "train_times_s"),
             each_way_bytes=max(max(o["to_device"], o["to_host"]) for o in offloaded),
             most_on_device_bytes=max(o["most_on_device"] for o in offloaded))
+    if INSIDE_MODE in row:
+        row["gathered_inside"] = dict(
+            over_owner_muon_step=paired_ratio(per_rank, INSIDE_MODE, "owner"),
+            over_owner_train_step=paired_ratio(per_rank, INSIDE_MODE, "owner", "train_times_s"),
+            exchanges_ahead=per_rank[0][INSIDE_MODE]["exchanges_ahead"])
     row["largest_batch_bytes"] = plan["largest_batch_bytes"]
     row["owner_tradeoff"] = plan["owner_tradeoff"]
     row["newton_schulz_precision"] = NEWTON_SCHULZ_PRECISION
@@ -337,8 +353,8 @@ def paired_ratio(per_rank, mode, base, times="step_times_s") -> dict:
 
 def _muon_modes(figures) -> list[str]:
     """The Muon modes a run measured: ours, then megatron-core's where the config has them."""
-    return [mode for mode in ("owner", BYTES_MODE, "allgather", CHECKED_MODE, OFFLOAD_MODE)
-            + SIDE_BY_SIDE_MODES if mode in figures]
+    return [mode for mode in ("owner", BYTES_MODE, "allgather", CHECKED_MODE, OFFLOAD_MODE,
+                              INSIDE_MODE) + SIDE_BY_SIDE_MODES if mode in figures]
 
 
 def _fixed(value) -> str:
@@ -417,6 +433,13 @@ def print_table(results):
                       f"{o['each_way_bytes'] / 1e6:.2f} MB each way, at most "
                       f"{o['most_on_device_bytes'] / 1e6:.2f} MB of it on the device at once, of "
                       f"{row[OFFLOAD_MODE]['optimizer_state_bytes'] / 1e6:.2f} MB")
+            if "gathered_inside" in row:
+                g = row["gathered_inside"]
+                print(f"{'':9} the gather inside backward (--muon-gather-inside-backward; "
+                      f"{g['exchanges_ahead'][0]} of {g['exchanges_ahead'][1]} exchanges ahead, "
+                      f"at the grad sync here): step after backward "
+                      f"{_paired(g['over_owner_muon_step'])}x the owner step, train step "
+                      f"{_paired(g['over_owner_train_step'])}x (gloo: nothing overlaps)")
             if row["world_size"] > 1:
                 print(f"{'':9} byte-first owners (--muon-owner-choice bytes), byte slack -> "
                       f"(bytes/bound, NS max/mean): " + ", ".join(

@@ -8,8 +8,9 @@ calls `clip_grad_by_total_norm_fp32` and replayed on each owner's whole gradient
 function. A gradient reduced again after its rows left (a micro-batch outside Megatron's
 `no_sync`) makes the step discard what was gathered ahead and gather at the step, as without it.
 
-Where a part cannot gather ahead the start-up log says why (`reasons`), and the plan says how
-many of each plan's exchanges fit within what Muon's state saves (plan.exchanges_ahead).
+Where a part cannot gather ahead the start-up log says why (`reasons`); where it can, its plans
+are packed again with the batches that fit within what Muon's state saves first (plan.packed_plan
+with `ahead`), and the log says how many exchanges gather ahead.
 """
 
 import contextlib
@@ -44,8 +45,9 @@ def reasons(muon: ZeROTensorParallelMuon, fsdp_models) -> list[str]:
 
 class BackwardGather:
     """For the chain: which exchanges of its Muon parts gather inside backward (each plan's
-    first plan.exchanges_ahead), and when each starts. `finish_grad_sync(fsdp)` marks the grad
-    sync (its reduces are final); `before_step()` and `after_step()` frame the chain's step."""
+    first `ahead`, packed so at construction), and when each starts. `finish_grad_sync(fsdp)`
+    frames a chunk's grad sync (its reduces are final, and so is every gradient after it);
+    `before_step()` and `after_step()` frame the chain's step."""
 
     def __init__(self, muon_optimizers: list[ZeROTensorParallelMuon], fsdp_models) -> None:
         self._fsdp_of_pipeline = {fsdp.grad_reduce_pipeline: fsdp for fsdp in fsdp_models}
@@ -59,10 +61,11 @@ class BackwardGather:
         for muon in muon_optimizers:
             self.said[muon] = reasons(muon, fsdp_models)
             if not self.said[muon]:
+                muon.plans = muon.planner.packed(ahead=True)  # every rank, before any state
                 muon.ahead.replay = self.replay
                 self.exchanges += [(muon, plan, k, {plan.param_of(i) for i in routes.batch})
                                    for plan in muon.plans
-                                   for k, routes in enumerate(plan.routes[:plan.exchanges_ahead()])]
+                                   for k, routes in enumerate(plan.routes[:plan.ahead])]
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._clips: dict[DTensor, list[tuple]] = {}
         self._syncing = False

@@ -10,7 +10,7 @@ batches and exchanges). plan/ makes it from shapes (owner_plan.OwnerPlan); plann
 for an optimizer's params (planner.group_plan.GroupPlan), which the optimizer carries out."""
 
 from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, alone_working, batch_bytes,
-                     batch_matrices, exchange_batches, exchanges_ahead, fewest_exchanges,
+                     batch_matrices, batches_ahead, exchange_batches, fewest_exchanges,
                      largest_alone, newton_schulz_bytes, owner_bytes, per_exchange_bytes,
                      rank_budgets, state_saved, step_headroom, working_memory)
 from .layouts import (Matrix, Nodes, QKVRows, RowLayout, TeamBlock, applies_gram_twice, cost_key,

@@ -147,8 +147,9 @@ class ExchangeMemory:
 
 
 def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]],
-                     owners: Sequence[int], element_bytes: int,
-                     budgets: Sequence[int]) -> list[list[list[int]]]:
+                     owners: Sequence[int], element_bytes: int, budgets: Sequence[int],
+                     then: Sequence[Sequence[int]] = (),
+                     after: Sequence[Sequence[Sequence[int]]] = ()) -> list[list[list[int]]]:
     """Batches packed into exchanges, first fit in order: a batch joins the first exchange where
     every rank r it touches stays within `budgets[r]` with two exchanges in flight
     (working_memory's count: an exchange at its peak beside the next one started, the one
@@ -156,18 +157,25 @@ def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]
     start of any batch still to come, so that one opening an exchange after it fits. A batch
     that joins none opens the next exchange. With every budget at least alone_working's,
     every rank's working memory stays within its budget. An exchange carries all its batches'
-    rows in one collective per direction, whatever their shapes."""
-    alone = _alone(matrices, owners, batches, element_bytes)
+    rows in one collective per direction, whatever their shapes. Packed apart from others
+    (the gather inside backward's first): `then`, the batches packed after these, whose starts
+    the last of these keeps room for too; `after`, the exchanges packed before these, which
+    none joins and the first of these fits beside."""
+    alone = _alone(matrices, owners, [*batches, *then], element_bytes)
     memories: list[ExchangeMemory] = []
+    for exchange in after:
+        memories.append(ExchangeMemory(matrices, owners, element_bytes))
+        for batch in exchange:
+            memories[-1].add(batch)
     for batch, later in zip(batches, _later_starts(alone)):
-        for k, memory in enumerate(memories):
-            if _fits(memories, k, memory.added(batch), later, budgets):
-                memory.add(batch)
+        for k in range(len(after), len(memories)):
+            if _fits(memories, k, memories[k].added(batch), later, budgets):
+                memories[k].add(batch)
                 break
         else:
             memories.append(ExchangeMemory(matrices, owners, element_bytes))
             memories[-1].add(batch)
-    return [memory.batches for memory in memories]
+    return [memory.batches for memory in memories[len(after):]]
 
 
 def _fits(memories: Sequence[ExchangeMemory], k: int, added: dict, later: dict[int, int],
@@ -251,22 +259,26 @@ def working_memory(matrices: Sequence[Matrix], owners: Sequence[int],
     return held
 
 
-def exchanges_ahead(matrices: Sequence[Matrix], owners: Sequence[int],
-                    exchanges: Sequence[Sequence[Sequence[int]]], element_bytes: int,
-                    saved: Sequence[int]) -> int:
-    """How many of a plan's exchanges, from the first, may gather inside backward: from its
-    gather until the step each owner holds its owned matrices whole, momentum beside gradient
-    (Matrix.carrying_momentum), during backward, where a run's peak is; no rank may hold more
-    than what Muon's state saves it against Adam's (`saved`). At the step these exchanges run
-    first, each one's rows becoming its assembled matrices."""
+def batches_ahead(matrices: Sequence[Matrix], owners: Sequence[int],
+                  batches: Sequence[Sequence[int]], element_bytes: int,
+                  saved: Sequence[int]) -> list[bool]:
+    """Which batches may gather inside backward, in order: each whose owners still hold, with it,
+    at most what Muon's state saves them against Adam's (`saved`). From its gather until the
+    step an owner holds its owned matrices whole, momentum beside gradient
+    (Matrix.carrying_momentum), during backward, where a run's peak is."""
     held = [0] * (matrices[0].layout.ranks if matrices else 0)
-    for k, batches in enumerate(exchanges):
-        for i in (i for batch in batches for i in batch):
+    chosen = []
+    for batch in batches:
+        adds: dict[int, int] = {}
+        for i in batch:
             parts = matrices[i].carrying_momentum()
-            held[owners[i]] += parts.layout.num_rows * parts.gather_width * element_bytes
-        if any(bytes_held > kept for bytes_held, kept in zip(held, saved)):
-            return k
-    return len(exchanges)
+            adds[owners[i]] = (adds.get(owners[i], 0)
+                               + parts.layout.num_rows * parts.gather_width * element_bytes)
+        fits = all(held[rank] + more <= saved[rank] for rank, more in adds.items())
+        for rank, more in adds.items() if fits else ():
+            held[rank] += more
+        chosen.append(fits)
+    return chosen
 
 
 def state_saved(matrices: Sequence[Matrix], element_bytes: int) -> list[int]:

@@ -3,8 +3,8 @@
 from dataclasses import dataclass
 from typing import Sequence
 
-from .budget import (MAX_EXCHANGE_BYTES, batch_bytes, batch_matrices, exchange_batches,
-                     rank_budgets, step_headroom, working_memory)
+from .budget import (MAX_EXCHANGE_BYTES, batch_bytes, batch_matrices, batches_ahead,
+                     exchange_batches, rank_budgets, state_saved, step_headroom, working_memory)
 from .layouts import Matrix, Nodes
 from .owners import BYTE_SLACK, StepCost, choose_owners, choose_owners_by_time
 
@@ -21,11 +21,13 @@ class OwnedBatches:
 class OwnerPlan:
     """One exchange group's owner step, from shapes alone: each matrix's owner, the batches of
     same-shape matrices orthogonalized together, the exchanges (lists of batches) that carry
-    them, one collective per direction each, and each rank's working-memory budget."""
+    them, one collective per direction each, and each rank's working-memory budget; the first
+    `ahead` exchanges gather inside backward (packed_plan)."""
     owners: list[int]
     batches: list[list[int]]
     exchanges: list[list[list[int]]]
     budgets: list[int]
+    ahead: int = 0
 
 
 def owned_batches(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float | None = None,
@@ -51,15 +53,23 @@ def owned_batches(matrices: Sequence[Matrix], element_bytes: int, byte_slack: fl
 def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,
                 max_exchange_bytes: int | None, headroom: int | None,
                 saved: Sequence[int] | None = None,
-                reserved: Sequence[int] | None = None) -> OwnerPlan:
+                reserved: Sequence[int] | None = None, ahead: bool = False) -> OwnerPlan:
     """`owned` packed into exchanges within each rank's budget (rank_budgets; `saved`: each
     rank's saving over every group it steps, None: this group's; `reserved`: what it holds
-    beside, of another group's exchanges interleaved with these)."""
-    budgets = rank_budgets(matrices, owned.owners, owned.batches, element_bytes,
+    beside, of another group's exchanges interleaved with these). `ahead` (the gather inside
+    backward): the batches that may gather ahead (batches_ahead, within this group's saving)
+    packed first, apart from the rest, into the exchanges that do; the budgets are of the
+    batches in that order (what each batch needs alone depends on the starts after it)."""
+    chosen = (batches_ahead(matrices, owned.owners, owned.batches, element_bytes,
+                            state_saved(matrices, element_bytes)) if ahead
+              else [False] * len(owned.batches))
+    early, late = ([b for b, a in zip(owned.batches, chosen) if a == wanted]
+                   for wanted in (True, False))
+    budgets = rank_budgets(matrices, owned.owners, early + late, element_bytes,
                            max_exchange_bytes, headroom, saved, reserved)
-    return OwnerPlan(owned.owners, owned.batches,
-                     exchange_batches(matrices, owned.batches, owned.owners, element_bytes,
-                                      budgets), budgets)
+    first = exchange_batches(matrices, early, owned.owners, element_bytes, budgets, then=late)
+    rest = exchange_batches(matrices, late, owned.owners, element_bytes, budgets, after=first)
+    return OwnerPlan(owned.owners, owned.batches, first + rest, budgets, len(first))
 
 
 def packed_beside(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,

@@ -11,9 +11,9 @@ from torch.distributed.tensor import DTensor
 
 from ..distribution.dtensor_rows import as_rows
 from ..distribution.exchange import OwnerRoutes
-from ..plan import (Matrix, OwnedBatches, StepCost, alone_working, exchanges_ahead,
-                    newton_schulz_flops, offloaded, owned_batches, packed_beside, packed_plan,
-                    state_saved, team_all_reduces)
+from ..plan import (Matrix, OwnedBatches, StepCost, alone_working, newton_schulz_flops,
+                    offloaded, owned_batches, packed_beside, packed_plan, state_saved,
+                    team_all_reduces)
 
 
 class GroupPlan:
@@ -29,9 +29,11 @@ class GroupPlan:
                  pieces: list[tuple[int, int, int]], owners: list[int],
                  exchanges: list[list[list[int]]], group: dist.ProcessGroup | None,
                  budgets: list[int], cost: StepCost | None = None,
-                 team_groups: dict | None = None, fits_beside: bool = True) -> None:
+                 team_groups: dict | None = None, fits_beside: bool = True,
+                 ahead: int = 0) -> None:
         self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
         self.group, self.budgets, self.cost = group, budgets, cost
+        self.ahead = ahead  # the first exchanges, that gather inside backward (packed_plan)
         self.fits_beside = fits_beside
         self.team_groups = team_groups or {}
         self.rank = dist.get_rank(group)
@@ -48,13 +50,6 @@ class GroupPlan:
         return [OwnerRoutes(matrices, self.owners, routes.batches, self.rank)
                 for routes in self.routes]
 
-    def exchanges_ahead(self) -> int:
-        """How many exchanges, from the first, may gather inside backward within what Muon's
-        state saves each rank (plan.exchanges_ahead)."""
-        element_bytes = self.param_of(0).element_size() if self.matrices else 0
-        return exchanges_ahead(self.matrices, self.owners,
-                               [routes.batches for routes in self.routes], element_bytes,
-                               state_saved(self.matrices, element_bytes))
 
     def bytes_received(self) -> int:
         """What this rank receives in one owner step (gather and scatter)."""
@@ -124,16 +119,18 @@ class Draft:
                              self.params[0].element_size())
 
     def packed(self, max_exchange_bytes: int | None, headroom: int | None,
-               saved: list[int] | None = None, reserved: list[int] | None = None) -> GroupPlan:
-        """Its exchanges packed (plan.packed_plan; with `reserved`, beside another group's:
-        plan.packed_beside, and whether this rank holds both within its budget)."""
+               saved: list[int] | None = None, reserved: list[int] | None = None,
+               ahead: bool = False) -> GroupPlan:
+        """Its exchanges packed (plan.packed_plan, `ahead`: the gather inside backward's first;
+        with `reserved`, beside another group's: plan.packed_beside, and whether this rank holds
+        both within its budget)."""
         args = (self.matrices, self.owned, self.params[0].element_size(), max_exchange_bytes,
                 headroom, saved)
-        plan, fits = (packed_plan(*args), None) if reserved is None else packed_beside(*args,
-                                                                                   reserved)
+        plan, fits = ((packed_plan(*args, ahead=ahead), None) if reserved is None
+                      else packed_beside(*args, reserved))
         return GroupPlan(self.params, self.matrices, self.pieces, plan.owners, plan.exchanges,
                          self.group, plan.budgets, self.cost, self.team_groups,
-                         fits_beside=fits is None or fits[self.rank])
+                         fits_beside=fits is None or fits[self.rank], ahead=plan.ahead)
 
     def beside(self, base: list[float]) -> "Draft":
         """This draft with owners chosen again, each rank's load starting at `base` (its load in

@@ -75,7 +75,7 @@ class GroupPlanner:
         return max([0] + [draft.alone()[draft.rank] for draft in self.drafts])
 
     def packed(self, saving: int | None = None, need: int | None = None,
-               least_headroom: int = 0) -> list[GroupPlan]:
+               least_headroom: int = 0, ahead: bool = False) -> list[GroupPlan]:
         """The groups' plans: a rank's budget is its `saving` over every group it steps
         (whichever Muon part steps them, one after the other or interleaved; None: this
         planner's)
@@ -83,9 +83,10 @@ class GroupPlanner:
         saving (plan.rank_budgets), at least `least_headroom`. Each group gathers its ranks'
         savings and headroom (one collective) and passes the largest headroom on to the next
         group; `headroom`: the last. With `reserved`, each rank's budget less that (gathered
-        with them)."""
+        with them). `ahead`: the gather inside backward's batches packed first (Draft.packed)."""
         if not self._with_headroom and self.reserved is None:
-            return [draft.packed(self._max_exchange_bytes, None) for draft in self.drafts]
+            return [draft.packed(self._max_exchange_bytes, None, ahead=ahead)
+                    for draft in self.drafts]
         saving = self.saving() if saving is None else saving
         need = self.need() if need is None else need
         self.headroom, plans = max(least_headroom, need - saving, 0), []
@@ -94,10 +95,11 @@ class GroupPlanner:
                                     draft.params[0].to_local().device)
             reserved = None if self.reserved is None else [row[2] for row in table]
             if not self._with_headroom:
-                plans.append(draft.packed(self._max_exchange_bytes, None, None, reserved))
+                plans.append(draft.packed(self._max_exchange_bytes, None, None, reserved, ahead))
                 continue
             self.headroom = max(row[1] for row in table)
-            plans.append(draft.packed(None, self.headroom, [row[0] for row in table], reserved))
+            plans.append(draft.packed(None, self.headroom, [row[0] for row in table], reserved,
+                                      ahead))
         return plans
 
     def _exchange_group(self, p: DTensor):

@@ -19,8 +19,8 @@ from megatron_muon.chain.chained import FSDPMuonChainedOptimizer
 from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.distribution.exchange import Traffic, observed
 from megatron_muon.reporting.step_report import step_scalars
-from megatron_muon.tools.testing import (TINY, GPTShape, fsdp_gpt, gpt, init_parallel_state,
-                                         lm_loss, optimizer_config)
+from megatron_muon.tools.testing import (TINY, fsdp_gpt, gpt, init_parallel_state, lm_loss,
+                                         optimizer_config)
 from tolerances import adam_drift, assert_within, muon_drift, reordering_error
 
 CLIP = 0.05  # well below the gradient norm (~1), so every step is clipped
@@ -142,11 +142,10 @@ def _nonfinite_on_one_rank(rank, world_size, dist_mode, value, chain, offload=Fa
                            gather=False):
     init_parallel_state()
     model = fsdp_gpt()
-    many_exchanges = dict(muon_max_exchange_bytes=1, muon_owner_choice="bytes") if gather else {}
     built = get_megatron_optimizer(
         optimizer_config(clip_grad=1.0, optimizer_cpu_offload=offload,
                          optimizer_offload_fraction=1.0), [model], muon_dist_mode=dist_mode,
-        **many_exchanges)
+        muon_owner_choice="bytes" if gather else "time")  # bytes: the same owners every run
     optimizer = FSDPMuonChainedOptimizer(CHAINS[chain](built.optimizer), [model],
                                          gather_inside_backward=gather)
     optimizer.zero_grad()
@@ -244,23 +243,21 @@ def _counting_starts(chain) -> list[int]:
     return counts
 
 
-def _train(rank, world_size, strategy, gather, clip, micro_batches, overlap, after=None):
-    # Layers enough that an owner's first exchanges fit within what Muon's state saves it.
-    shape = GPTShape(layers=2 * world_size)
+def _train(rank, strategy, gather, clip, micro_batches, overlap, after=None):
     torch.manual_seed(0)
-    model = fsdp_gpt(shape, strategy=strategy, overlap=overlap)
+    model = fsdp_gpt(strategy=strategy, overlap=overlap)
     chain = get_megatron_optimizer(optimizer_config(clip_grad=clip), [model],
-                                   muon_max_exchange_bytes=1, muon_owner_choice="bytes",
+                                   muon_owner_choice="bytes",
                                    muon_gather_inside_backward=gather)
     starts = _counting_starts(chain)
     for step in range(GATHER_STEPS):
         chain.zero_grad()
         with model.no_sync():
             for micro_batch in range(micro_batches - 1):
-                lm_loss(model, 10 * step + micro_batch, rank, shape).backward()
-        lm_loss(model, 10 * step + micro_batches, rank, shape).backward()
+                lm_loss(model, 10 * step + micro_batch, rank).backward()
+        lm_loss(model, 10 * step + micro_batches, rank).backward()
         if after == "reduced again":  # a micro-batch outside no_sync after the last
-            lm_loss(model, 10 * step + 9, rank, shape).backward()
+            lm_loss(model, 10 * step + 9, rank).backward()
         if after == "scaled":  # as finalize_model_grads under --calculate-per-token-loss
             model.finish_grad_sync()
             model.scale_gradients(0.5)
@@ -271,14 +268,14 @@ def _train(rank, world_size, strategy, gather, clip, micro_batches, overlap, aft
 
 def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap):
     init_parallel_state()
-    expected, _ = _train(rank, world_size, strategy, False, clip, micro_batches, overlap)
-    got, starts = _train(rank, world_size, strategy, True, clip, micro_batches, overlap)
+    expected, _ = _train(rank, strategy, False, clip, micro_batches, overlap)
+    got, starts = _train(rank, strategy, True, clip, micro_batches, overlap)
     assert all(count > 0 for count in starts), starts  # it ran, every step
     for name, weight in expected.items():
         assert torch.equal(got[name], weight), (name, (got[name] - weight).abs().max())
     for after in (["reduced again", "scaled"] if world_size == 2 else []):
-        changed, _ = _train(rank, world_size, strategy, True, clip, 1, overlap, after)
-        expected, _ = _train(rank, world_size, strategy, False, clip, 1, overlap, after)
+        changed, _ = _train(rank, strategy, True, clip, 1, overlap, after)
+        expected, _ = _train(rank, strategy, False, clip, 1, overlap, after)
         assert all(torch.equal(changed[name], w) for name, w in expected.items()), after
 
 

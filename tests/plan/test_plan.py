@@ -10,8 +10,8 @@ from megatron_muon.plan import (ExchangeMemory, Matrix, OwnedBatches, RowLayout,
                                 owner_plan, owner_traffic, packed_beside, packed_plan,
                                 qkv_row_blocks, rank_loads, row_layouts, scatter_segments,
                                 whole_matrix_owners, working_memory)
-from megatron_muon.plan.budget import (alone_working, fewest_exchanges, rank_budgets, state_saved,
-                                       step_headroom)
+from megatron_muon.plan.budget import (alone_working, batches_ahead, fewest_exchanges,
+                                       rank_budgets, state_saved, step_headroom)
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -298,6 +298,39 @@ def test_packing_keeps_every_rank_within_its_budget_on_random_layouts():
         assert 1 <= fewest_exchanges(matrices, owners, batches, 4, budgets) <= len(exchanges)
         if all(budget >= max(held) * 3 for budget in budgets):
             assert len(exchanges) == 1
+
+
+def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_saving():
+    """packed_plan with `ahead`: the batches that may gather inside backward (batches_ahead) come
+    first, in exchanges of their own; each owner holds them whole, momentum beside gradient,
+    within what Muon's state saves it; every batch goes once and every rank's working memory
+    stays within its budget. Without `ahead` the packing is first fit over every batch, as
+    before."""
+    rng = random.Random(2)
+    some_ahead = 0
+    for _ in range(60):
+        world = rng.choice([2, 4])
+        matrices = [_matrix([rng.choice([0, 1, 3, 6]) for _ in range(world - 1)] + [1],
+                            cols=rng.choice([4, 8])) for _ in range(rng.randint(2, 12))]
+        owned = OwnedBatches(choose_owners(matrices, element_bytes=4),
+                             batch_matrices(matrices, rng.choice([1, 1000]), 4))
+        plain = packed_plan(matrices, owned, 4, None, headroom=0)
+        assert plain.ahead == 0 and plain.exchanges == exchange_batches(
+            matrices, owned.batches, owned.owners, 4, plain.budgets)
+        plan = packed_plan(matrices, owned, 4, None, headroom=0, ahead=True)
+        chosen = batches_ahead(matrices, owned.owners, owned.batches, 4, state_saved(matrices, 4))
+        early = [batch for batch, ahead in zip(owned.batches, chosen) if ahead]
+        assert sorted(b for exchange in plan.exchanges[:plan.ahead] for b in exchange) == sorted(
+            early)
+        assert sorted(b for exchange in plan.exchanges for b in exchange) == sorted(owned.batches)
+        held = [0] * world
+        for i in (i for batch in early for i in batch):
+            held[owned.owners[i]] += matrices[i].layout.num_rows * 2 * matrices[i].cols * 4
+        assert all(h <= kept for h, kept in zip(held, state_saved(matrices, 4))), held
+        memory = working_memory(matrices, owned.owners, plan.exchanges, 4)
+        assert all(h <= budget for h, budget in zip(memory, plan.budgets)), (memory, plan)
+        some_ahead += bool(early)
+    assert some_ahead > 10
 
 
 def test_a_matrix_too_large_for_its_owners_saving_goes_alone_on_it_beside_other_owners():
