@@ -8,9 +8,9 @@ calls `clip_grad_by_total_norm_fp32` and replayed on each owner's whole gradient
 function. A gradient reduced again after its rows left (a micro-batch outside Megatron's
 `no_sync`) makes the step discard what was gathered ahead and gather at the step, as without it.
 
-Where a part cannot gather ahead the start-up log says why (`reasons`); where it can, its plans
-are packed again with the batches that fit within what Muon's state saves first (plan.packed_plan
-with `ahead`), and the log says how many exchanges gather ahead.
+Where a part cannot gather ahead the start-up log says why (`reasons`); where it can, the factory
+has its plans packed with the batches that fit within what Muon's state saves first
+(GroupPlanner.ahead; plan.packed_plan), and the log says how many exchanges gather ahead.
 """
 
 import contextlib
@@ -35,7 +35,6 @@ def reasons(muon: ZeROTensorParallelMuon, fsdp_models) -> list[str]:
     why = {"--muon-dist-mode allgather": muon.dist_mode != "owner",
            "an adaptive variant (its second moment)": muon.second_moment is not None,
            "--optimizer-cpu-offload": bool(muon.host_state.params),
-           "the dense and expert parts interleaved": muon.interleaved is not None,
            "--muon-max-team-size above 1 (teams)": any(
                m.team for plan in muon.plans for m in plan.matrices),
            "L2 weight decay (it changes the gradient)": not weight_decay_leaves_the_gradient(muon),
@@ -45,7 +44,7 @@ def reasons(muon: ZeROTensorParallelMuon, fsdp_models) -> list[str]:
 
 class BackwardGather:
     """For the chain: which exchanges of its Muon parts gather inside backward (each plan's
-    first `ahead`, packed so at construction), and when each starts. `finish_grad_sync(fsdp)`
+    first `ahead`, packed so by the factory), and when each starts. `finish_grad_sync(fsdp)`
     frames a chunk's grad sync (its reduces are final, and so is every gradient after it);
     `before_step()` and `after_step()` frame the chain's step."""
 
@@ -61,7 +60,11 @@ class BackwardGather:
         for muon in muon_optimizers:
             self.said[muon] = reasons(muon, fsdp_models)
             if not self.said[muon]:
-                muon.plans = muon.planner.packed(ahead=True)  # every rank, before any state
+                if not muon.planner.ahead and muon.interleaved is None:  # built without the flag
+                    muon.planner.ahead = True
+                    muon.plans = muon.planner.packed()  # every rank, before any state
+                for chain in [chain for chain in _active if muon in chain.said]:
+                    _active.discard(chain)  # a chain built around another's parts takes over
                 muon.ahead.replay = self.replay
                 self.exchanges += [(muon, plan, k, {plan.param_of(i) for i in routes.batch})
                                    for plan in muon.plans
@@ -157,7 +160,7 @@ class BackwardGather:
             self._discard()
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
-            for muon, *_ in self.exchanges:
+            for muon in self._gathering():
                 for local, gathered in muon.ahead.started.values():
                     for tensor in (*local.values(), gathered.received):
                         tensor.record_stream(torch.cuda.current_stream())
@@ -169,8 +172,12 @@ class BackwardGather:
         self._new_step()
 
     def _discard(self) -> None:
-        for muon in {muon for muon, *_ in self.exchanges}:
+        for muon in self._gathering():
             muon.ahead.discard()
+
+    def _gathering(self) -> list[ZeROTensorParallelMuon]:
+        """The Muon parts with exchanges that gather ahead, each once."""
+        return list(dict.fromkeys(muon for muon, *_ in self.exchanges))
 
     def clipped(self, parameters, max_norm, total_norm, use_decoupled_grad) -> None:
         for p in parameters:

@@ -14,7 +14,6 @@ this runs (muon_math.weight_decay_leaves_the_gradient); the holders still update
 momentum rows and weights at the step, as without it.
 """
 
-import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -89,15 +88,6 @@ class GatheredAhead:
         momentum, grad = parts[:, :cols].contiguous(), parts[:, cols:].contiguous()
         self.replay(p, grad)
         return momentum_and_nesterov_(self.muon, grad, momentum, self.muon.group_of(p))
-
-    @contextlib.contextmanager
-    def consumed_or_discarded(self) -> Iterator[None]:
-        """A step: nothing gathered ahead outlives it (what its path did not consume, e.g. a
-        step that raised, is discarded)."""
-        try:
-            yield
-        finally:
-            self.discard()
 
     def discard(self) -> None:
         """Every exchange gathered ahead dropped, its gather awaited: a skipped step, a step that

@@ -129,7 +129,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         self._held_rows = self.planner.held_rows
         self.interleaved = None  # stepped with another part (planner.interleaving)
         self._check = OwnerCheck(self)
-        self.ahead = GatheredAhead(self)  # exchanges gathered inside backward (chain's hooks)
+        self.ahead = GatheredAhead(self)  # chain.backward_gather starts them, drops leftovers
         self.host_state = HostState(self.device(), offloaded_params(self.plans, offload_fraction))
 
     def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
@@ -198,7 +198,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             self._init_group(group)
         apply = self.apply_update
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec), \
-                self.host_state.stepping(self.state), self.ahead.consumed_or_discarded():
+                self.host_state.stepping(self.state):
             if checking:
                 return self._check.step(apply)
             if self.interleaved is not None:  # run beside another part's (the factory's)

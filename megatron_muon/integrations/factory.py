@@ -10,6 +10,7 @@ from megatron.core.optimizer import get_standard_config_overrides
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from ..chain import backward_gather
 from ..chain.chained import FSDPMuonChainedOptimizer
 from ..chain.model_chunks import find_megatron_fsdp
 from ..chain.qk_clip import build_max_attention_logits
@@ -83,7 +84,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
                               check_interval=muon_check_interval,
                               max_exchange_bytes=muon_max_exchange_bytes, use_syrk=muon_use_syrk,
                               max_team_size=muon_max_team_size,
-                              offload_fraction=_offload_fraction(config)))
+                              offload_fraction=_offload_fraction(config)),
+                         fsdp_modules if muon_gather_inside_backward else None)
     if config.optimizer_cpu_offload:
         _say_what_is_offloaded(parts, config.optimizer_offload_fraction)
     max_attention_logits = build_max_attention_logits(
@@ -184,7 +186,11 @@ def _foreach_over_dtensors(optimizer) -> None:
 
 
 def _build_parts(config, model_chunks, config_overrides, process_groups, pg_collection,
-                 muon_settings):
+                 muon_settings, gathering_inside=None):
+    """The chain's parts: Muon and the scalar optimizer, dense and expert, each Muon part planned
+    (and the two interleaved where they can be). `gathering_inside`: the Megatron-FSDP modules
+    under --muon-gather-inside-backward, whose Muon parts that can gather so are packed for it
+    (chain.backward_gather.reasons)."""
     tag_params(model_chunks)
     groups = upstream.get_param_groups(model_chunks, config,
                                        _muon_overrides(config, config_overrides))
@@ -248,6 +254,10 @@ def _build_parts(config, model_chunks, config_overrides, process_groups, pg_coll
     # The dense part before the expert part, as Megatron's chain steps them; planned and stepped
     # together where memory allows.
     muons = [part.optimizer for part in parts if isinstance(part.optimizer, ZeROTensorParallelMuon)]
+    for muon in muons if gathering_inside is not None else ():
+        muon.planner.ahead = not backward_gather.reasons(muon, gathering_inside)
+        if muon.planner.ahead and len(muons) == 1:
+            muon.plans = muon.planner.packed()  # interleave packs both parts again below
     if len(muons) == 2:
         interleave(*muons)
     return parts

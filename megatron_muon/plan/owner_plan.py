@@ -74,14 +74,14 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
 
 def packed_beside(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,
                   max_exchange_bytes: int | None, headroom: int | None,
-                  saved: Sequence[int] | None,
-                  reserved: Sequence[int]) -> tuple[OwnerPlan, list[bool]]:
+                  saved: Sequence[int] | None, reserved: Sequence[int],
+                  ahead: bool = False) -> tuple[OwnerPlan, list[bool]]:
     """`owned` packed to run interleaved with another group's exchanges, of which each rank holds
     up to `reserved` (its working_memory there): within each rank's budget less that
-    (packed_plan); and for each rank whether both fit the budget it has without them (what the
-    groups one after the other are held to)."""
+    (packed_plan, with `ahead`); and for each rank whether both fit the budget it has without
+    them (what the groups one after the other are held to)."""
     plan = packed_plan(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
-                       reserved)
+                       reserved, ahead)
     apart = rank_budgets(matrices, owned.owners, owned.batches, element_bytes,
                          max_exchange_bytes, headroom, saved)
     held = working_memory(matrices, owned.owners, plan.exchanges, element_bytes)

@@ -127,7 +127,7 @@ class Draft:
         args = (self.matrices, self.owned, self.params[0].element_size(), max_exchange_bytes,
                 headroom, saved)
         plan, fits = ((packed_plan(*args, ahead=ahead), None) if reserved is None
-                      else packed_beside(*args, reserved))
+                      else packed_beside(*args, reserved, ahead))
         return GroupPlan(self.params, self.matrices, self.pieces, plan.owners, plan.exchanges,
                          self.group, plan.budgets, self.cost, self.team_groups,
                          fits_beside=fits is None or fits[self.rank], ahead=plan.ahead)

@@ -47,6 +47,9 @@ class GroupPlanner:
         # file's (reporting.rates_file).
         self.measured: list[tuple[list[tuple[int, float]], float]] = []
         self.node_rates: list[float] = []  # per group with teams: inside a node, bytes a second
+        # The gather inside backward's batches packed first (Draft.packed), set by the factory
+        # where the part gathers so (chain.backward_gather.reasons) before it packs again.
+        self.ahead = False
 
     def plan(self, byte_slack: float | None, max_exchange_bytes: int | None,
              headroom: bool = True) -> list[GroupPlan]:
@@ -75,7 +78,7 @@ class GroupPlanner:
         return max([0] + [draft.alone()[draft.rank] for draft in self.drafts])
 
     def packed(self, saving: int | None = None, need: int | None = None,
-               least_headroom: int = 0, ahead: bool = False) -> list[GroupPlan]:
+               least_headroom: int = 0) -> list[GroupPlan]:
         """The groups' plans: a rank's budget is its `saving` over every group it steps
         (whichever Muon part steps them, one after the other or interleaved; None: this
         planner's)
@@ -83,9 +86,9 @@ class GroupPlanner:
         saving (plan.rank_budgets), at least `least_headroom`. Each group gathers its ranks'
         savings and headroom (one collective) and passes the largest headroom on to the next
         group; `headroom`: the last. With `reserved`, each rank's budget less that (gathered
-        with them). `ahead`: the gather inside backward's batches packed first (Draft.packed)."""
+        with them). With `ahead`, the gather inside backward's batches first (Draft.packed)."""
         if not self._with_headroom and self.reserved is None:
-            return [draft.packed(self._max_exchange_bytes, None, ahead=ahead)
+            return [draft.packed(self._max_exchange_bytes, None, ahead=self.ahead)
                     for draft in self.drafts]
         saving = self.saving() if saving is None else saving
         need = self.need() if need is None else need
@@ -95,11 +98,12 @@ class GroupPlanner:
                                     draft.params[0].to_local().device)
             reserved = None if self.reserved is None else [row[2] for row in table]
             if not self._with_headroom:
-                plans.append(draft.packed(self._max_exchange_bytes, None, None, reserved, ahead))
+                plans.append(draft.packed(self._max_exchange_bytes, None, None, reserved,
+                                          self.ahead))
                 continue
             self.headroom = max(row[1] for row in table)
             plans.append(draft.packed(None, self.headroom, [row[0] for row in table], reserved,
-                                      ahead))
+                                      self.ahead))
         return plans
 
     def _exchange_group(self, p: DTensor):

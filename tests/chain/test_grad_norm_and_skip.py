@@ -243,9 +243,9 @@ def _counting_starts(chain) -> list[int]:
     return counts
 
 
-def _train(rank, strategy, gather, clip, micro_batches, overlap, after=None):
+def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, after=None):
     torch.manual_seed(0)
-    model = fsdp_gpt(strategy=strategy, overlap=overlap)
+    model = fsdp_gpt(strategy=strategy, overlap=overlap, num_experts=num_experts)
     chain = get_megatron_optimizer(optimizer_config(clip_grad=clip), [model],
                                    muon_owner_choice="bytes",
                                    muon_gather_inside_backward=gather)
@@ -266,25 +266,28 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, after=None):
     return {name: p.to_local().clone() for name, p in named_main_weights(model)}, starts[:-1]
 
 
-def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap):
-    init_parallel_state()
-    expected, _ = _train(rank, strategy, False, clip, micro_batches, overlap)
-    got, starts = _train(rank, strategy, True, clip, micro_batches, overlap)
+def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap, layout):
+    init_parallel_state(**layout)
+    experts = 4 if layout.get("expert_parallel") else None
+    expected, _ = _train(rank, strategy, False, clip, micro_batches, overlap, experts)
+    got, starts = _train(rank, strategy, True, clip, micro_batches, overlap, experts)
     assert all(count > 0 for count in starts), starts  # it ran, every step
     for name, weight in expected.items():
         assert torch.equal(got[name], weight), (name, (got[name] - weight).abs().max())
     for after in (["reduced again", "scaled"] if world_size == 2 else []):
-        changed, _ = _train(rank, strategy, True, clip, 1, overlap, after)
-        expected, _ = _train(rank, strategy, False, clip, 1, overlap, after)
+        changed, _ = _train(rank, strategy, True, clip, 1, overlap, experts, after)
+        expected, _ = _train(rank, strategy, False, clip, 1, overlap, experts, after)
         assert all(torch.equal(changed[name], w) for name, w in expected.items()), after
 
 
-@pytest.mark.parametrize("world_size, strategy, clip, micro_batches, overlap", [
-    (1, "optim_grads_params", CLIP, 1, True),
-    (2, "optim_grads_params", CLIP, 1, True),
-    (2, "optim", 0.0, 2, False),
-    (4, "optim_grads", CLIP, 2, True),
+@pytest.mark.parametrize("world_size, strategy, clip, micro_batches, overlap, layout", [
+    (1, "optim_grads_params", CLIP, 1, True, {}),
+    (2, "optim_grads_params", CLIP, 1, True, {}),
+    (2, "optim", 0.0, 2, False, {}),
+    # The dense part over all 4 ranks, the experts' interleaved beside it over 2.
+    (4, "optim_grads", CLIP, 2, True, dict(expert_parallel=2)),
+    (4, "optim_grads_params", CLIP, 1, False, dict(tensor_parallel=2)),
 ])
 def test_the_weights_are_those_of_the_gather_at_the_step(distributed, world_size, strategy, clip,
-                                                          micro_batches, overlap):
-    distributed(_same_weights, world_size, strategy, clip, micro_batches, overlap)
+                                                          micro_batches, overlap, layout):
+    distributed(_same_weights, world_size, strategy, clip, micro_batches, overlap, layout)
