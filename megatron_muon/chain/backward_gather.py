@@ -37,8 +37,7 @@ def reasons(muon: ZeROTensorParallelMuon, fsdp_models) -> list[str]:
            "--optimizer-cpu-offload": bool(muon.host_state.params),
            "--muon-max-team-size above 1 (teams)": any(
                m.team for plan in muon.plans for m in plan.matrices),
-           "L2 weight decay (it changes the gradient)": not weight_decay_leaves_the_gradient(muon),
-           "HSDP (its outer reduce)": any(fsdp.dist_index.use_hybrid_fsdp for fsdp in fsdp_models)}
+           "L2 weight decay (it changes the gradient)": not weight_decay_leaves_the_gradient(muon)}
     return [reason for reason, holds in why.items() if holds]
 
 

@@ -287,6 +287,7 @@ def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap, layo
     # The dense part over all 4 ranks, the experts' interleaved beside it over 2.
     (4, "optim_grads", CLIP, 2, True, dict(expert_parallel=2)),
     (4, "optim_grads_params", CLIP, 1, False, dict(tensor_parallel=2)),
+    (4, "optim_grads_params", CLIP, 2, True, dict(replicas=2)),  # HSDP: the outer all-reduce
 ])
 def test_the_weights_are_those_of_the_gather_at_the_step(distributed, world_size, strategy, clip,
                                                           micro_batches, overlap, layout):
