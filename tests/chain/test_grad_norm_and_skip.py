@@ -7,7 +7,8 @@ The gather inside backward (--muon-gather-inside-backward): exchanges whose rows
 owners as Megatron-FSDP reduces each bucket give the very weights the step gives without it, bit
 for bit, with the clip on and off, gradient accumulation, and a gradient changed after its rows
 left (reduced again, or scaled as --calculate-per-token-loss scales it: the step then gathers
-them itself); a skipped step drops what was gathered ahead."""
+them itself), experts, TP, HSDP; the check interval passes on what the owners formed from what
+they gathered ahead; a skipped step drops it."""
 
 import pytest
 import torch
@@ -246,8 +247,10 @@ def _counting_starts(chain) -> list[int]:
 def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, after=None):
     torch.manual_seed(0)
     model = fsdp_gpt(strategy=strategy, overlap=overlap, num_experts=num_experts)
+    # Unclipped, every step checked (--muon-check-interval 1): the check compares what the owners
+    # formed from what they gathered ahead with the whole-matrix reference, or raises.
     chain = get_megatron_optimizer(optimizer_config(clip_grad=clip), [model],
-                                   muon_owner_choice="bytes",
+                                   muon_owner_choice="bytes", muon_check_interval=int(not clip),
                                    muon_gather_inside_backward=gather)
     starts = _counting_starts(chain)
     for step in range(GATHER_STEPS):
