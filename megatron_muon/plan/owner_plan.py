@@ -58,17 +58,21 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
     rank's saving over every group it steps, None: this group's; `reserved`: what it holds
     beside, of another group's exchanges interleaved with these). `ahead` (the gather inside
     backward): the batches that may gather ahead (batches_ahead, within this group's saving)
-    packed first, apart from the rest, into the exchanges that do; the budgets are of the
-    batches in that order (what each batch needs alone depends on the starts after it)."""
+    packed first, apart from the rest, into the exchanges that do, counted as they carry them
+    (Matrix.carrying_momentum: twice the update's columns gathered and assembled); the budgets
+    are of the batches in that order (what each batch needs alone depends on the starts after
+    it)."""
     chosen = (batches_ahead(matrices, owned.owners, owned.batches, element_bytes,
                             state_saved(matrices, element_bytes)) if ahead
               else [False] * len(owned.batches))
     early, late = ([b for b, a in zip(owned.batches, chosen) if a == wanted]
                    for wanted in (True, False))
-    budgets = rank_budgets(matrices, owned.owners, early + late, element_bytes,
+    carried = {i for batch in early for i in batch}
+    counted = [m.carrying_momentum() if i in carried else m for i, m in enumerate(matrices)]
+    budgets = rank_budgets(counted, owned.owners, early + late, element_bytes,
                            max_exchange_bytes, headroom, saved, reserved)
-    first = exchange_batches(matrices, early, owned.owners, element_bytes, budgets, then=late)
-    rest = exchange_batches(matrices, late, owned.owners, element_bytes, budgets, after=first)
+    first = exchange_batches(counted, early, owned.owners, element_bytes, budgets, then=late)
+    rest = exchange_batches(counted, late, owned.owners, element_bytes, budgets, after=first)
     return OwnerPlan(owned.owners, owned.batches, first + rest, budgets, len(first))
 
 

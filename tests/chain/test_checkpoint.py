@@ -38,14 +38,14 @@ LR = optimizer_config().lr
 REORDERING = reordering_error(GLOBAL_BATCH * TINY.seq)
 
 
-def _build(case):
+def _build(case, gather_inside_backward=False):
     strategy, dist_mode, num_experts, moment2_method = CASES[case]
     init_parallel_state(expert_parallel=2 if num_experts else 1)
     model = fsdp_gpt(strategy=strategy, num_experts=num_experts)
     adaptive = {"optimizer": "adaptive_muon", "adaptive_muon_moment2_method": moment2_method}
     optimizer = get_megatron_optimizer(
         optimizer_config(clip_grad=1.0, weight_decay=0.1, **(adaptive if moment2_method else {})),
-        [model], muon_dist_mode=dist_mode)
+        [model], muon_dist_mode=dist_mode, muon_gather_inside_backward=gather_inside_backward)
     return model, optimizer
 
 
@@ -160,8 +160,10 @@ def _assert_a_checkpoint_without_a_params_state_is_refused(model, optimizer):
 
 
 def _resume_bit_identical(rank, world_size, tmp):
+    """Each case saved without --muon-gather-inside-backward resumes with it (where the case
+    allows it; it saves nothing of its own) and continues as the uninterrupted run."""
     for case in CASES:
-        model, optimizer = _build(case)
+        model, optimizer = _build(case, gather_inside_backward=True)
         reads = ForwardReads(find_megatron_fsdp(model))
         _train(model, optimizer, [1], rank, world_size)  # state to be replaced, not kept
         _assert_preparing_a_load_changes_nothing(model, optimizer)
