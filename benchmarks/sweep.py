@@ -358,6 +358,11 @@ ROWS = [
            both="", fsdp="--optimizer-cpu-offload",
            why="on Megatron-FSDP's side: the optimizer state in host memory between steps "
                "(megatron-core's own offload, HybridDeviceOptimizer, is Adam's and needs CUDA)"),
+    *_each("--muon-gather-inside-backward", ["dense W=2", "dense W=4", "MoE W=4 EP=2"], ["muon"],
+           both="", fsdp="--muon-gather-inside-backward",
+           why="on Megatron-FSDP's side: each exchange's momentum and gradient rows sent to their "
+               "owners as the grads are reduced (at the grad sync here), the owners forming the "
+               "updates after the clip: ours bit for bit (docs/design.md)"),
     *_each("--muon-max-team-size 4", ["dense W=4"], ["muon"],
            both="--num-layers 1 --ffn-hidden-size 1024",
            fsdp="--muon-max-team-size 4 --muon-owner-choice bytes",
