@@ -49,11 +49,10 @@ class BackwardGather:
 
     def __init__(self, muon_optimizers: list[ZeROTensorParallelMuon], fsdp_models) -> None:
         self._fsdp_of_pipeline = {fsdp.grad_reduce_pipeline: fsdp for fsdp in fsdp_models}
-        self._weights = {}  # module param -> (its Megatron-FSDP, its main weight)
-        for fsdp in fsdp_models:
-            for _, weight in fsdp.param_and_grad_buffer.optimizer_named_parameters:
-                self._weights[weight.orig_param] = (fsdp, weight)
-        self._fsdp_of = {weight: fsdp for fsdp, weight in self._weights.values()}
+        # Main weight -> its Megatron-FSDP; module param (what a bucket lists) -> main weight.
+        self._fsdp_of = {weight: fsdp for fsdp in fsdp_models
+                         for _, weight in fsdp.param_and_grad_buffer.optimizer_named_parameters}
+        self._weights = {weight.orig_param: weight for weight in self._fsdp_of}
         self.exchanges = []  # (muon, plan, k, its params), in the order every rank starts them
         self.said = {}
         for muon in muon_optimizers:
@@ -116,7 +115,7 @@ class BackwardGather:
         fsdp = self._fsdp_of_pipeline.get(pipeline)
         if fsdp is None or not fsdp.ddp_config.overlap_grad_reduce:
             return  # without it the grad sync reduces them (again): finish_grad_sync
-        weights = {self._weights[p][1] for p in _bucket_params(pipeline, bucket_group)
+        weights = {self._weights[p] for p in _bucket_params(pipeline, bucket_group)
                    if p in self._weights}
         self.stale |= bool(weights & self.started)
         if self._syncing or getattr(fsdp, "is_last_microbatch", False) or fsdp.model_auto_sync:

@@ -44,11 +44,12 @@ class GroupPlan:
 
     @functools.cached_property
     def routes_carrying_momentum(self) -> list[OwnerRoutes]:
-        """Each exchange's routes for the gather inside backward: the same batches and owners,
-        each row's old momentum beside its gradient (Matrix.carrying_momentum)."""
+        """The routes of the exchanges that gather inside backward (the first `ahead`): the same
+        batches and owners, each row's old momentum beside its gradient
+        (Matrix.carrying_momentum)."""
         matrices = [matrix.carrying_momentum() for matrix in self.matrices]
         return [OwnerRoutes(matrices, self.owners, routes.batches, self.rank)
-                for routes in self.routes]
+                for routes in self.routes[:self.ahead]]
 
 
     def bytes_received(self) -> int:
