@@ -57,16 +57,18 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
     """`owned` packed into exchanges within each rank's budget (rank_budgets; `saved`: each
     rank's saving over every group it steps, None: this group's; `reserved`: what it holds
     beside, of another group's exchanges interleaved with these). `ahead` (the gather inside
-    backward): the batches that may gather ahead (batches_ahead, within this group's saving)
-    packed first, apart from the rest, into the exchanges that do, counted as they carry them
+    backward): the batches that may gather ahead (batches_ahead, within this group's saving),
+    taken in the order their gradients become final (`final_first`), packed first in that
+    order, apart from the rest, into the exchanges that do, counted as they carry them
     (Matrix.carrying_momentum: twice the update's columns gathered and assembled); the budgets
     are of the batches in that order (what each batch needs alone depends on the starts after
     it)."""
-    chosen = (batches_ahead(matrices, owned.owners, owned.batches, element_bytes,
-                            state_saved(matrices, element_bytes)) if ahead
-              else [False] * len(owned.batches))
-    early, late = ([b for b, a in zip(owned.batches, chosen) if a == wanted]
-                   for wanted in (True, False))
+    candidates = final_first(owned.batches) if ahead else []
+    chosen = batches_ahead(matrices, owned.owners, candidates, element_bytes,
+                           state_saved(matrices, element_bytes))
+    early = [batch for batch, fits in zip(candidates, chosen) if fits]
+    taken = set(map(id, early))
+    late = [batch for batch in owned.batches if id(batch) not in taken]
     carried = {i for batch in early for i in batch}
     counted = [m.carrying_momentum() if i in carried else m for i, m in enumerate(matrices)]
     budgets = rank_budgets(counted, owned.owners, early + late, element_bytes,
@@ -74,6 +76,13 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
     first = exchange_batches(counted, early, owned.owners, element_bytes, budgets, then=late)
     rest = exchange_batches(counted, late, owned.owners, element_bytes, budgets, after=first)
     return OwnerPlan(owned.owners, owned.batches, first + rest, budgets, len(first))
+
+
+def final_first(batches: Sequence[Sequence[int]]) -> list[Sequence[int]]:
+    """`batches` in the order their gradients become final in backward, which reduces the
+    model's last params first (Megatron-FSDP's buckets in reverse): a batch is final once its
+    matrix first in the model's order (the matrices' order, the params') is."""
+    return sorted(batches, key=lambda batch: -min(batch))
 
 
 def packed_beside(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,

@@ -4,7 +4,7 @@ from megatron_muon.distribution.exchange import OwnerRoutes
 import random
 
 from megatron_muon.plan import (ExchangeMemory, Matrix, OwnedBatches, RowLayout, StepCost,
-                                batch_matrices, choose_owners, choose_owners_by_time,
+                                batch_matrices, choose_owners, choose_owners_by_time, final_first,
                                 estimated_seconds, exchange_batches, gather_segments,
                                 layout_min_bytes, newton_schulz_bytes, ns_flops, owner_bytes,
                                 owner_plan, owner_traffic, packed_beside, packed_plan,
@@ -301,8 +301,9 @@ def test_packing_keeps_every_rank_within_its_budget_on_random_layouts():
 
 
 def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_saving():
-    """packed_plan with `ahead`: the batches that may gather inside backward (batches_ahead) come
-    first, in exchanges of their own; each owner holds them whole, momentum beside gradient,
+    """packed_plan with `ahead`: the batches that may gather inside backward (batches_ahead, over
+    the batches in the order their gradients become final: final_first) come first, in that
+    order, in exchanges of their own; each owner holds them whole, momentum beside gradient,
     within what Muon's state saves it; every batch goes once and every rank's working memory,
     the batches ahead counted twice as wide where they travel, stays within its budget. Without
     `ahead` the packing is first fit over every batch, as before."""
@@ -318,10 +319,15 @@ def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_s
         assert plain.ahead == 0 and plain.exchanges == exchange_batches(
             matrices, owned.batches, owned.owners, 4, plain.budgets)
         plan = packed_plan(matrices, owned, 4, None, headroom=0, ahead=True)
-        chosen = batches_ahead(matrices, owned.owners, owned.batches, 4, state_saved(matrices, 4))
-        early = [batch for batch, ahead in zip(owned.batches, chosen) if ahead]
+        candidates = final_first(owned.batches)
+        chosen = batches_ahead(matrices, owned.owners, candidates, 4, state_saved(matrices, 4))
+        early = [batch for batch, ahead in zip(candidates, chosen) if ahead]
         assert sorted(b for exchange in plan.exchanges[:plan.ahead] for b in exchange) == sorted(
             early)
+        # First fit opens them in that order: the latest first matrix first.
+        assert [min(b) for b in early] == sorted((min(b) for b in early), reverse=True)
+        opened = [early.index(exchange[0]) for exchange in plan.exchanges[:plan.ahead]]
+        assert opened == sorted(opened)
         assert sorted(b for exchange in plan.exchanges for b in exchange) == sorted(owned.batches)
         held = [0] * world
         for i in (i for batch in early for i in batch):
