@@ -107,15 +107,17 @@ def plan_model(spec: ModelSpec, world: int, model, rates: Rates, args, tensor_pa
                         max(all_elements) * rates.adam_ns_per_element * 1e-9)
 
 
-def mode_figures(planned: PlannedModel, mode: str, args) -> dict:
+def mode_figures(planned: PlannedModel, mode: str, args,
+                 backward: tuple[float, float] = (0.0, 0.0)) -> dict:
     """The step in `mode` (step_time.planned_step; "teams": the parts with teams): the busiest
     rank's Newton-Schulz FLOPs beside the ideal, the most bytes a rank receives, the most
     Newton-Schulz and network seconds a rank spends, collectives and their latency, the step
     (the elementwise part added) with the plain and the SYRK Newton-Schulz, and where the
     slowest rank's owner step went (waiting for gathers, in Newton-Schulz, waiting for
-    scatters), ms."""
+    scatters), ms; parts packed for the gather inside backward gathering ahead in `backward`
+    (step_time.in_order)."""
     step = planned_step(planned.team_parts if mode == "teams" else planned.parts, mode,
-                        planned.cost, args, planned.ranks)
+                        planned.cost, args, planned.ranks, backward)
     per_rank = step["per_rank"]
     busiest = max(f["ns_flops"] for f in per_rank)
     return dict(busiest_ns_gflop=busiest / 1e9, ideal_ns_gflop=planned.ideal / 1e9,

@@ -130,22 +130,23 @@ class Part:
                                              self.batches, ELEMENT_BYTES, None)}
 
     def pack(self, headroom: int, saved: list[int] | None = None,
-             reserved: list[int] | None = None) -> None:
+             reserved: list[int] | None = None, ahead: bool = False) -> None:
         """The exchanges at the default budget with `headroom` and each rank's `saved` (None:
         its saving in this part), `reserved` taken off where this part runs interleaved with
         another (plan.packed_beside; `fits`: whether every rank holds both within its budget
-        apart), and, for the offloaded state, without them, as ZeROTensorParallelMuon plans them
-        then; with one rank's routes through every exchange, as it builds them at
+        apart), `ahead`: with the gather inside backward's batches first (its first `ahead`
+        exchanges), and, for the offloaded state, without them, as ZeROTensorParallelMuon plans
+        them then; with one rank's routes through every exchange, as it builds them at
         construction."""
         start = time.perf_counter()
         if reserved is None:
             plan, self.fits = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None,
-                                          headroom, saved), True
+                                          headroom, saved, ahead=ahead), True
         else:
             plan, fits = packed_beside(self.matrices, self.owned, ELEMENT_BYTES, None, headroom,
-                                       saved, reserved)
+                                       saved, reserved, ahead)
             self.fits = all(fits)
-        self.exchanges, self.budgets = plan.exchanges, plan.budgets
+        self.exchanges, self.budgets, self.ahead = plan.exchanges, plan.budgets, plan.ahead
         for batches in self.exchanges:
             OwnerRoutes(self.matrices, self.owned.owners, batches, 0)
         self.plan_seconds += time.perf_counter() - start
@@ -173,6 +174,7 @@ class Planned(list):
     beside: dict | None = None
     ep: int = 1
     headroom: int = 0  # the parts' apart (_pack)
+    ahead: bool = False  # packed for the gather inside backward (planned_parts)
 
     def representative(self) -> list[Part]:
         """The dense part and one expert group's as the owner step runs them (planned beside
@@ -195,7 +197,7 @@ class Planned(list):
 
 def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
                   expert_rank: int | None = None, teams=None,
-                  interleave: bool = True) -> Planned:
+                  interleave: bool = True, ahead: bool = False) -> Planned:
     """(Part, rank of dp_cp -> its rank in the part) for the dense matrices and the experts
     (dp_cp rank r is rank r // EP of its expert data-parallel group: megatron-core's order),
     packed as the factory packs its parts apart (share_headroom: a rank's budget its saving
@@ -204,13 +206,14 @@ def planned_parts(dense, expert, world: int, ep: int, cost, expert_cost=None,
     those it stands for). `expert_cost`: the experts' StepCost where not `cost`. `teams`:
     teams(ranks, stride) gives (the StepCost owners weigh, the cost teams are sized by,
     plan.Nodes) for a part whose ranks lie `stride` dp_cp ranks apart. Then, `interleave`, as
-    the factory plans them together (distribution.interleave): `beside` (Planned)."""
+    the factory plans them together (distribution.interleave): `beside` (Planned). `ahead`:
+    packed for --muon-gather-inside-backward (Part.pack)."""
     def part(matrices, ranks, stride, part_cost, base=None):
         planned = teams(ranks, stride) if teams else (part_cost, None, None)
         return Part(matrices, ranks, *planned[:2], base, planned[2])
 
     parts = Planned([(part(dense, world, 1, cost), lambda r: r)])
-    parts.ep = ep
+    parts.ep, parts.ahead = ep, ahead
     if expert:
         parts.append((part(expert, world // ep, ep, expert_cost or cost), lambda r: r // ep))
     _pack(parts, world, ep, expert_rank)
@@ -265,13 +268,13 @@ def _pack(parts, world: int, ep: int, expert_rank: int | None, groups=None) -> N
                 if part is dense or expert_rank is None or r % ep == expert_rank:
                     q = rank_in_part(r)
                     in_part[q] = saving[r] if in_part[q] is None else min(in_part[q], saving[r])
-            part.pack(parts.headroom, in_part)
+            part.pack(parts.headroom, in_part, ahead=parts.ahead)
             held = dense.working()
             continue
         alone = alone_of[id(part)]
         beside = max([parts.headroom] + [held[r] + alone[rank_in_part(r)] - saving[r]
                                           for r in ranks])
-        part.pack(beside, [saving[r] for r in ranks], [held[r] for r in ranks])
+        part.pack(beside, [saving[r] for r in ranks], [held[r] for r in ranks], parts.ahead)
 
 
 def _beside(parts, beside: dict, world: int, ep: int, expert_rank: int | None):

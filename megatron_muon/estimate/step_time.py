@@ -17,6 +17,10 @@ from .parts import ELEMENT_BYTES, Part, Planned
 GATHER, NEWTON_SCHULZ, SCATTER, APPLIED = "gather", "newton_schulz", "scatter", "applied"
 SYRK = "syrk"  # Newton-Schulz with the SYRK kernel, in its place
 GROUP = "group"  # each rank's process group in an exchange (in_order)
+# An exchange that gathers inside backward (--muon-gather-inside-backward, the plan's first
+# `ahead`): each rank's share of the last micro-batch's backward still to run once the last of
+# its matrices' gradients is reduced (BackwardGather starts it then); None: gathered at the step.
+READY = "ready"
 # Each rank's figures its exchanges add up (planned_step's per_rank).
 TOTALS = ("ns_flops", "ns_seconds", "syrk_seconds", "received", "sent", "network_seconds")
 # The modes whose owners a part planned beside the dense part changes (Part's `base`).
@@ -50,7 +54,8 @@ def exchange_order(exchanges: Sequence[int], together: bool) -> list[tuple[str, 
 
 
 def in_order(order: Sequence[tuple[str, int, int]], stages: dict, ranks: int,
-             newton_schulz: str = NEWTON_SCHULZ) -> dict:
+             newton_schulz: str = NEWTON_SCHULZ, backward: tuple[float, float] = (0.0, 0.0)
+             ) -> dict:
     """Each rank's time through `order` (exchange_order), `stages[stream, exchange]` that
     exchange's {stage: each rank's seconds} (Newton-Schulz's as `newton_schulz` says) and, as
     GROUP, each rank's process group in it (absent: one group of every rank). An all-to-all
@@ -58,27 +63,49 @@ def in_order(order: Sequence[tuple[str, int, int]], stages: dict, ranks: int,
     collectives run one after another), and ends with its group's slowest rank's part (none is
     issued in a group where no rank moves anything); Newton-Schulz starts once its gather has
     ended, and the rows are applied once its scatter has. The step's seconds (its slowest
-    rank's) and its critical path: the gathers', Newton-Schulz's and the scatters' seconds on
-    the chain of stages that ends last, each stage waiting for the one that ended latest before
-    it."""
+    rank's, from backward's end) and its critical path: the gathers', Newton-Schulz's and the
+    scatters' seconds on the chain of stages that ends last, each stage waiting for the one
+    that ended latest before it.
+
+    The gathers of the exchanges gathering inside backward (READY) run first, in the order they
+    become ready, each once its last gradient is reduced, `backward` = (the last micro-batch's
+    backward, seconds; the share of the network Megatron-FSDP's own traffic leaves free in it):
+    at that share until backward ends, at the whole network after; only what runs after
+    backward's end is on the critical path."""
     clock, via = [0.0] * ranks, [_NONE] * ranks  # each rank's time, and the path to it
-    network = [(0.0, _NONE)] * ranks  # when each rank's last collective ended, and the path
-    ended = {}
+    # When each rank's last collective ended, and the path: before the step, when backward began.
+    network = [(-backward[0], _NONE)] * ranks
+    ended: dict = {}
+
+    def all_to_all(stage: str, s: int, k: int, inside: bool) -> None:
+        """Stage `stage` of exchange (s, k) in each group whose ranks gather it inside backward
+        (`inside`) or at the step."""
+        seconds = stages[s, k]
+        groups: dict = {}
+        for r, group in enumerate(seconds.get(GROUP) or [0] * ranks):
+            groups.setdefault(group, []).append(r)
+        ends = ended.setdefault((stage, s, k), [(0.0, _NONE)] * ranks)
+        for members in groups.values():
+            ready = (seconds.get(READY) or [None] * ranks)[members[0]]
+            if (stage == GATHER and ready is not None) != inside or not any(
+                    seconds[stage][r] for r in members):
+                continue
+            issued = (-ready * backward[0], _NONE) if inside else None
+            starts = [max(issued or (clock[r], via[r]), network[r]) for r in members]
+            end, start = max((_finish(start[0], seconds[stage][r], backward[1]), start)
+                             for r, start in zip(members, starts))
+            exposed = max(end, 0.0) - max(start[0], 0.0)
+            for r in members:
+                network[r] = ends[r] = (end, _plus(start[1], stage, exposed))
+
+    for stage, s, k in sorted((x for x in order if x[0] == GATHER),
+                              key=lambda x: -max(r or 0.0 for r in stages[x[1:]].get(READY)
+                                                 or [0.0])):
+        all_to_all(stage, s, k, inside=True)
     for stage, s, k in order:
         seconds = stages[s, k]
         if stage in (GATHER, SCATTER):
-            groups: dict = {}
-            for r, group in enumerate(seconds.get(GROUP) or [0] * ranks):
-                groups.setdefault(group, []).append(r)
-            ended[stage, s, k] = ends = [(0.0, _NONE)] * ranks
-            for members in groups.values():
-                if not any(seconds[stage][r] for r in members):
-                    continue
-                start, took = max(((max((clock[r], via[r]), network[r]), seconds[stage][r])
-                                   for r in members), key=lambda x: x[0][0] + x[1])
-                end = (start[0] + took, _plus(start[1], stage, took))
-                for r in members:
-                    network[r] = ends[r] = end
+            all_to_all(stage, s, k, inside=False)
             continue
         awaited = ended[GATHER if stage == NEWTON_SCHULZ else SCATTER, s, k]
         for r in range(ranks):
@@ -95,11 +122,22 @@ _PATH = (GATHER, NEWTON_SCHULZ, SCATTER)  # a critical path's seconds, in this o
 _NONE = (0.0, 0.0, 0.0)
 
 
+def _finish(start: float, seconds: float, free: float) -> float:
+    """When a collective of `seconds` on the whole network, started at `start` (before 0:
+    inside backward), ends: at `free` of the network until backward's end (0), at all of it
+    after."""
+    if start >= 0:
+        return start + seconds
+    inside = -start * free  # what it can move before backward ends, in whole-network seconds
+    return start + seconds / free if seconds <= inside and free else seconds - inside
+
+
 def _plus(path: tuple, stage: str, seconds: float) -> tuple:
     return tuple(t + seconds if name == stage else t for name, t in zip(_PATH, path))
 
 
-def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
+def planned_step(planned: Planned, mode: str, cost, args, ranks: int,
+                 backward: tuple[float, float] = (0.0, 0.0)) -> dict:
     """`planned`'s step in `mode`: each rank's figures over the parts it steps (the dense part
     and its expert group's: exchange_costs' TOTALS, summed), the step in order (in_order over
     exchange_order: the parts one after the other, or, where they run interleaved
@@ -107,7 +145,8 @@ def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
     where the slowest rank's time went (`path`), and the collectives and their latency of the
     dense part and of one expert group (the groups run side by side). Every expert group is
     charged as many exchanges as the one with most (its own, where it has fewer, cost
-    nothing)."""
+    nothing). Parts packed `ahead` gather their first exchanges inside `backward` (in_order)
+    in the owner mode."""
     together = planned.beside is not None and mode in JOINT_MODES
     dense = planned[0][0]
     if together:
@@ -125,14 +164,16 @@ def planned_step(planned: Planned, mode: str, cost, args, ranks: int) -> dict:
         streams.append([(costs[id(part)], lambda r, q=q: q)
                         for part, q in map(expert_of, range(ranks))])
     counts = [max(len(exchanges) for exchanges, _ in stream) for stream in streams]
-    stages = {(s, k): {key: [exchanges[k][key][to_part(r)] if k < len(exchanges) else 0
+    stages = {(s, k): {key: [exchanges[k][key][to_part(r)] if k < len(exchanges)
+                             else None if key == READY else 0
                              for r, (exchanges, to_part) in enumerate(stream)]
-                       for key in (GATHER, NEWTON_SCHULZ, SYRK, SCATTER) + TOTALS}
+                       for key in (GATHER, NEWTON_SCHULZ, SYRK, SCATTER, READY) + TOTALS}
               for s, stream in enumerate(streams) for k in range(counts[s])}
     for k in range(counts[-1] if expert_of else 0):  # dp_cp rank r: expert group r % EP's
         stages[1, k][GROUP] = [r % planned.ep for r in range(ranks)]
     order = exchange_order(counts, together)
-    path, syrk_path = (in_order(order, stages, ranks, key) for key in (NEWTON_SCHULZ, SYRK))
+    path, syrk_path = (in_order(order, stages, ranks, key, backward)
+                       for key in (NEWTON_SCHULZ, SYRK))
     collectives, latency = zip(*(collective_latency(part, mode, args.latency_us_per_rank,
                                                     args.ns_steps)
                                  for part in [dense, *experts.values()]))
@@ -187,7 +228,11 @@ def exchange_costs(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int =
     all-reduces' between nodes too: plan.ring_bytes of each Gram matrix, `gram_bytes` an
     element, each way, over the nodes its team is on: part.nodes, else one a rank), and the
     network's seconds (the all-reduces' inside nodes at theirs: plan.tiered_seconds). Every
-    mode's exchanges are the plan's (its owners as `mode` chooses)."""
+    mode's exchanges are the plan's (its owners as `mode` chooses). In the owner mode the first
+    `part.ahead` gather inside backward: their rows carry the old momentum beside the gradient
+    (Matrix.carrying_momentum), and READY is the share of backward left once the gradient of
+    their first matrix in the model's order, the last reduced (backward runs from the last
+    layer), is reduced, taking the matrices as spread evenly over backward."""
     world, matrices, bandwidth = part.world, part.matrices, cost.bytes_per_second
     if mode == "allgather":  # every rank gathers every matrix (padded shards) and runs it alone
         seconds = sum(cost.call_seconds(m, 1) for m in matrices)
@@ -199,19 +244,22 @@ def exchange_costs(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int =
                  SYRK: [syrk] * world, SCATTER: [0.0] * world, "ns_flops": [flops] * world,
                  "ns_seconds": [seconds] * world, "syrk_seconds": [syrk] * world,
                  "received": [moved] * world, "sent": [moved] * world,
-                 "network_seconds": [moved / bandwidth] * world}]
+                 "network_seconds": [moved / bandwidth] * world, READY: [None] * world}]
     owners = _owners(part, mode)
     found = []
-    for batches in part.exchanges:
+    for k, batches in enumerate(part.exchanges):
         held = [i for batch in batches for i in batch]
         ms, os = [matrices[i] for i in held], [owners[i] for i in held]
+        inside = mode == "owner" and k < part.ahead
         figures = {"ns_flops": newton_schulz_flops(ms, os, ns_steps, world),
                    "ns_seconds": newton_schulz_seconds(matrices, owners, batches, cost),
-                   "syrk_seconds": [0.0] * world, "received": [0] * world, "sent": [0] * world}
+                   "syrk_seconds": [0.0] * world, "received": [0] * world, "sent": [0] * world,
+                   READY: [min(held) / len(matrices) if inside else None] * world}
         for matrix, owner in zip(ms, os):
             figures["syrk_seconds"][owner] += cost.call_seconds(matrix, 1) * syrk_share(matrix)
         for stage, direction in ((GATHER, gather_traffic), (SCATTER, scatter_traffic)):
-            into, out = owner_traffic(ms, os, ELEMENT_BYTES, direction)
+            moved = [m.carrying_momentum() for m in ms] if inside and stage == GATHER else ms
+            into, out = owner_traffic(moved, os, ELEMENT_BYTES, direction)
             figures[stage] = [max(i, o) / bandwidth for i, o in zip(into, out)]
             figures["received"] = [a + b for a, b in zip(figures["received"], into)]
             figures["sent"] = [a + b for a, b in zip(figures["sent"], out)]

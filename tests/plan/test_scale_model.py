@@ -16,9 +16,9 @@ from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.reporting.rates_file import rates_table
 from megatron_muon.estimate.model import fsdp_rows, muon_matrices, tensor_parallel_part
 from megatron_muon.estimate.parts import Part, Planned, Rates, planned_parts
-from megatron_muon.estimate.step_time import (APPLIED, GATHER, GROUP, NEWTON_SCHULZ, SCATTER,
-                                              collective_latency, exchange_order, in_order,
-                                              planned_step, syrk_share)
+from megatron_muon.estimate.step_time import (APPLIED, GATHER, GROUP, NEWTON_SCHULZ, READY,
+                                              SCATTER, collective_latency, exchange_order,
+                                              in_order, planned_step, syrk_share)
 from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, gpt, init_parallel_state,
                                          optimizer_config)
 from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
@@ -191,6 +191,73 @@ def test_exchanges_are_charged_in_the_order_the_step_runs_them():
     apart = in_order(exchange_order([3], together=False), stages, 2)
     assert apart["seconds"] == pytest.approx(12)
     assert sum(apart[stage] for stage in (g, n, s)) == pytest.approx(12)
+
+
+def test_a_gather_inside_backward_is_charged_only_where_backward_leaves_the_network_free():
+    """--muon-gather-inside-backward: an exchange's gather starts once its last gradient is
+    reduced (READY: the share of the last micro-batch's backward left then) and runs beside
+    Megatron-FSDP's own traffic at the share of the network it leaves free until backward ends,
+    at the whole network after; only what runs after backward's end is on the critical path,
+    and the next exchange's gather waits for it. Where backward leaves nothing free, it is
+    charged as at the step."""
+    g, n, s = GATHER, NEWTON_SCHULZ, SCATTER
+    stages = {(0, 0): {g: [2, 1], n: [1.5, 1.5], s: [1, 1], READY: [0.5, 0.5]},
+              (0, 1): {g: [1, 1], n: [1, 2], s: [1, 1]}}
+    order = exchange_order([2], together=False)
+    # Backward 8 s, half the network free: ready at -4, rank 0's 2 s take 4: ends at 0, hidden.
+    # Then G2 0-1, NS1 0-1.5, S1 1.5-2.5, NS2 to 3.5 and 4.5, S2 4.5-5.5: on the path NS1,
+    # S1, rank 1's NS2 and S2.
+    assert in_order(order, stages, 2, backward=(8.0, 0.5)) == pytest.approx(
+        dict(seconds=5.5, gather=0, newton_schulz=3.5, scatter=2))
+    # A quarter free: 1 s of rank 0's 2 moves before backward's end, 1 after; G2 1-2, NS1
+    # 1-2.5, S1 2.5-3.5, NS2 to 4.5 and 5.5, S2 5.5-6.5.
+    assert in_order(order, stages, 2, backward=(8.0, 0.25)) == pytest.approx(
+        dict(seconds=6.5, gather=1, newton_schulz=3.5, scatter=2))
+    # Nothing free, or ready only at backward's end: as at the step (G1 0-2, G2 2-3, NS1
+    # 2-3.5, S1 3.5-4.5, NS2 to 5.5 and 6.5, S2 6.5-7.5).
+    at_the_step = dict(seconds=7.5, gather=2, newton_schulz=3.5, scatter=2)
+    assert in_order(order, stages, 2, backward=(8.0, 0.0)) == pytest.approx(at_the_step)
+    stages[0, 0][READY] = [0.0, 0.0]
+    assert in_order(order, stages, 2, backward=(8.0, 0.5)) == pytest.approx(at_the_step)
+    stages[0, 0][READY] = [None, None]
+    assert in_order(order, stages, 2, backward=(8.0, 0.5)) == pytest.approx(at_the_step)
+
+
+def test_the_plan_packed_for_the_gather_inside_backward_carries_momentum_beside_gradient():
+    """A part packed `ahead` (as the factory packs it under --muon-gather-inside-backward): its
+    first exchanges' gathers carry twice the columns (old momentum beside the gradient) and are
+    ready once the first of their matrices in the model's order is reduced; the rest, and every
+    exchange of the part packed as before, gather at the step with the update's columns."""
+    from megatron_muon.estimate.step_time import exchange_costs
+    from megatron_muon.plan import (Matrix, RowLayout, StepCost, gather_traffic, owner_traffic,
+                                    scatter_traffic)
+
+    cost = StepCost(lambda matrix, count: 1e-3 * count, 32 / 1e-3)
+    matrices = [Matrix(RowLayout((2, 2)), 8, batch_key=i) for i in range(6)]
+    args = SimpleNamespace(ns_steps=5, gram_bytes=2, latency_us_per_rank=0.0)
+    for ahead in (False, True):
+        part = Part(matrices, 2, cost)
+        part.pack(headroom=0, ahead=ahead)
+        step = planned_step(Planned([(part, lambda r: r)]), "owner", cost, args, 2)
+        received = [0, 0]
+        for k, (batches, costs) in enumerate(zip(part.exchanges,
+                                                  exchange_costs(part, "owner", cost, 5))):
+            held = [i for batch in batches for i in batch]
+            owners = [part.owners["owner"][i] for i in held]
+            gathered = [matrices[i].carrying_momentum() if k < part.ahead else matrices[i]
+                        for i in held]
+            for moved, direction in ((gathered, gather_traffic),
+                                     ([matrices[i] for i in held], scatter_traffic)):
+                into, _ = owner_traffic(moved, owners, 4, direction)
+                received = [a + b for a, b in zip(received, into)]
+            assert costs[READY] == [min(held) / 6 if k < part.ahead else None] * 2
+        # Each rank owns 3 matrices and holds 2 of each one's 4 rows (64 bytes plain each way).
+        # Ahead, each owns one whose whole carried matrix (256 bytes) fits its saving (384),
+        # the last two in the model's order, final first: the first exchange, which gathers its
+        # 2 rows from the other twice as wide, ready with 4/6 of backward left.
+        assert part.ahead == ahead and (not ahead or part.exchanges[0] == [[5], [4]])
+        assert received == [384 + 64 * ahead] * 2
+        assert [f["received"] for f in step["per_rank"]] == received
 
 
 def test_megatron_flags_give_the_model_megatron_builds_from_them():
