@@ -24,6 +24,7 @@ with the numbers.
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -35,6 +36,7 @@ from megatron_muon.estimate.model import (MAX_EXPERT_PARALLEL, MODELS, SEQUENCE_
 from megatron_muon.estimate.parts import (ELEMENT_BYTES, LATENCY_US_PER_RANK, Planned, Rates,
                                              measure_rates, planned_parts)
 from megatron_muon.estimate.step_time import planned_step
+from megatron_muon.planner.param_tags import is_expert_param
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # owner: ours (owners by estimated time); teams: ours with --muon-max-team-size (a matrix too
@@ -54,6 +56,11 @@ NVIDIA = dict(model="kimi-k2", world=256, tokens_per_step=2048 * 4096, muon_tflo
 # FP8 training (NVIDIA's runs above train in MXFP8) runs forward-backward about 1.5x as fast as
 # bf16 (issue 83), while Newton-Schulz stays at the rates' precision.
 FP8_SPEEDUP = 1.5
+# --muon-gather-inside-backward's window, the last micro-batch's backward: Megatron-FSDP's own
+# bytes in it an element of a rank's unsharded weights under ZeRO-3: the weights all-gathered
+# again (bf16) and the gradients reduce-scattered (bf16: DistributedDataParallelConfig's
+# grad_reduce_in_fp32 default).
+FSDP_BACKWARD_BYTES = 2 + 2
 # The memory column: bytes per element of each rank's shard at rest (Megatron-FSDP ZeRO-3 with
 # bf16 compute weights: the bf16 weight and its fp32 main weight, an fp32 gradient; Adam's two fp32
 # moments, Muon's one fp32 momentum), and the working-memory budget that keeps Muon's transient
@@ -87,11 +94,30 @@ def fwd_bwd_tflops(rates: Rates, args) -> float:
     return rates.matmul_tflops * args.fwd_bwd_efficiency * (FP8_SPEEDUP if args.fwd_bwd_fp8 else 1)
 
 
+def last_backward(spec, planned, model, rates: Rates, args,
+                  micro_batch_tokens: int) -> tuple[float, float]:
+    """Where --muon-gather-inside-backward's gathers run (step_time.in_order's `backward`): the
+    last micro-batch's backward on a rank (2/3 of the forward-backward of `micro_batch_tokens` a
+    data-parallel rank), and the share of the network Megatron-FSDP's own traffic leaves free in
+    it (FSDP_BACKWARD_BYTES an element of the rank's unsharded weights, `model`, each all-gather
+    and reduce-scatter a ring over its group: dp_cp for the dense weights, expert data
+    parallelism for the experts'), 0 where that traffic takes the whole backward."""
+    flops = (6 * planned.active + attention_flops_per_token(spec)) * micro_batch_tokens
+    seconds = 2 / 3 * flops / planned.tensor_parallel / (fwd_bwd_tflops(rates, args) * 1e12)
+    moved = 0.0
+    for name, p in model.named_parameters():
+        group = planned.ranks // planned.ep if is_expert_param(name, p) else planned.ranks
+        moved += p.numel() * FSDP_BACKWARD_BYTES * (group - 1) / group
+    return seconds, max(0.0, 1 - moved / (args.bandwidth_gbps * 1e9) / seconds)
+
+
 def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: int = 1) -> dict:
     """One model on `world` ranks, `tensor_parallel` of them a model's TP group (`model`: one TP
     rank's part, meta_model), data parallel over the rest: the plan's figures
     (estimate.figures.plan_model) and the step-time estimates of every mode against Adam's
-    step and forward-backward."""
+    step and forward-backward, and ours with --muon-gather-inside-backward (`gather_inside`:
+    planned for it, its gathers ahead in the last micro-batch's backward, last_backward, at
+    each of --micro-batch-tokens)."""
     spec = MODELS[name]
     planned = plan_model(spec, world, model, rates, args, tensor_parallel)
     parts, ranks = planned.parts, planned.ranks
@@ -120,15 +146,29 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
                   adam_step_ms=adam_step * 1e3, fwd_bwd_ms=fwd_bwd * 1e3,
                   ns_floor_ms=planned.ideal / (rates.matmul_tflops * 1e12) * 1e3,
                   memory_gb=result_memory, modes={})
-    for mode in MODES:
-        figures = mode_figures(planned, mode, args)
+    def with_overheads(figures: dict) -> dict:
         step, syrk_step, latency = (figures[key] * 1e-3 for key in ("step_ms", "syrk_step_ms",
                                                                     "latency_ms"))
-        result["modes"][mode] = dict(
+        return dict(
             figures, overhead=(step - adam_step) / (fwd_bwd + adam_step),
             overhead_with_latency=(step + latency - adam_step) / (fwd_bwd + adam_step),
             syrk_overhead=(syrk_step - adam_step) / (fwd_bwd + adam_step),
             overhead_at_nvidia_batch=(step - adam_step) / (fwd_bwd_at_nvidia + adam_step))
+
+    for mode in MODES:
+        result["modes"][mode] = with_overheads(mode_figures(planned, mode, args))
+    inside = planned_parts(planned.dense, planned.expert, ranks, planned.ep, planned.cost,
+                           ahead=True)
+    result["gather_inside"] = []
+    for micro_batch_tokens in args.micro_batch_tokens:
+        window = last_backward(spec, planned, model, rates, args, micro_batch_tokens)
+        result["gather_inside"].append(dict(
+            with_overheads(mode_figures(dataclasses.replace(planned, parts=inside), "owner",
+                                        args, window)),
+            micro_batch_tokens=micro_batch_tokens, backward_ms=window[0] * 1e3,
+            free_share=window[1],
+            exchanges_ahead=sum(part.ahead for part in inside.representative()),
+            exchanges=sum(len(part.exchanges) for part in inside.representative())))
     result["variants"] = {
         variant: variant_figures(parts if variant == "muon" else planned_parts(
             with_second_moment(planned.dense, variant),
@@ -298,6 +338,20 @@ def assumptions(rates: Rates, args) -> list[str]:
         "overhead = (Muon step - Adam step) / (forward-backward + Adam step): the extra time of "
         "a training step, as NVIDIA's figure (1051 / 1029 model TFLOP/s - 1 = 2.1%); "
         f"'@NVIDIA batch' at its benchmark's {NVIDIA['tokens_per_step'] / 1e6:.1f}M tokens",
+        "--muon-gather-inside-backward ('gather_inside'): ours planned for it (the batches "
+        "whose owners' held matrices, old momentum beside gradient, fit what Muon's state saves "
+        "them, taken in the order their gradients become final, first, in exchanges of their "
+        "own); each such exchange's gather carries twice the "
+        "update's columns and starts once the last of its matrices' gradients is reduced in the "
+        "last micro-batch's backward (its matrices taken as spread evenly over it in the "
+        "model's order, backward running from the last layer): 2/3 of the forward-backward of "
+        + " or ".join(map(str, args.micro_batch_tokens))
+        + " tokens a data-parallel rank (--micro-batch-tokens), beside "
+        f"Megatron-FSDP's own ZeRO-3 traffic there ({FSDP_BACKWARD_BYTES} bytes an element of "
+        "a rank's unsharded weights: the weights all-gathered again and the gradients "
+        "reduce-scattered, bf16, each a ring over its group), at the share of the network that "
+        "traffic leaves free, the whole network after backward's end; only what runs after "
+        "backward's end is on the step; its scatter and the other exchanges as at the step",
         "SYRK: our step with --muon-use-syrk (emerging-optimizers' Triton kernel): each matrix "
         "in its own call (the kernel takes no batch), at the plain call's measured rate on the "
         "FLOPs it keeps ((3m^2 n + m^3) / (4m^2 n + 2m^3) of them: X X^T and A A at half); the "
@@ -372,6 +426,28 @@ def print_beside_nvidia(results, rates: Rates):
               f"{ours['overhead_at_nvidia_batch']:.2%} at NVIDIA's batch, with SYRK "
               f"{ours['syrk_overhead']:.2%}; the layer-wise placement of whole matrices "
               f"{layer_wise['overhead']:.2%} / {layer_wise['overhead_at_nvidia_batch']:.2%}")
+
+
+def print_gather_inside(results):
+    print("\nOurs with --muon-gather-inside-backward beside ours (owner mode): its gathers in the "
+          "last micro-batch's backward, beside Megatron-FSDP's ZeRO-3 traffic; G / NS / S: the "
+          "gathers', Newton-Schulz's and the scatters' ms on the critical path after backward:")
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("TP", 3, ">"), ("ahead", 7, ">"),
+               ("mb tokens", 10, ">"), ("bwd ms", 8, ">"), ("free", 6, ">"),
+               ("G / NS / S ms", 22, ">"), ("step ms", 8, ">"), ("owner step", 11, ">"),
+               ("overhead", 9, ">"), ("owner", 7, ">")]
+    print(_line([name for name, _, _ in columns], columns))
+    for r in results:
+        ours = r["modes"]["owner"]
+        for inside in r["gather_inside"]:
+            path = " / ".join(f"{inside[f'path_{stage}_ms']:.1f}"
+                              for stage in ("gather", "newton_schulz", "scatter"))
+            print(_line([r["model"], r["world"], r["tensor_parallel"],
+                         f"{inside['exchanges_ahead']}/{inside['exchanges']}",
+                         inside["micro_batch_tokens"], f"{inside['backward_ms']:.0f}",
+                         f"{inside['free_share']:.0%}", path, f"{inside['step_ms']:.1f}",
+                         f"{ours['step_ms']:.1f}", f"{inside['overhead']:.2%}",
+                         f"{ours['overhead']:.2%}"], columns))
 
 
 def print_variants_table(results):
@@ -485,6 +561,11 @@ def command_line() -> argparse.ArgumentParser:
     rate.add_argument("--fwd-bwd-tflops", type=float, default=None,
                       help="forward-backward's model TFLOP/s a rank, in place of the matmul rate "
                       "x --fwd-bwd-efficiency")
+    parser.add_argument("--micro-batch-tokens", type=int, nargs="+",
+                        default=[SEQUENCE_LENGTH, 4 * SEQUENCE_LENGTH],
+                        help="tokens a data-parallel rank's micro-batch (--micro-batch-size x "
+                        "--seq-length), each estimated: the last one's backward is where "
+                        "--muon-gather-inside-backward's gathers run")
     parser.add_argument("--ns-steps", type=int, default=5)
     parser.add_argument("--muon-tp-mode", choices=TP_MODES, default=OptimizerConfig.muon_tp_mode,
                         help="as Megatron's flag (default: the installed megatron-core's)")
@@ -530,6 +611,7 @@ def main():
     notes = assumptions(rates, args)
     print_table(results, notes)
     print_beside_nvidia(results, rates)
+    print_gather_inside(results)
     print_variants_table(results)
     print_memory_table(results)
     RESULTS.mkdir(exist_ok=True)

@@ -68,6 +68,37 @@ def headline(results: list[dict]) -> str:
                    "layer-wise: step ms, overhead, at 8.4M"], rows, "lrrrrrrrrrrr")
 
 
+def gather_inside(results: list[dict]) -> str:
+    """The headline rows with --muon-gather-inside-backward beside ours without it: the
+    critical path after backward split into gathers, Newton-Schulz and scatters, the step, and
+    the overhead at the model's own batch and at NVIDIA's, at each micro-batch of the run (the
+    last one's backward is where its gathers run, beside Megatron-FSDP's own traffic), with the
+    Newton-Schulz floor."""
+    def path(mode: dict) -> str:
+        return " / ".join(_ms(mode[f"path_{stage}_ms"])
+                          for stage in ("gather", "newton_schulz", "scatter"))
+
+    def step(mode: dict) -> str:
+        return (f"{_ms(mode['step_ms'])}, {mode['overhead_with_latency']:.2%}, "
+                f"{mode['overhead_at_nvidia_batch']:.1%}")
+
+    rows = []
+    for r in _rows(results, HEADLINE):
+        ours = r["modes"]["owner"]
+        rows.append([NAMES[r["model"]], str(r["world"]), str(r["tensor_parallel"]),
+                     _ms(r["ns_floor_ms"]), "at the step", "", path(ours), step(ours)])
+        for inside in r["gather_inside"]:
+            rows.append(["", "", "", "",
+                         f"{inside['micro_batch_tokens'] / 1024:g}K tokens: "
+                         f"{inside['exchanges_ahead']} of {inside['exchanges']} exchanges",
+                         f"{_ms(inside['backward_ms'])} ms, {inside['free_share']:.0%} free",
+                         path(inside), step(inside)])
+    return _table(["model", "W", "TP", "NS floor ms", "gather: micro-batch, ahead",
+                   "last micro-batch's backward, network free",
+                   "gather / NS / scatter on the path, ms",
+                   "step ms, overhead, at NVIDIA's 8.4M"], rows, "lrrrlrrr")
+
+
 def modes(results: list[dict]) -> str:
     """Every row of the run: each mode's overhead with latency, the owners' busiest / ideal."""
     names = ("owner", "teams", "owner-by-bytes", "whole-matrix-per-rank", "allgather")
@@ -125,7 +156,8 @@ def offload(results: list[dict]) -> str:
                   rows, "lrrrrrrrr")
 
 
-TABLES = {"headline": headline, "modes": modes, "variants": variants, "memory": memory,
+TABLES = {"headline": headline, "gather inside": gather_inside, "modes": modes,
+          "variants": variants, "memory": memory,
           "offload": offload}
 
 
