@@ -1,5 +1,6 @@
 """Each rank's peak memory in a whole train step (forward, backward, gradient sync, optimizer step),
-split into what holds it: ours (Muon on Megatron-FSDP's ZeRO-3, ZeRO-2, ZeRO-1; --optimizer
+split into what holds it: ours (Muon on Megatron-FSDP's ZeRO-3, ZeRO-2, ZeRO-1, each also with
+--muon-gather-inside-backward; --optimizer
 adaptive_muon's AdaMuon and NorMuon on ZeRO-3), Adam on each of those layouts (megatron-core's
 optimizer), and megatron-core's Muon on Megatron DDP and its layer-wise distributed optimizer
 (dense models).
@@ -44,12 +45,15 @@ MIB = 1 << 20
 # --optimizer adaptive_muon's variants, ours on ZeRO-3: AdaMuon keeps a second moment as large as
 # Adam's exp_avg_sq beside its momentum, NorMuon a few columns per row.
 ADAPTIVE = {"adamuon": "adaptive_muon", "normuon": "adaptive_muon"}
+# Ours with --muon-gather-inside-backward, on every layout: its owners hold the matrices gathered
+# ahead (old momentum and gradient rows, whole) from the grad sync to the step.
+INSIDE = "muon-inside"
 
 
 def runs(parallel) -> list[tuple[str, str]]:
     """(optimizer, layout) pairs measured: ours and Adam on every Megatron-FSDP layout, the
     adaptive variants on ZeRO-3, and megatron-core's Muon modes on the dense models."""
-    pairs = [(optimizer, layout) for layout in LAYOUTS for optimizer in ("muon", "adam")]
+    pairs = [(optimizer, layout) for layout in LAYOUTS for optimizer in ("muon", INSIDE, "adam")]
     pairs += [(variant, "ZeRO-3") for variant in ADAPTIVE]
     if not parallel:
         pairs += [("muon", mode) for mode in MEGATRON_CORE_MODES]
@@ -66,9 +70,10 @@ def built(shape, parallel, optimizer, layout, budget):
     model = fsdp_gpt(shape, strategy=LAYOUTS[layout], num_experts=parallel.get("num_experts"),
                      **parallel.get("model", {}))
     variant = ({"adaptive_muon_moment2_method": optimizer} if optimizer in ADAPTIVE else {})
-    config = optimizer_config(ADAPTIVE.get(optimizer, optimizer),
+    config = optimizer_config(ADAPTIVE.get(optimizer, "muon" if optimizer == INSIDE else optimizer),
                               muon_fp32_matmul_prec=NEWTON_SCHULZ_PRECISION, **variant)
-    return model, get_megatron_optimizer(config, [model], muon_max_exchange_bytes=budget)
+    return model, get_megatron_optimizer(config, [model], muon_max_exchange_bytes=budget,
+                                         muon_gather_inside_backward=optimizer == INSIDE)
 
 
 def measure(shape, parallel, budget) -> dict:
@@ -126,8 +131,10 @@ def summarize(world, per_rank) -> dict:
         saved = sum(a["at_rest"]["optimizer state"] - m["at_rest"]["optimizer state"]
                     for m, a in zip(muon, adam)) / world
         kept = (max(a["peak"] for a in adam) - max(m["peak"] for m in muon))
+        inside = max(r[f"{INSIDE} {layout}"]["peak"] for r in per_rank)
         row[layout] = dict(state_saved_bytes=saved, peak_saved_bytes=kept,
-                           peak_keeps=kept / saved if saved else None)
+                           peak_keeps=kept / saved if saved else None,
+                           inside_peak_saved_bytes=max(a["peak"] for a in adam) - inside)
     for variant in ADAPTIVE:
         row[variant] = {key: max(r[f"{name} ZeRO-3"]["at_rest"]["optimizer state"]
                                  for r in per_rank)
@@ -162,7 +169,8 @@ def print_table(results):
                 print(f"{'':9} {layout}: Muon's state saves {s['state_saved_bytes'] / MIB:.2f} MiB "
                       f"a rank against Adam's; Adam's peak minus Muon's "
                       f"{s['peak_saved_bytes'] / MIB:.2f} "
-                      f"MiB: {keeps} of it kept (W={row['world_size']}, "
+                      f"MiB: {keeps} of it kept; with the gather inside backward "
+                      f"{s['inside_peak_saved_bytes'] / MIB:.2f} MiB (W={row['world_size']}, "
                       f"{row['newton_schulz_precision']})")
 
 
