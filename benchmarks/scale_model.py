@@ -157,18 +157,17 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
 
     for mode in MODES:
         result["modes"][mode] = with_overheads(mode_figures(planned, mode, args))
-    inside = planned_parts(planned.dense, planned.expert, ranks, planned.ep, planned.cost,
-                           ahead=True)
+    inside = dataclasses.replace(planned, parts=planned_parts(
+        planned.dense, planned.expert, ranks, planned.ep, planned.cost, ahead=True))
+    packed = dict(exchanges_ahead=sum(part.ahead for part in inside.parts.representative()),
+                  exchanges=sum(len(part.exchanges) for part in inside.parts.representative()))
     result["gather_inside"] = []
     for micro_batch_tokens in args.micro_batch_tokens:
         window = last_backward(spec, planned, model, rates, args, micro_batch_tokens)
         result["gather_inside"].append(dict(
-            with_overheads(mode_figures(dataclasses.replace(planned, parts=inside), "owner",
-                                        args, window)),
+            with_overheads(mode_figures(inside, "owner", args, window)), **packed,
             micro_batch_tokens=micro_batch_tokens, backward_ms=window[0] * 1e3,
-            free_share=window[1],
-            exchanges_ahead=sum(part.ahead for part in inside.representative()),
-            exchanges=sum(len(part.exchanges) for part in inside.representative())))
+            free_share=window[1]))
     result["variants"] = {
         variant: variant_figures(parts if variant == "muon" else planned_parts(
             with_second_moment(planned.dense, variant),
