@@ -4,6 +4,7 @@ import copy
 import functools
 import importlib
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from megatron_muon.compat import upstream
 from megatron_muon.fixes import upstream_fixes
 from megatron_muon.plan import offload_figures
+from megatron_muon.plan import team_split as plan_teams
 from megatron_muon.chain.model_chunks import find_megatron_fsdp
 from megatron_muon.tools.testing import TINY, GPTShape, loss_on
 from torch.distributed.tensor import DTensor, Shard
@@ -201,6 +203,18 @@ def matrices_per_newton_schulz_call(fsdp, optimizer) -> list[int]:
 def split_params(module):
     named = list(module.named_parameters())
     return [p for _, p in named if p.dim() == 2], [p for _, p in named if p.dim() != 2]
+
+
+def teams_of_two():
+    """plan.team_sizes splitting the largest matrix a team may split in two, whatever balance
+    says (the tiny GPT's matrices are too even for a team to pay): for tests about what a team
+    does."""
+    def largest_in_two(matrices, ranks, max_team, cost=None):
+        splittable = [i for i, matrix in enumerate(matrices) if plan_teams.can_split(matrix)]
+        largest = max(splittable, default=None, key=lambda i: matrices[i].ns_flops(steps=1))
+        return [2 if i == largest else 1 for i in range(len(matrices))]
+
+    return mock.patch.object(plan_teams, "team_sizes", largest_in_two)
 
 
 def muon_param_groups(matrices):

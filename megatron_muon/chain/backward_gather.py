@@ -33,10 +33,7 @@ _active: "weakref.WeakSet[BackwardGather]" = weakref.WeakSet()
 def reasons(muon: ZeROTensorParallelMuon, fsdp_models) -> list[str]:
     """Why this Muon part gathers at the step, not inside backward (none: it may)."""
     why = {"--muon-dist-mode allgather": muon.dist_mode != "owner",
-           "an adaptive variant (its second moment)": muon.second_moment is not None,
            "--optimizer-cpu-offload": bool(muon.host_state.params),
-           "--muon-max-team-size above 1 (teams)": any(
-               m.team for plan in muon.plans for m in plan.matrices),
            "L2 weight decay (it changes the gradient)": not weight_decay_leaves_the_gradient(muon)}
     return [reason for reason, holds in why.items() if holds]
 

@@ -44,26 +44,33 @@ class GatheredAhead:
         self.replay: GradientReplay | None = None
 
     def start(self, plan: GroupPlan, k: int, gradient: Callable[[DTensor], torch.Tensor]) -> None:
-        """Exchange k of `plan` gathered now: each matrix's old momentum rows beside its gradient
-        rows to its owner. `gradient(p)`: this rank's reduced gradient shard of param p, as the
+        """Exchange k of `plan` gathered now: each matrix's old momentum rows, its gradient rows
+        and an adaptive variant's travelling second moment side by side, to its owner.
+        `gradient(p)`: this rank's reduced gradient shard of param p, as the
         step will read it."""
         routes = plan.routes_carrying_momentum[k]
         local = {}
         for i in routes.batch:
             grad = plan.rows_of(i, gradient(plan.param_of(i)))
-            local[i] = torch.cat([self._old_momentum(plan, i, grad), grad], dim=1)
+            momentum, *state = self._state_rows(plan, i)
+            local[i] = torch.cat([momentum, grad, *state], dim=1)
         received, _, work = issue_gather(routes, plan.group, local)
         for i in routes.batch:  # sent: the collective holds what it sends until it ends
             if i not in routes.owned:
                 local[i] = local[i].new_empty((0, local[i].shape[1]))
         self.started[(plan, k)] = (local, Gathered(received, None, work))
 
-    def _old_momentum(self, plan: GroupPlan, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of matrix i's momentum before this step: zeros before the first
-        step, which creates it (ZeROTensorParallelMuon.initial_state)."""
-        if "momentum_buffer" not in self.muon.state[plan.param_of(i)]:
-            return torch.zeros_like(grad)
-        return self.muon.momentum_rows(plan, i)
+    def _state_rows(self, plan: GroupPlan, i: int) -> list[torch.Tensor]:
+        """This rank's rows of matrix i's state before this step that its owner needs: the
+        momentum and, where an adaptive variant's travels (SecondMoment.moment2_travels), its
+        second moment, as the holders' update_rows read them; zeros before the first step, which
+        creates them (ZeROTensorParallelMuon.initial_state)."""
+        p = plan.param_of(i)
+        state = self.muon.state.get(p) or self.muon.initial_state(p)
+        second_moment = self.muon.second_moment
+        travels = second_moment is not None and second_moment.moment2_travels
+        return [plan.rows_of(i, state[name].to_local())
+                for name in ("momentum_buffer", "moment2_buffer")[:1 + travels]]
 
     def exchange(self, plan: GroupPlan, k: int, orthogonalize: Orthogonalize,
                  apply: Callable[[int, torch.Tensor], None]) -> Iterator[None] | None:
@@ -82,12 +89,18 @@ class GatheredAhead:
                               formed_then_orthogonalized, apply, gathered)
 
     def update(self, plan: GroupPlan, i: int, parts: torch.Tensor) -> torch.Tensor:
-        """Matrix i's update on its owner, from its whole old momentum and gradient side by side
-        (`parts`), as its holders form theirs on their rows."""
+        """Matrix i's update on its owner, from its whole old momentum, gradient and travelling
+        state side by side (`parts`), as its holders form theirs on their rows; an adaptive
+        variant's travelling columns beside it (SecondMoment.travelling), as the holders' are."""
         cols, p = plan.matrices[i].cols, plan.param_of(i)
-        momentum, grad = parts[:, :cols].contiguous(), parts[:, cols:].contiguous()
+        momentum, grad, state = (part.contiguous() for part in parts.split(
+            [cols, cols, parts.shape[1] - 2 * cols], dim=1))
         self.replay(p, grad)
-        return momentum_and_nesterov_(self.muon, grad, momentum, self.muon.group_of(p))
+        update = momentum_and_nesterov_(self.muon, grad, momentum, self.muon.group_of(p))
+        second_moment = self.muon.second_moment
+        if second_moment is None or not second_moment.moment2_travels:
+            return update
+        return torch.cat([update, second_moment.travelling(grad, state)], dim=1)
 
     def discard(self) -> None:
         """Every exchange gathered ahead dropped, its gather awaited: a skipped step, a step that

@@ -245,9 +245,11 @@ class Matrix:
 
     def carrying_momentum(self) -> "Matrix":
         """This matrix as the gather inside backward carries it: each row's old momentum beside
-        its gradient, to the owner, which forms the update (twice the update's columns there,
-        the update's back)."""
-        return replace(self, state_cols=self.state_cols + self.cols)
+        its gradient, to the owner, which forms the update, and the state that comes back (a
+        variant's travelling second moment; its raw gradient, where it sends one, is the
+        gradient already there): twice the update's columns and the returned state's there,
+        what comes back as before."""
+        return replace(self, state_cols=self.returned_state_cols + self.cols)
 
     @property
     def gather_width(self) -> int:

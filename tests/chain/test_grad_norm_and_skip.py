@@ -7,14 +7,16 @@ The gather inside backward (--muon-gather-inside-backward): exchanges whose rows
 owners as Megatron-FSDP reduces each bucket give the very weights the step gives without it, bit
 for bit, with the clip on and off, gradient accumulation, and a gradient changed after its rows
 left (reduced again, or scaled as --calculate-per-token-loss scales it: the step then gathers
-them itself), experts, TP, HSDP; the check interval passes on what the owners formed from what
+them itself), experts, TP, HSDP, the adaptive variants and teams; the check interval passes on what the owners formed from what
 they gathered ahead; a skipped step drops it."""
+
+import contextlib
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_models import GLOBAL_BATCH, full_tensor, global_batch_loss
+from fsdp_models import GLOBAL_BATCH, full_tensor, global_batch_loss, teams_of_two
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.chain.chained import FSDPMuonChainedOptimizer
 from megatron_muon.chain.model_chunks import named_main_weights
@@ -244,14 +246,23 @@ def _counting_starts(chain) -> list[int]:
     return counts
 
 
-def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, after=None):
+def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, after=None,
+           variant=None):
     torch.manual_seed(0)
     model = fsdp_gpt(strategy=strategy, overlap=overlap, num_experts=num_experts)
     # Unclipped, every step checked (--muon-check-interval 1): the check compares what the owners
     # formed from what they gathered ahead with the whole-matrix reference, or raises.
-    chain = get_megatron_optimizer(optimizer_config(clip_grad=clip), [model],
-                                   muon_owner_choice="bytes", muon_check_interval=int(not clip),
-                                   muon_gather_inside_backward=gather)
+    adaptive = dict(optimizer="adaptive_muon", adaptive_muon_moment2_method=variant)
+    config = optimizer_config(clip_grad=clip,
+                              **(adaptive if variant not in (None, "teams") else {}))
+    with teams_of_two() if variant == "teams" else contextlib.nullcontext():
+        chain = get_megatron_optimizer(config, [model], muon_owner_choice="bytes",
+                                       muon_check_interval=int(not clip),
+                                       muon_gather_inside_backward=gather,
+                                       muon_max_team_size=2 if variant == "teams" else 1)
+    if variant == "teams":
+        assert any(m.team for muon in chain.muon_optimizers for plan in muon.plans
+                   for m in plan.matrices)
     starts = _counting_starts(chain)
     for step in range(GATHER_STEPS):
         chain.zero_grad()
@@ -269,12 +280,16 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, af
     return {name: p.to_local().clone() for name, p in named_main_weights(model)}, starts[:-1]
 
 
-def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap, layout):
+def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap, layout, variant):
     init_parallel_state(**layout)
     experts = 4 if layout.get("expert_parallel") else None
-    expected, _ = _train(rank, strategy, False, clip, micro_batches, overlap, experts)
-    got, starts = _train(rank, strategy, True, clip, micro_batches, overlap, experts)
-    assert all(count > 0 for count in starts), starts  # it ran, every step
+    expected, _ = _train(rank, strategy, False, clip, micro_batches, overlap, experts,
+                         variant=variant)
+    got, starts = _train(rank, strategy, True, clip, micro_batches, overlap, experts,
+                         variant=variant)
+    # It ran, every step; but AdaMuon's state is Adam's size: nothing saved to hold rows ahead in,
+    # so its plan keeps every gather at the step.
+    assert all((count > 0) == (variant != "adamuon") for count in starts), starts
     for name, weight in expected.items():
         assert torch.equal(got[name], weight), (name, (got[name] - weight).abs().max())
     for after in (["reduced again", "scaled"] if world_size == 2 else []):
@@ -283,15 +298,21 @@ def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap, layo
         assert all(torch.equal(changed[name], w) for name, w in expected.items()), after
 
 
-@pytest.mark.parametrize("world_size, strategy, clip, micro_batches, overlap, layout", [
-    (1, "optim_grads_params", CLIP, 1, True, {}),
-    (2, "optim_grads_params", CLIP, 1, True, {}),
-    (2, "optim", 0.0, 2, False, {}),
+# `variant`: an adaptive Muon's second moment (AdaMuon's on the holders; NorMuon's travelling to
+# the owner; NAMO's with the raw gradient), or "teams": the largest matrix split over two ranks.
+@pytest.mark.parametrize("world_size, strategy, clip, micro_batches, overlap, layout, variant", [
+    (1, "optim_grads_params", CLIP, 1, True, {}, None),
+    (2, "optim_grads_params", CLIP, 1, True, {}, None),
+    (2, "optim", 0.0, 2, False, {}, None),
+    (2, "optim_grads", CLIP, 1, True, {}, "normuon"),
+    (2, "optim_grads_params", CLIP, 2, False, {}, "namo"),
+    (2, "optim_grads_params", CLIP, 1, True, {}, "adamuon"),
     # The dense part over all 4 ranks, the experts' interleaved beside it over 2.
-    (4, "optim_grads", CLIP, 2, True, dict(expert_parallel=2)),
-    (4, "optim_grads_params", CLIP, 1, False, dict(tensor_parallel=2)),
-    (4, "optim_grads_params", CLIP, 2, True, dict(replicas=2)),  # HSDP: the outer all-reduce
+    (4, "optim_grads", CLIP, 2, True, dict(expert_parallel=2), None),
+    (4, "optim_grads_params", CLIP, 1, False, dict(tensor_parallel=2), None),
+    (4, "optim_grads_params", CLIP, 2, True, dict(replicas=2), None),  # HSDP: the outer all-reduce
+    (4, "optim_grads_params", CLIP, 1, True, {}, "teams"),
 ])
 def test_the_weights_are_those_of_the_gather_at_the_step(distributed, world_size, strategy, clip,
-                                                          micro_batches, overlap, layout):
-    distributed(_same_weights, world_size, strategy, clip, micro_batches, overlap, layout)
+                                                          micro_batches, overlap, layout, variant):
+    distributed(_same_weights, world_size, strategy, clip, micro_batches, overlap, layout, variant)

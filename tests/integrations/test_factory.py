@@ -1,6 +1,6 @@
 """Phase 3: the factory on real megatron-core objects (a tiny GPT in FullyShardedDataParallel)."""
 
-from unittest import mock
+import contextlib
 
 import pytest
 import torch
@@ -9,9 +9,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_muon import FSDPMuonChainedOptimizer, ZeROTensorParallelMuon, get_megatron_optimizer
 from megatron_muon.compat import upstream
-from fsdp_models import STRATEGIES
-from megatron_muon.plan import team_members, team_sizes
-from megatron_muon.plan import team_split as plan_teams
+from fsdp_models import STRATEGIES, teams_of_two
+from megatron_muon.plan import team_members
 from megatron_muon.tools import testing
 from megatron_muon.tools.testing import (fsdp_gpt, gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
@@ -170,8 +169,8 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
     experts; `moment2_method`: --optimizer adaptive_muon against megatron-core's
     TensorParallelAdaptiveMuon (repaired); `offload_fraction`: with optimizer_cpu_offload;
     `teams`: --muon-max-team-size over all of dp_cp, the group's largest matrix split in two
-    (_largest_in_two), within the reordering bound of the reference's (the Gram's sums in
-    another order), every other matrix bit for bit. Returns whether some rank's shard of a Muon matrix is empty, and whether some matrix's
+    (fsdp_models.teams_of_two), within the reordering bound of the reference's (the Gram's sums
+    in another order), every other matrix bit for bit. Returns whether some rank's shard of a Muon matrix is empty, and whether some matrix's
     shards are uneven."""
     from megatron.core.optimizer.emerging_optimizers import (TensorParallelAdaptiveMuon,
                                                              TensorParallelMuon)
@@ -197,7 +196,7 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
                               **(adaptive if moment2_method else {}),
                               **(offload if offload_fraction is not None else {}))
     split = dict(muon_max_team_size=world_size // tensor_parallel, muon_owner_choice="bytes")
-    with mock.patch.object(plan_teams, "team_sizes", _largest_in_two if teams else team_sizes):
+    with teams_of_two() if teams else contextlib.nullcontext():
         optimizer = get_megatron_optimizer(config, [model], muon_dist_mode=dist_mode,
                                            **(split if teams else {}))
     if flagship:
@@ -282,15 +281,6 @@ def _muon_and_scalar_split_as_megatron_cores(model, optimizer, settings, experts
     assert ours == theirs, (ours ^ theirs)
     assert any("linear_kv_up_proj" in name for name in ours), ours
     assert any("shared_experts" in name for name in ours), ours
-
-
-def _largest_in_two(matrices, ranks, max_team, cost=None):
-    """plan.team_sizes splitting the largest matrix a team may split in two, whatever balance
-    says (the tiny GPT's matrices are too even for a team to pay): this test is about what a
-    team does."""
-    splittable = [i for i, matrix in enumerate(matrices) if plan_teams.can_split(matrix)]
-    largest = max(splittable, default=None, key=lambda i: matrices[i].ns_flops(steps=1))
-    return [2 if i == largest else 1 for i in range(len(matrices))]
 
 
 def _on_some_rank(flag: bool) -> bool:
