@@ -3,6 +3,7 @@
 import copy
 import functools
 import importlib
+import weakref
 from types import SimpleNamespace
 from unittest import mock
 
@@ -154,6 +155,12 @@ def _hsdp_mesh(world_size: int):
     return mesh, upstream.flatten_mesh(mesh["dp_outer", "dp_cp"], "hsdp").get_group()
 
 
+# {id(param): (the param, weakly; (offset, rows) of each rank of its shards' group)}, from
+# megatron_fsdp's DCP chunk offsets: fixed for the param's life, so each full_tensor of it after
+# the first is one tensor all-gather.
+_CHUNKS: dict[int, tuple[weakref.ref, list[tuple[int, int]]]] = {}
+
+
 def full_tensor(t: torch.Tensor, param: DTensor) -> torch.Tensor:
     """The whole (TP-local) matrix of an uneven Shard(0)/Replicate DTensor laid out like `param`
     (TP=1 when it is sharded over several mesh dims, HFSDP): its data-parallel shards ordered by
@@ -164,10 +171,20 @@ def full_tensor(t: torch.Tensor, param: DTensor) -> torch.Tensor:
     if not shard_dims:
         return t.to_local().clone()
     group = t.device_mesh.get_group(shard_dims[0]) if len(shard_dims) == 1 else dist.group.WORLD
-    offset = gather_and_compute_chunk_metadata(param).offsets[0]
-    pieces = [None] * dist.get_world_size(group)
-    dist.all_gather_object(pieces, (offset, t.to_local().detach().clone()), group=group)
-    pieces.sort(key=lambda piece: (piece[0], -len(piece[1])))
+    local = t.to_local().detach()
+    known, chunks = _CHUNKS.get(id(param), (None, None))
+    if known is None or known() is not param:
+        chunks = [None] * dist.get_world_size(group)
+        offset = gather_and_compute_chunk_metadata(param).offsets[0]
+        dist.all_gather_object(chunks, (offset, len(local)), group=group)
+        _CHUNKS[id(param)] = (weakref.ref(param), chunks)
+    assert chunks[dist.get_rank(group)][1] == len(local), "not laid out like param"
+    padded = local.new_zeros((max(rows for _, rows in chunks), *local.shape[1:]))
+    padded[:len(local)] = local
+    gathered = [torch.empty_like(padded) for _ in chunks]
+    dist.all_gather(gathered, padded, group=group)
+    pieces = sorted(((start, whole[:rows]) for (start, rows), whole in zip(chunks, gathered)),
+                    key=lambda piece: (piece[0], -len(piece[1])))
     rows, position = [], pieces[0][0]  # offsets count TP's rows before these
     for start, piece in pieces:
         if start == position and len(piece):  # replicas repeat a shard
