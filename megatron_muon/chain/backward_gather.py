@@ -32,8 +32,9 @@ _active: "weakref.WeakSet[BackwardGather]" = weakref.WeakSet()
 
 def reasons(muon: ZeROTensorParallelMuon, fsdp_models) -> list[str]:
     """Why this Muon part gathers at the step, not inside backward (none: it may)."""
-    why = {"--muon-dist-mode allgather": muon.dist_mode != "owner",
-           "--optimizer-cpu-offload": bool(muon.host_state.params),
+    why = {"--muon-dist-mode allgather (no owners)": muon.dist_mode != "owner",
+           "--optimizer-cpu-offload (the state is in host memory: the device saves nothing "
+           "to hold gathered rows in)": bool(muon.host_state.params),
            "L2 weight decay (it changes the gradient)": not weight_decay_leaves_the_gradient(muon)}
     return [reason for reason, holds in why.items() if holds]
 
@@ -187,17 +188,25 @@ class BackwardGather:
                                                   use_decoupled_grad)
 
     def say(self) -> None:
-        """One line on rank 0: how many exchanges gather inside backward, and why a part's not."""
+        """One line a Muon part on rank 0: how many of its exchanges gather inside backward, and
+        why none where none does."""
         if dist.get_rank() != 0:
             return
         for muon, why in self.said.items():
             count = sum(1 for entry in self.exchanges if entry[0] is muon)
             total = sum(len(plan.routes) for plan in muon.plans)
-            print(f"megatron-muon: --muon-gather-inside-backward: {count} of {total} exchanges "
-                  f"gather inside backward" + (f"; none, for {', '.join(why)}" if why else
-                                               " (the rest at the step: the owners' held rows "
-                                               "stay within what Muon's state saves)"),
-                  flush=True)
+            params = "expert" if any(group.get("is_expert_parallel")
+                                     for group in muon.param_groups) else "dense"
+            if why:
+                rest = f"none, for {', '.join(why)}"
+            elif count:
+                rest = ("the rest at the step: the owners' held rows stay within what its state "
+                        "saves against Adam's")
+            else:  # AdaMuon's state is Adam's size
+                rest = "none: no owner's rows fit within what its state saves against Adam's"
+            print(f"megatron-muon: --muon-gather-inside-backward: {type(muon).__name__} "
+                  f"({params} params): {count} of {total} exchanges gather inside backward "
+                  f"({rest})", flush=True)
 
 
 def _patch_upstream() -> None:

@@ -7,10 +7,12 @@ The gather inside backward (--muon-gather-inside-backward): exchanges whose rows
 owners as Megatron-FSDP reduces each bucket give the very weights the step gives without it, bit
 for bit, with the clip on and off, gradient accumulation, and a gradient changed after its rows
 left (reduced again, or scaled as --calculate-per-token-loss scales it: the step then gathers
-them itself), experts, TP, HSDP, the adaptive variants and teams; the check interval passes on what the owners formed from what
-they gathered ahead; a skipped step drops it."""
+them itself), experts, TP, HSDP, the adaptive variants and teams; the check interval passes on
+what the owners formed from what they gathered ahead; a skipped step drops it; the start-up line
+names each Muon part and how many of its exchanges gather ahead."""
 
 import contextlib
+import io
 
 import pytest
 import torch
@@ -255,11 +257,19 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, af
     adaptive = dict(optimizer="adaptive_muon", adaptive_muon_moment2_method=variant)
     config = optimizer_config(clip_grad=clip,
                               **(adaptive if variant not in (None, "teams") else {}))
-    with teams_of_two() if variant == "teams" else contextlib.nullcontext():
+    said = io.StringIO()
+    with teams_of_two() if variant == "teams" else contextlib.nullcontext(), \
+            contextlib.redirect_stdout(said):
         chain = get_megatron_optimizer(config, [model], muon_owner_choice="bytes",
                                        muon_check_interval=int(not clip),
                                        muon_gather_inside_backward=gather,
                                        muon_max_team_size=2 if variant == "teams" else 1)
+    if gather and rank == 0:  # the start-up line, for each Muon part
+        lines = [line for line in said.getvalue().splitlines() if "inside-backward" in line]
+        assert len(lines) == 1 + bool(num_experts), lines
+        assert all(f"({part} params): " in line
+                   for line, part in zip(lines, ["dense", "expert"])), lines
+        assert ("0 of" in lines[0]) == (variant == "adamuon"), lines
     if variant == "teams":
         assert any(m.team for muon in chain.muon_optimizers for plan in muon.plans
                    for m in plan.matrices)
