@@ -22,6 +22,7 @@ from fsdp_models import GLOBAL_BATCH, full_tensor, global_batch_loss, teams_of_t
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.chain.chained import FSDPMuonChainedOptimizer
 from megatron_muon.chain.model_chunks import named_main_weights
+from megatron_muon.chain.qk_clip import take_max_attention_logit
 from megatron_muon.distribution.exchange import Traffic, observed
 from megatron_muon.reporting.step_report import step_scalars
 from megatron_muon.tools.testing import (TINY, fsdp_gpt, gpt, init_parallel_state, lm_loss,
@@ -248,15 +249,25 @@ def _counting_starts(chain) -> list[int]:
     return counts
 
 
+# A row's `variant`: (OptimizerConfig fields, TransformerConfig settings). MuonClip's threshold
+# sits among the tiny GPT's max logits (test_qk_clip.py's FIRES), so it clips some heads.
+VARIANTS = {None: ({}, {}), "teams": ({}, {}),
+            **{method: (dict(optimizer="adaptive_muon", adaptive_muon_moment2_method=method), {})
+               for method in ("namo", "adamuon")},
+            "normuon, MuonClip": (
+                dict(optimizer="adaptive_muon", adaptive_muon_moment2_method="normuon"),
+                dict(num_query_groups=2, qk_clip=True, qk_clip_threshold=0.04, qk_clip_alpha=0.5))}
+
+
 def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, after=None,
            variant=None):
     torch.manual_seed(0)
-    model = fsdp_gpt(strategy=strategy, overlap=overlap, num_experts=num_experts)
+    config_fields, model_settings = VARIANTS[variant]
+    model = fsdp_gpt(strategy=strategy, overlap=overlap, num_experts=num_experts,
+                     **model_settings)
     # Unclipped, every step checked (--muon-check-interval 1): the check compares what the owners
     # formed from what they gathered ahead with the whole-matrix reference, or raises.
-    adaptive = dict(optimizer="adaptive_muon", adaptive_muon_moment2_method=variant)
-    config = optimizer_config(clip_grad=clip,
-                              **(adaptive if variant not in (None, "teams") else {}))
+    config = optimizer_config(clip_grad=clip, **config_fields)
     said = io.StringIO()
     with teams_of_two() if variant == "teams" else contextlib.nullcontext(), \
             contextlib.redirect_stdout(said):
@@ -287,6 +298,9 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, af
             model.scale_gradients(0.5)
         chain.step()
         starts.append(0)
+        if model_settings.get("qk_clip"):  # it clipped, and the next step measures afresh
+            assert chain.max_attention_logits.largest > model_settings["qk_clip_threshold"]
+            take_max_attention_logit([model])  # as megatron.training does after the step
     return {name: p.to_local().clone() for name, p in named_main_weights(model)}, starts[:-1]
 
 
@@ -309,12 +323,13 @@ def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap, layo
 
 
 # `variant`: an adaptive Muon's second moment (AdaMuon's on the holders; NorMuon's travelling to
-# the owner; NAMO's with the raw gradient), or "teams": the largest matrix split over two ranks.
+# the owner, with MuonClip; NAMO's with the raw gradient), or "teams": the largest matrix split
+# over two ranks.
 @pytest.mark.parametrize("world_size, strategy, clip, micro_batches, overlap, layout, variant", [
     (1, "optim_grads_params", CLIP, 1, True, {}, None),
     (2, "optim_grads_params", CLIP, 1, True, {}, None),
     (2, "optim", 0.0, 2, False, {}, None),
-    (2, "optim_grads", CLIP, 1, True, {}, "normuon"),
+    (2, "optim_grads", CLIP, 1, True, {}, "normuon, MuonClip"),
     (2, "optim_grads_params", CLIP, 2, False, {}, "namo"),
     (2, "optim_grads_params", CLIP, 1, True, {}, "adamuon"),
     # The dense part over all 4 ranks, the experts' interleaved beside it over 2.
