@@ -51,9 +51,10 @@ def offloaded_state_rank(rank, world_size):
                 without=found[False], offloaded=found[True])
 
 
-def backward_gather_rank(rank, world_size):
+def backward_gather_rank(rank, world_size, moment2_method=None):
     """A GPU per rank on NCCL: a GPT on Megatron-FSDP ZeRO-3 with --overlap-grad-reduce and its
-    Muon chain, three clipped steps on the same batches with and without
+    Muon chain (--optimizer adaptive_muon with `moment2_method`: its second moment's rows read
+    on the gather's stream too), three clipped steps on the same batches with and without
     --muon-gather-inside-backward (the exchanges' rows sent from the reduce's stream as each
     bucket's reduce ends): whether every main weight is equal, bit for bit, and how many
     exchanges gathered ahead."""
@@ -71,7 +72,9 @@ def backward_gather_rank(rank, world_size):
         torch.manual_seed(0)
         model = fsdp_gpt(shape, overlap=True)
         chain = get_megatron_optimizer(
-            optimizer_config(clip_grad=0.05), [model], muon_max_exchange_bytes=1,
+            optimizer_config(clip_grad=0.05, **({} if moment2_method is None else dict(
+                optimizer="adaptive_muon", adaptive_muon_moment2_method=moment2_method))),
+            [model], muon_max_exchange_bytes=1,
             muon_owner_choice="bytes", muon_gather_inside_backward=gather)
         for step in range(3):
             chain.zero_grad()

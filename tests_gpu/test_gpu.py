@@ -167,14 +167,16 @@ def test_offloaded_state_leaves_the_gpu_between_steps_and_the_step_exact():
     assert offloaded["peak"] <= without["peak"], found
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_the_gather_inside_backward_gives_the_same_weights_on_nccl(world_size):
+@pytest.mark.parametrize("world_size, moment2_method", [(1, None), (1, "normuon"), (2, None),
+                                                         (2, "normuon")])
+def test_the_gather_inside_backward_gives_the_same_weights_on_nccl(world_size, moment2_method):
     """--muon-gather-inside-backward on CUDA streams (gpu_ranks.backward_gather_rank): every
-    weight after three clipped steps is the run's without it, bit for bit; at W=1 the streams
-    and buffers only (nothing moves), at W=2 the rows too."""
+    weight after three clipped steps is the run's without it, bit for bit, Muon's and NorMuon's
+    (its second moment travelling with the rows); at W=1 the streams and buffers only (nothing
+    moves), at W=2 the rows too."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs (NCCL refuses two ranks on one GPU)")
-    found = launcher.run_ranks(backward_gather_rank, world_size, timeout=300)[0]
+    found = launcher.run_ranks(backward_gather_rank, world_size, moment2_method, timeout=300)[0]
     print(found)
     assert found["same"] and found["ahead"] > 0, found
 
