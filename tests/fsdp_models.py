@@ -234,6 +234,13 @@ def teams_of_two():
     return mock.patch.object(plan_teams, "team_sizes", largest_in_two)
 
 
+def every_batch_that_fits_ahead():
+    """packed_plan taking ahead every batch whose owners can hold it, though packing them apart
+    adds collectives to the step (a tiny model's few exchanges: the plan would gather more at
+    the step, test_plan.py's subject): for tests about what a gather ahead computes."""
+    return mock.patch("megatron_muon.plan.owner_plan.step_collectives", lambda plan: 0)
+
+
 def muon_param_groups(matrices):
     """The matrices in two param groups whose lr, weight decay and momentum differ, as Megatron's
     per-param overrides make them: each matrix must be stepped with its own group's."""

@@ -58,6 +58,7 @@ def backward_gather_rank(rank, world_size, moment2_method=None):
     --muon-gather-inside-backward (the exchanges' rows sent from the reduce's stream as each
     bucket's reduce ends): whether every main weight is equal, bit for bit, and how many
     exchanges gathered ahead."""
+    from fsdp_models import every_batch_that_fits_ahead
     from megatron_muon import get_megatron_optimizer
     from megatron_muon.chain.model_chunks import named_main_weights
     from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, init_parallel_state, lm_loss,
@@ -71,11 +72,12 @@ def backward_gather_rank(rank, world_size, moment2_method=None):
     for gather in (False, True):
         torch.manual_seed(0)
         model = fsdp_gpt(shape, overlap=True)
-        chain = get_megatron_optimizer(
-            optimizer_config(clip_grad=0.05, **({} if moment2_method is None else dict(
-                optimizer="adaptive_muon", adaptive_muon_moment2_method=moment2_method))),
-            [model], muon_max_exchange_bytes=1,
-            muon_owner_choice="bytes", muon_gather_inside_backward=gather)
+        with every_batch_that_fits_ahead():
+            chain = get_megatron_optimizer(
+                optimizer_config(clip_grad=0.05, **({} if moment2_method is None else dict(
+                    optimizer="adaptive_muon", adaptive_muon_moment2_method=moment2_method))),
+                [model], muon_max_exchange_bytes=1,
+                muon_owner_choice="bytes", muon_gather_inside_backward=gather)
         for step in range(3):
             chain.zero_grad()
             with model.no_sync():

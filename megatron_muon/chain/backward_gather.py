@@ -200,10 +200,11 @@ class BackwardGather:
             if why:
                 rest = f"none, for {', '.join(why)}"
             elif count:
-                rest = ("the rest at the step: the owners' held rows stay within what its state "
-                        "saves against Adam's")
+                rest = ("the rest at the step: no more fit within what its state saves against "
+                        "Adam's without adding a collective to the step")
             else:  # AdaMuon's state is Adam's size
-                rest = "none: no owner's rows fit within what its state saves against Adam's"
+                rest = ("none fits within what its state saves against Adam's without adding a "
+                        "collective to the step")
             print(f"megatron-muon: --muon-gather-inside-backward: {type(muon).__name__} "
                   f"({params} params): {count} of {total} exchanges gather inside backward "
                   f"({rest})", flush=True)

@@ -59,14 +59,45 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
     beside, of another group's exchanges interleaved with these). `ahead` (the gather inside
     backward): the batches that may gather ahead (batches_ahead, within this group's saving),
     taken in the order their gradients become final (`final_first`), packed first in that
-    order, apart from the rest, into the exchanges that do, counted as they carry them
-    (Matrix.carrying_momentum: twice the update's columns gathered and assembled); the budgets
-    are of the batches in that order (what each batch needs alone depends on the starts after
-    it)."""
-    candidates = final_first(owned.batches) if ahead else []
+    order, apart from the rest, into the exchanges that do (_packed); as many of them, in that
+    order, as leave the step no more collectives than it has without any ahead (each exchange
+    one per direction, those gathered ahead only their scatter at the step): where packing
+    them apart would add an exchange at the step, its round costs what their gather saved, and
+    fewer go ahead, or none."""
+    plain = _packed(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
+                    reserved, [])
+    if not ahead:
+        return plain
+    candidates = final_first(owned.batches)
     chosen = batches_ahead(matrices, owned.owners, candidates, element_bytes,
                            state_saved(matrices, element_bytes))
     early = [batch for batch, fits in zip(candidates, chosen) if fits]
+    best, low, high = plain, 1, len(early)
+    while low <= high:  # the longest prefix found that keeps the step's collectives
+        middle = (low + high) // 2
+        plan = _packed(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
+                       reserved, early[:middle])
+        if step_collectives(plan) <= step_collectives(plain):
+            best, low = plan, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+def step_collectives(plan: OwnerPlan) -> int:
+    """The all-to-alls a plan's step issues (where rows move): each exchange's gather and
+    scatter, but the gathers issued inside backward."""
+    return 2 * len(plan.exchanges) - plan.ahead
+
+
+def _packed(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,
+            max_exchange_bytes: int | None, headroom: int | None, saved: Sequence[int] | None,
+            reserved: Sequence[int] | None, early: list[list[int]]) -> OwnerPlan:
+    """packed_plan with `early` (batches, in the order their gradients become final) packed
+    first, apart from the rest, into the exchanges that gather inside backward, counted as they
+    carry them (Matrix.carrying_momentum: twice the update's columns gathered and assembled);
+    the budgets are of the batches in that order (what each batch needs alone depends on the
+    starts after it)."""
     taken = set(map(id, early))
     late = [batch for batch in owned.batches if id(batch) not in taken]
     carried = {i for batch in early for i in batch}

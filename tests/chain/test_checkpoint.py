@@ -9,8 +9,8 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_
 from torch.distributed.tensor import DTensor
 
 from conftest import run_distributed
-from fsdp_models import (GLOBAL_BATCH, ForwardReads, full_tensor, global_batch_loss,
-                         load_checkpoint, save_checkpoint)
+from fsdp_models import (GLOBAL_BATCH, ForwardReads, every_batch_that_fits_ahead, full_tensor,
+                         global_batch_loss, load_checkpoint, save_checkpoint)
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.chain.model_chunks import find_megatron_fsdp, named_main_weights
 from megatron_muon.tools.testing import TINY, fsdp_gpt, init_parallel_state, optimizer_config
@@ -163,7 +163,10 @@ def _resume_bit_identical(rank, world_size, tmp):
     """Each case saved without --muon-gather-inside-backward resumes with it (where the case
     allows it; it saves nothing of its own) and continues as the uninterrupted run."""
     for case in CASES:
-        model, optimizer = _build(case, gather_inside_backward=True)
+        with every_batch_that_fits_ahead():
+            model, optimizer = _build(case, gather_inside_backward=True)
+        ahead = sum(plan.ahead for muon in optimizer.muon_optimizers for plan in muon.plans)
+        assert (ahead > 0) == ("allgather" not in case), (case, ahead)
         reads = ForwardReads(find_megatron_fsdp(model))
         _train(model, optimizer, [1], rank, world_size)  # state to be replaced, not kept
         _assert_preparing_a_load_changes_nothing(model, optimizer)

@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_models import GLOBAL_BATCH, full_tensor, global_batch_loss, teams_of_two
+from fsdp_models import (GLOBAL_BATCH, every_batch_that_fits_ahead, full_tensor, global_batch_loss,
+                         teams_of_two)
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.chain.chained import FSDPMuonChainedOptimizer
 from megatron_muon.chain.model_chunks import named_main_weights
@@ -270,7 +271,7 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, af
     config = optimizer_config(clip_grad=clip, **config_fields)
     said = io.StringIO()
     with teams_of_two() if variant == "teams" else contextlib.nullcontext(), \
-            contextlib.redirect_stdout(said):
+            contextlib.redirect_stdout(said), every_batch_that_fits_ahead():
         chain = get_megatron_optimizer(config, [model], muon_owner_choice="bytes",
                                        muon_check_interval=int(not clip),
                                        muon_gather_inside_backward=gather,

@@ -12,6 +12,7 @@ from megatron_muon.plan import (ExchangeMemory, Matrix, OwnedBatches, RowLayout,
                                 whole_matrix_owners, working_memory)
 from megatron_muon.plan.budget import (alone_working, batches_ahead, fewest_exchanges,
                                        rank_budgets, state_saved, step_headroom)
+from megatron_muon.plan.owner_plan import _packed, step_collectives
 
 
 def test_row_ranges_follow_rank_order_and_allow_empty_shards():
@@ -301,14 +302,16 @@ def test_packing_keeps_every_rank_within_its_budget_on_random_layouts():
 
 
 def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_saving():
-    """packed_plan with `ahead`: the batches that may gather inside backward (batches_ahead, over
-    the batches in the order their gradients become final: final_first) come first, in that
-    order, in exchanges of their own; each owner holds them whole, momentum beside gradient,
-    within what Muon's state saves it; every batch goes once and every rank's working memory,
+    """packed_plan with `ahead`: the batches that gather inside backward, the first of those that
+    may (batches_ahead, over the batches in the order their gradients become final:
+    final_first), come first, in that order, in exchanges of their own; each owner holds them
+    whole, momentum beside gradient, within what Muon's state saves it; the step issues no more
+    collectives than without any ahead (step_collectives), and where one more batch ahead would
+    keep that too, none is left out; every batch goes once and every rank's working memory,
     the batches ahead counted twice as wide where they travel, stays within its budget. Without
     `ahead` the packing is first fit over every batch, as before."""
     rng = random.Random(2)
-    some_ahead = 0
+    some_ahead = some_left = 0
     for _ in range(60):
         world = rng.choice([2, 4])
         matrices = [_matrix([rng.choice([0, 1, 3, 6]) for _ in range(world - 1)] + [1],
@@ -321,9 +324,15 @@ def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_s
         plan = packed_plan(matrices, owned, 4, None, headroom=0, ahead=True)
         candidates = final_first(owned.batches)
         chosen = batches_ahead(matrices, owned.owners, candidates, 4, state_saved(matrices, 4))
-        early = [batch for batch, ahead in zip(candidates, chosen) if ahead]
+        fitting = [batch for batch, ahead in zip(candidates, chosen) if ahead]
+        early = fitting[:len([b for exchange in plan.exchanges[:plan.ahead] for b in exchange])]
         assert sorted(b for exchange in plan.exchanges[:plan.ahead] for b in exchange) == sorted(
             early)
+        assert step_collectives(plan) <= step_collectives(plain)
+        if len(early) < len(fitting):  # one more ahead would add a collective at the step
+            more = _packed(matrices, owned, 4, None, 0, None, None, fitting[:len(early) + 1])
+            assert step_collectives(more) > step_collectives(plain)
+            some_left += 1
         # First fit opens them in that order: the latest first matrix first.
         assert [min(b) for b in early] == sorted((min(b) for b in early), reverse=True)
         opened = [early.index(exchange[0]) for exchange in plan.exchanges[:plan.ahead]]
@@ -338,7 +347,7 @@ def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_s
         memory = working_memory(counted, owned.owners, plan.exchanges, 4)
         assert all(h <= budget for h, budget in zip(memory, plan.budgets)), (memory, plan)
         some_ahead += bool(early)
-    assert some_ahead > 10
+    assert some_ahead > 10 and some_left > 0, (some_ahead, some_left)
 
 
 def test_a_matrix_too_large_for_its_owners_saving_goes_alone_on_it_beside_other_owners():
