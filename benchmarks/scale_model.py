@@ -159,8 +159,8 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
         result["modes"][mode] = with_overheads(mode_figures(planned, mode, args))
     inside = dataclasses.replace(planned, parts=planned_parts(
         planned.dense, planned.expert, ranks, planned.ep, planned.cost, ahead=True))
-    packed = dict(exchanges_ahead=sum(part.ahead for part in inside.parts.representative()),
-                  exchanges=sum(len(part.exchanges) for part in inside.parts.representative()))
+    packed = dict(exchanges_ahead=sum(part.ahead for part in inside.parts.most_ahead()),
+                  exchanges=sum(len(part.exchanges) for part in inside.parts.most_ahead()))
     result["gather_inside"] = []
     for micro_batch_tokens in args.micro_batch_tokens:
         window = last_backward(spec, planned, model, rates, args, micro_batch_tokens)

@@ -183,6 +183,14 @@ class Planned(list):
             return [self[0][0], next(iter(self.beside.values()))]
         return [part for part, _ in self]
 
+    def most_ahead(self) -> list[Part]:
+        """The dense part and the expert group gathering the most exchanges inside backward (of
+        those planned beside the dense part, else the part standing for every group): each
+        group packs its own (Part.pack), and a step waits for the slowest."""
+        if self.beside:
+            return [self[0][0], max(self.beside.values(), key=lambda part: part.ahead)]
+        return [part for part, _ in self]
+
     def owner_working(self) -> list[int]:
         """Each dp_cp rank's working memory in the owner step (Part.working of each part it
         steps): the parts' sum where they run interleaved (`beside`), else their largest."""

@@ -85,8 +85,9 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
 
 
 def step_collectives(plan: OwnerPlan) -> int:
-    """The all-to-alls a plan's step issues (where rows move): each exchange's gather and
-    scatter, but the gathers issued inside backward."""
+    """The all-to-alls a plan's step issues: each exchange's gather and scatter, but for those
+    whose gathers were issued inside backward (one a direction; an exchange moving no rows is
+    counted alike: a bound)."""
     return 2 * len(plan.exchanges) - plan.ahead
 
 

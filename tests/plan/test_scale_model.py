@@ -260,6 +260,20 @@ def test_the_plan_packed_for_the_gather_inside_backward_carries_momentum_beside_
         assert [f["received"] for f in step["per_rank"]] == received
 
 
+def test_the_table_names_the_expert_group_gathering_the_most_ahead():
+    """Each expert group beside the dense part packs its own gathers ahead; make scale's table
+    counts the dense part's and the group's gathering the most (Planned.most_ahead), not EP
+    rank 0's, which may gather none where another does."""
+    dense, first, second = (SimpleNamespace(ahead=k) for k in (1, 0, 2))
+    planned = Planned([(dense, lambda r: r)])
+    planned.beside = {0: first, 1: second}
+    assert planned.representative() == [dense, first]
+    assert planned.most_ahead() == [dense, second]
+    planned.beside = None  # apart: the part standing for every group
+    planned.append((first, lambda r: r))
+    assert planned.most_ahead() == [dense, first]
+
+
 def test_megatron_flags_give_the_model_megatron_builds_from_them():
     """The self-test's model from Megatron's flags: the defaults megatron.training's
     validate_args fills in (an FFN of 4 x hidden, 8/3 x with --swiglu as a multiple of 64; as many
