@@ -202,7 +202,7 @@ class BackwardGather:
             elif count:
                 rest = ("the rest at the step: no more fit within what its state saves against "
                         "Adam's without adding a collective to the step")
-            else:  # AdaMuon's state is Adam's size
+            else:  # AdaMuon's (its state is Adam's size), or every batch ahead adds a round
                 rest = ("none fits within what its state saves against Adam's without adding a "
                         "collective to the step")
             print(f"megatron-muon: --muon-gather-inside-backward: {type(muon).__name__} "

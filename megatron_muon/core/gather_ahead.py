@@ -67,10 +67,13 @@ class GatheredAhead:
         creates them (ZeROTensorParallelMuon.initial_state)."""
         p = plan.param_of(i)
         state = self.muon.state.get(p) or self.muon.initial_state(p)
-        second_moment = self.muon.second_moment
-        travels = second_moment is not None and second_moment.moment2_travels
         return [plan.rows_of(i, state[name].to_local())
-                for name in ("momentum_buffer", "moment2_buffer")[:1 + travels]]
+                for name in ("momentum_buffer", "moment2_buffer")[:1 + self._moment2_travels]]
+
+    @property
+    def _moment2_travels(self) -> bool:
+        second_moment = self.muon.second_moment
+        return second_moment is not None and second_moment.moment2_travels
 
     def exchange(self, plan: GroupPlan, k: int, orthogonalize: Orthogonalize,
                  apply: Callable[[int, torch.Tensor], None]) -> Iterator[None] | None:
@@ -97,10 +100,9 @@ class GatheredAhead:
             [cols, cols, parts.shape[1] - 2 * cols], dim=1))
         self.replay(p, grad)
         update = momentum_and_nesterov_(self.muon, grad, momentum, self.muon.group_of(p))
-        second_moment = self.muon.second_moment
-        if second_moment is None or not second_moment.moment2_travels:
+        if not self._moment2_travels:
             return update
-        return torch.cat([update, second_moment.travelling(grad, state)], dim=1)
+        return torch.cat([update, self.muon.second_moment.travelling(grad, state)], dim=1)
 
     def discard(self) -> None:
         """Every exchange gathered ahead dropped, its gather awaited: a skipped step, a step that

@@ -170,8 +170,8 @@ def _matches_reference_muon(rank, world_size, tensor_parallel, expert_parallel, 
     TensorParallelAdaptiveMuon (repaired); `offload_fraction`: with optimizer_cpu_offload;
     `teams`: --muon-max-team-size over all of dp_cp, the group's largest matrix split in two
     (fsdp_models.teams_of_two), within the reordering bound of the reference's (the Gram's sums
-    in another order), every other matrix bit for bit. Returns whether some rank's shard of a Muon matrix is empty, and whether some matrix's
-    shards are uneven."""
+    in another order), every other matrix bit for bit. Returns whether some rank's shard of a
+    Muon matrix is empty, and whether some matrix's shards are uneven."""
     from megatron.core.optimizer.emerging_optimizers import (TensorParallelAdaptiveMuon,
                                                              TensorParallelMuon)
 
