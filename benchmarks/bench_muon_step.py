@@ -184,6 +184,8 @@ def measure(shape, parallel, steps):
         plans = [plan for muon in built[INSIDE_MODE][1].muon_optimizers for plan in muon.plans]
         figures[INSIDE_MODE]["exchanges_ahead"] = (sum(plan.ahead for plan in plans),
                                                    sum(len(plan.routes) for plan in plans))
+        figures[INSIDE_MODE]["matrices_ahead"] = (sum(len(plan.early) for plan in plans),
+                                                  sum(len(plan.matrices) for plan in plans))
     if OFFLOAD_MODE in built:  # of its last step; the parts step one after the other
         host_states = [part.optimizer.host_state
                        for part in built[OFFLOAD_MODE][1].chained_optimizers]
@@ -325,7 +327,8 @@ def summarize(world, per_rank):
         row["gathered_inside"] = dict(
             over_owner_muon_step=paired_ratio(per_rank, INSIDE_MODE, "owner"),
             over_owner_train_step=paired_ratio(per_rank, INSIDE_MODE, "owner", "train_times_s"),
-            exchanges_ahead=per_rank[0][INSIDE_MODE]["exchanges_ahead"])
+            exchanges_ahead=per_rank[0][INSIDE_MODE]["exchanges_ahead"],
+            matrices_ahead=per_rank[0][INSIDE_MODE]["matrices_ahead"])
     row["largest_batch_bytes"] = plan["largest_batch_bytes"]
     row["owner_tradeoff"] = plan["owner_tradeoff"]
     row["newton_schulz_precision"] = NEWTON_SCHULZ_PRECISION
@@ -436,7 +439,8 @@ def print_table(results):
             if "gathered_inside" in row:
                 g = row["gathered_inside"]
                 print(f"{'':9} the gather inside backward (--muon-gather-inside-backward; "
-                      f"{g['exchanges_ahead'][0]} of {g['exchanges_ahead'][1]} exchanges ahead, "
+                      f"{g['matrices_ahead'][0]} of {g['matrices_ahead'][1]} matrices ahead, in "
+                      f"{g['exchanges_ahead'][0]} of {g['exchanges_ahead'][1]} exchanges, "
                       f"at the grad sync here): step after backward "
                       f"{_paired(g['over_owner_muon_step'])}x the owner step, train step "
                       f"{_paired(g['over_owner_train_step'])}x (gloo: nothing overlaps)")

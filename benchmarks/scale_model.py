@@ -159,8 +159,11 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
         result["modes"][mode] = with_overheads(mode_figures(planned, mode, args))
     inside = dataclasses.replace(planned, parts=planned_parts(
         planned.dense, planned.expert, ranks, planned.ep, planned.cost, ahead=True))
-    packed = dict(exchanges_ahead=sum(part.ahead for part in inside.parts.most_ahead()),
-                  exchanges=sum(len(part.exchanges) for part in inside.parts.most_ahead()))
+    most = inside.parts.most_ahead()
+    packed = dict(matrices_ahead=sum(len(part.early) for part in most),
+                  matrices=sum(len(part.matrices) for part in most),
+                  exchanges_ahead=sum(part.ahead for part in most),
+                  exchanges=sum(len(part.exchanges) for part in most))
     result["gather_inside"] = []
     for micro_batch_tokens in args.micro_batch_tokens:
         window = last_backward(spec, planned, model, rates, args, micro_batch_tokens)
@@ -431,7 +434,7 @@ def print_gather_inside(results):
     print("\nOurs with --muon-gather-inside-backward beside ours (owner mode): its gathers in the "
           "last micro-batch's backward, beside Megatron-FSDP's ZeRO-3 traffic; G / NS / S: the "
           "gathers', Newton-Schulz's and the scatters' ms on the critical path after backward:")
-    columns = [("model", 12, "<"), ("W", 5, ">"), ("TP", 3, ">"), ("ahead", 7, ">"),
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("TP", 3, ">"), ("ahead", 13, ">"),
                ("mb tokens", 10, ">"), ("bwd ms", 8, ">"), ("free", 6, ">"),
                ("G / NS / S ms", 22, ">"), ("step ms", 8, ">"), ("owner step", 11, ">"),
                ("overhead", 9, ">"), ("owner", 7, ">")]
@@ -442,6 +445,7 @@ def print_gather_inside(results):
             path = " / ".join(f"{inside[f'path_{stage}_ms']:.1f}"
                               for stage in ("gather", "newton_schulz", "scatter"))
             print(_line([r["model"], r["world"], r["tensor_parallel"],
+                         f"{inside['matrices_ahead']}/{inside['matrices']} in "
                          f"{inside['exchanges_ahead']}/{inside['exchanges']}",
                          inside["micro_batch_tokens"], f"{inside['backward_ms']:.0f}",
                          f"{inside['free_share']:.0%}", path, f"{inside['step_ms']:.1f}",

@@ -90,6 +90,7 @@ def gather_inside(results: list[dict]) -> str:
         for inside in r["gather_inside"]:
             rows.append(["", "", "", "",
                          f"{inside['micro_batch_tokens'] / 1024:g}K tokens: "
+                         f"{inside['matrices_ahead']} of {inside['matrices']} matrices, in "
                          f"{inside['exchanges_ahead']} of {inside['exchanges']} exchanges",
                          f"{_ms(inside['backward_ms'])} ms, {inside['free_share']:.0%} free",
                          path(inside), step(inside)])

@@ -235,10 +235,12 @@ def teams_of_two():
 
 
 def every_batch_that_fits_ahead():
-    """packed_plan taking ahead every batch whose owners can hold it, though packing them apart
-    adds collectives to the step (a tiny model's few exchanges: the plan would gather more at
-    the step, test_plan.py's subject): for tests about what a gather ahead computes."""
-    return mock.patch("megatron_muon.plan.owner_plan.step_collectives", lambda plan: 0)
+    """packed_plan taking ahead every batch whose owners can hold it, though carrying them
+    twice as wide adds collectives to the step (a tiny model's few exchanges: the plan would
+    gather more at the step, test_plan.py's subject): for tests about what a gather ahead
+    computes."""
+    return mock.patch("megatron_muon.plan.owner_plan.step_collectives",
+                      lambda exchanges, early=frozenset(): 0)
 
 
 def muon_param_groups(matrices):

@@ -10,7 +10,7 @@ function. A gradient reduced again after its rows left (a micro-batch outside Me
 
 Where a part cannot gather ahead the start-up log says why (`reasons`); where it can, the factory
 has its plans packed with the batches that fit within what Muon's state saves first
-(GroupPlanner.ahead; plan.packed_plan), and the log says how many exchanges gather ahead.
+(GroupPlanner.ahead; plan.packed_plan), and the log says how many matrices gather ahead.
 """
 
 import contextlib
@@ -40,8 +40,9 @@ def reasons(muon: ZeROTensorParallelMuon, fsdp_models) -> list[str]:
 
 
 class BackwardGather:
-    """For the chain: which exchanges of its Muon parts gather inside backward (each plan's
-    first `ahead`, packed so by the factory), and when each starts. `finish_grad_sync(fsdp)`
+    """For the chain: which matrices of its Muon parts gather inside backward (each plan's
+    `early`, in its first `ahead` exchanges, packed so by the factory), and when each exchange's
+    start. `finish_grad_sync(fsdp)`
     frames a chunk's grad sync (its reduces are final, and so is every gradient after it);
     `before_step()` and `after_step()` frame the chain's step."""
 
@@ -64,7 +65,7 @@ class BackwardGather:
                 muon.ahead.replay = self.replay
                 self.exchanges += [(muon, plan, k, {plan.param_of(i) for i in routes.batch})
                                    for plan in muon.plans
-                                   for k, routes in enumerate(plan.routes[:plan.ahead])]
+                                   for k, routes in enumerate(plan.routes_carrying_momentum)]
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._clips: dict[DTensor, list[tuple]] = {}
         self._syncing = False
@@ -188,26 +189,30 @@ class BackwardGather:
                                                   use_decoupled_grad)
 
     def say(self) -> None:
-        """One line a Muon part on rank 0: how many of its exchanges gather inside backward, and
-        why none where none does."""
+        """One line a Muon part on rank 0: how many of its matrices gather inside backward, in
+        how many of its exchanges, and why none where none does."""
         if dist.get_rank() != 0:
             return
         for muon, why in self.said.items():
-            count = sum(1 for entry in self.exchanges if entry[0] is muon)
-            total = sum(len(plan.routes) for plan in muon.plans)
+            early = sum(len(plan.early) for plan in muon.plans)
+            count = sum(plan.ahead for plan in muon.plans)
+            total = (sum(len(plan.matrices) for plan in muon.plans),
+                     sum(len(plan.routes) for plan in muon.plans))
             params = "expert" if any(group.get("is_expert_parallel")
                                      for group in muon.param_groups) else "dense"
             if why:
                 rest = f"none, for {', '.join(why)}"
-            elif count:
+            elif early == total[0]:
+                rest = "every one"
+            elif early:
                 rest = ("the rest at the step: no more fit within what its state saves against "
                         "Adam's without adding a collective to the step")
             else:  # AdaMuon's (its state is Adam's size), or every batch ahead adds a round
                 rest = ("none fits within what its state saves against Adam's without adding a "
                         "collective to the step")
             print(f"megatron-muon: --muon-gather-inside-backward: {type(muon).__name__} "
-                  f"({params} params): {count} of {total} exchanges gather inside backward "
-                  f"({rest})", flush=True)
+                  f"({params} params): {early} of {total[0]} matrices gather inside backward, "
+                  f"in {count} of {total[1]} exchanges ({rest})", flush=True)
 
 
 def _patch_upstream() -> None:

@@ -41,9 +41,9 @@ class FSDPMuonChainedOptimizer(CheckpointedChain):
     equal; compute weights equal`, or every rank raises naming what differs. `iteration` is
     Megatron's: every call of step, skipped steps too, continued from a checkpoint's step count.
 
-    `gather_inside_backward` (--muon-gather-inside-backward; chain.backward_gather): the Muon
-    parts' first exchanges gather during backward, as Megatron-FSDP reduces their gradients, and
-    the step forms their updates on the owners.
+    `gather_inside_backward` (--muon-gather-inside-backward; chain.backward_gather): matrices of
+    the Muon parts' first exchanges gather during backward, as Megatron-FSDP reduces their
+    gradients, and the step forms their updates on the owners.
 
     Checkpoints (chain.checkpointed): `sharded_state_dict` / `load_state_dict` in Megatron's
     `fsdp_dtensor` format, and torch's pair (the same dict). `report_interval`: chain.timed_step's (outside Megatron).

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..distribution.exchange import Gathered, issue_gather, owner_exchange
+from ..distribution.exchange import Gathered, GatheredPart, issue_gather, owner_exchange
 from ..planner.group_plan import GroupPlan
 from .muon_math import momentum_and_nesterov_
 
@@ -34,9 +34,9 @@ Orthogonalize = Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]]
 
 
 class GatheredAhead:
-    """One optimizer's exchanges whose gathers were issued before its step, by (plan, exchange
-    index): each holds the owned matrices' own rows and the gather's receive buffer until the
-    step consumes it (`exchange`) or drops it (`discard`)."""
+    """One optimizer's exchanges part of which (the plan's `early` matrices) gathered before its
+    step, by (plan, exchange index): each holds the owned matrices' own rows and the gather's
+    receive buffer until the step consumes it (`exchange`) or drops it (`discard`)."""
 
     def __init__(self, muon: "ZeROTensorParallelMuon") -> None:
         self.muon = muon
@@ -44,10 +44,10 @@ class GatheredAhead:
         self.replay: GradientReplay | None = None
 
     def start(self, plan: GroupPlan, k: int, gradient: Callable[[DTensor], torch.Tensor]) -> None:
-        """Exchange k of `plan` gathered now: each matrix's old momentum rows, its gradient rows
-        and an adaptive variant's travelling second moment side by side, to its owner.
-        `gradient(p)`: this rank's reduced gradient shard of param p, as the
-        step will read it."""
+        """The early matrices of exchange k of `plan` gathered now: each one's old momentum rows,
+        its gradient rows and an adaptive variant's travelling second moment side by side, to
+        its owner. `gradient(p)`: this rank's reduced gradient shard of param p, as the step
+        will read it."""
         routes = plan.routes_carrying_momentum[k]
         local = {}
         for i in routes.batch:
@@ -75,21 +75,34 @@ class GatheredAhead:
         second_moment = self.muon.second_moment
         return second_moment is not None and second_moment.moment2_travels
 
-    def exchange(self, plan: GroupPlan, k: int, orthogonalize: Orthogonalize,
+    def exchange(self, plan: GroupPlan, k: int, local: dict[int, torch.Tensor],
+                 orthogonalize: Orthogonalize,
                  apply: Callable[[int, torch.Tensor], None]) -> Iterator[None] | None:
-        """Exchange k's rest where its gather was issued ahead (None where not): the owners form
-        each update (`update`), then `orthogonalize` as the exchange would."""
+        """Exchange k where part of it was gathered ahead (None where not): the rest gathered
+        now (`local`: this rank's update rows of each matrix, as the exchange's), the owners
+        forming each update gathered ahead (`update`), then `orthogonalize` as the exchange
+        would, one scatter for all."""
         entry = self.started.pop((plan, k), None)
         if entry is None:
             return None
+        ahead = plan.routes_carrying_momentum[k]
 
         def formed_then_orthogonalized(owned, fulls):
+            if owned[0] not in plan.early:
+                return orthogonalize(owned, fulls)
             return orthogonalize(owned, [self.update(plan, i, full)
                                          for i, full in zip(owned, fulls)])
 
-        local, gathered = entry
-        return owner_exchange(plan.routes_carrying_momentum[k], plan.group, local,
-                              formed_then_orthogonalized, apply, gathered)
+        return owner_exchange(plan.routes[k], plan.group, local, formed_then_orthogonalized,
+                              apply, GatheredPart(ahead, *entry), plan.routes_at_step[k])
+
+    def rows_sent(self, plan: GroupPlan, k: int, i: int, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's `rows` of matrix i's update, or none where exchange k gathered it ahead:
+        its owner forms the update (the rows were computed for what computing them does to the
+        holder's momentum and weight)."""
+        if i in plan.early and (plan, k) in self.started:
+            return rows.new_empty((0, rows.shape[1]))
+        return rows
 
     def update(self, plan: GroupPlan, i: int, parts: torch.Tensor) -> torch.Tensor:
         """Matrix i's update on its owner, from its whole old momentum, gradient and travelling

@@ -262,8 +262,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             if ahead and k + 1 < len(plan.routes):
                 ahead(plan.routes[k + 1])
             with phase(UPDATE):  # where gathered ahead: the holders' momentum and weights only
-                local = {i: local_rows(i) for i in routes.batch}
-            yield (self.ahead.exchange(plan, k, orthogonalize, partial(apply, plan)) or
+                local = {i: self.ahead.rows_sent(plan, k, i, local_rows(i)) for i in routes.batch}
+            yield (self.ahead.exchange(plan, k, local, orthogonalize, partial(apply, plan)) or
                    owner_exchange(routes, plan.group, local, orthogonalize, partial(apply, plan)))
 
     def orthogonalize_whole(self, p: DTensor, full: torch.Tensor) -> torch.Tensor:

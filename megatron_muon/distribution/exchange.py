@@ -133,26 +133,42 @@ def issue_gather(routes: OwnerRoutes, group: dist.ProcessGroup | None,
             local[routes.batch[0]], group))
 
 
+class GatheredPart(NamedTuple):
+    """Part of an exchange whose gather was issued apart, before the exchange (the gather inside
+    backward): its routes, this rank's rows of each of its matrices (only the owned matrices'
+    are read, the others' may be empty) and the gather issued."""
+
+    routes: OwnerRoutes
+    local: dict[int, torch.Tensor]
+    gathered: Gathered
+
+
 def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: dict[int, torch.Tensor],
                    orthogonalize: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]],
                    apply: Callable[[int, torch.Tensor], None],
-                   gathered: Gathered | None = None) -> Iterator[None]:
+                   ahead: GatheredPart | None = None,
+                   rest: OwnerRoutes | None = None) -> Iterator[None]:
     """One exchange, as a generator that yields after issuing each of its (at most two)
     collectives, so a driver (run_overlapped) can start others before it resumes this one.
 
-    `local[i]`: this rank's rows of each matrix of the exchange (where its gather was issued
-    already, `gathered`: only the owned matrices' rows are read, the others' may be empty). The
-    owners assemble their full matrices, `orthogonalize(owned, fulls)` each owned batch, and send
-    the result rows back; finally `apply(i, rows)` for this rank's rows of every matrix (the rows
-    are views into this exchange's buffers, which are freed when the generator ends)."""
-    received, payload, work = gathered or issue_gather(routes, group, local)
-    with _held(received, payload):
+    `local[i]`: this rank's rows of each matrix of the exchange. Its gather carries them to their
+    owners; where part of it was gathered `ahead`, only the `rest` (None: nothing more) gathers
+    here. The owners assemble their full matrices, `orthogonalize(owned, fulls)` each owned
+    batch, and send the result rows back, one scatter for the whole exchange; finally `apply(i,
+    rows)` for this rank's rows of every matrix (the rows are views into this exchange's
+    buffers, which are freed when the generator ends)."""
+    parts = [ahead] if ahead else []
+    if ahead is None or rest is not None:
+        at_step = rest or routes
+        parts.append(GatheredPart(at_step, local, issue_gather(at_step, group, local)))
+    with _held(*(part.gathered.received for part in parts),
+               *(part.gathered.payload for part in parts)):
         yield
         with phase(GATHER):
-            full = _assembled(routes, local, received, work)
-    del received, payload, work  # freed before Newton-Schulz runs (the work holds its tensors)
+            full, assembled = _assembled_parts(parts)
+    del parts  # freed before Newton-Schulz runs (the work holds its tensors)
     results = {}
-    with _held(*(full[i] for i in routes.owned if full[i] is not local[i])):
+    with _held(*(full[i] for i in assembled)):
         for owned in routes.owned_batches:
             if owned:  # each batch's assembled matrices freed once it has its results
                 with phase(NEWTON_SCHULZ):
@@ -176,6 +192,17 @@ def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: 
             for i in routes.batch:
                 apply(i, rows[i] if i in rows else
                       local[i].new_empty((0, routes.matrices[i].scatter_width)))
+
+
+def _assembled_parts(parts: list[GatheredPart]) -> tuple[dict, list[int]]:
+    """The full matrices this rank owns from each part's gather, and those assembled anew (not
+    held whole already)."""
+    full, assembled = {}, []
+    for part in parts:
+        full.update(_assembled(part.routes, part.local, part.gathered.received,
+                               part.gathered.work))
+        assembled += [i for i in part.routes.owned if full[i] is not part.local[i]]
+    return full, assembled
 
 
 def _assembled(routes: OwnerRoutes, local: dict, received: torch.Tensor, work) -> dict:

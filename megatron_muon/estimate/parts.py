@@ -134,9 +134,9 @@ class Part:
         """The exchanges at the default budget with `headroom` and each rank's `saved` (None:
         its saving in this part), `reserved` taken off where this part runs interleaved with
         another (plan.packed_beside; `fits`: whether every rank holds both within its budget
-        apart), `ahead`: with the gather inside backward's batches first (its first `ahead`
-        exchanges), and, for the offloaded state, without them, as ZeROTensorParallelMuon plans
-        them then; with one rank's routes through every exchange, as it builds them at
+        apart), `ahead`: with the gather inside backward's batches first (`early`, in its
+        first `ahead` exchanges), and, for the offloaded state, without them, as
+        ZeROTensorParallelMuon plans them then; with one rank's routes through every exchange, as it builds them at
         construction."""
         start = time.perf_counter()
         if reserved is None:
@@ -146,7 +146,8 @@ class Part:
             plan, fits = packed_beside(self.matrices, self.owned, ELEMENT_BYTES, None, headroom,
                                        saved, reserved, ahead)
             self.fits = all(fits)
-        self.exchanges, self.budgets, self.ahead = plan.exchanges, plan.budgets, plan.ahead
+        self.exchanges, self.budgets = plan.exchanges, plan.budgets
+        self.ahead, self.early = plan.ahead, plan.early
         for batches in self.exchanges:
             OwnerRoutes(self.matrices, self.owned.owners, batches, 0)
         self.plan_seconds += time.perf_counter() - start

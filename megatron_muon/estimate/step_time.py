@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 from ..distribution.exchange import exchange_rounds, run_overlapped
 from ..plan import (gather_traffic, newton_schulz_flops, newton_schulz_seconds, owner_traffic,
-                    ring_bytes, scatter_traffic, team_all_reduces, tiered_seconds)
+                    ring_bytes, scatter_traffic, step_collectives, team_all_reduces,
+                    tiered_seconds)
 from .parts import ELEMENT_BYTES, Part, Planned
 
 # One exchange's stages as a rank meets them (distribution.exchange.owner_exchange): its gather
@@ -17,10 +18,11 @@ from .parts import ELEMENT_BYTES, Part, Planned
 GATHER, NEWTON_SCHULZ, SCATTER, APPLIED = "gather", "newton_schulz", "scatter", "applied"
 SYRK = "syrk"  # Newton-Schulz with the SYRK kernel, in its place
 GROUP = "group"  # each rank's process group in an exchange (in_order)
-# An exchange that gathers inside backward (--muon-gather-inside-backward, the plan's first
-# `ahead`): each rank's share of the last micro-batch's backward still to run once the last of
-# its matrices' gradients is reduced (BackwardGather starts it then); None: gathered at the step.
-READY = "ready"
+# An exchange with matrices that gather inside backward (--muon-gather-inside-backward, the
+# plan's `early`, in its first `ahead` exchanges): their gather's seconds (GATHER: the rest's, at
+# the step), and each rank's share of the last micro-batch's backward still to run once the last
+# of their gradients is reduced (BackwardGather starts it then); None: nothing gathered ahead.
+GATHER_AHEAD, READY = "gather_ahead", "ready"
 # Each rank's figures its exchanges add up (planned_step's per_rank).
 TOTALS = ("ns_flops", "ns_seconds", "syrk_seconds", "received", "sent", "network_seconds")
 # The modes whose owners a part planned beside the dense part changes (Part's `base`).
@@ -67,19 +69,20 @@ def in_order(order: Sequence[tuple[str, int, int]], stages: dict, ranks: int,
     scatters' seconds on the chain of stages that ends last, each stage waiting for the one
     that ended latest before it.
 
-    The gathers of the exchanges gathering inside backward (READY) run first, in the order they
-    become ready, each once its last gradient is reduced, `backward` = (the last micro-batch's
+    The gathers inside backward (GATHER_AHEAD, where READY) run first, in the order they become
+    ready, each once its last gradient is reduced, `backward` = (the last micro-batch's
     backward, seconds; the share of the network Megatron-FSDP's own traffic leaves free in it):
     at that share until backward ends, at the whole network after; only what runs after
-    backward's end is on the critical path."""
+    backward's end is on the critical path (as the gather's), and an exchange's Newton-Schulz
+    waits for both its gathers."""
     clock, via = [0.0] * ranks, [_NONE] * ranks  # each rank's time, and the path to it
     # When each rank's last collective ended, and the path: before the step, when backward began.
     network = [(-backward[0], _NONE)] * ranks
     ended: dict = {}
 
-    def all_to_all(stage: str, s: int, k: int, inside: bool) -> None:
-        """Stage `stage` of exchange (s, k) in each group whose ranks gather it inside backward
-        (`inside`) or at the step."""
+    def all_to_all(stage: str, s: int, k: int) -> None:
+        """Stage `stage` of exchange (s, k) in each group where a rank moves anything: inside
+        backward (GATHER_AHEAD) or at the step."""
         seconds = stages[s, k]
         groups: dict = {}
         for r, group in enumerate(seconds.get(GROUP) or [0] * ranks):
@@ -87,8 +90,9 @@ def in_order(order: Sequence[tuple[str, int, int]], stages: dict, ranks: int,
         ends = ended.setdefault((stage, s, k), [(0.0, _NONE)] * ranks)
         for members in groups.values():
             ready = (seconds.get(READY) or [None] * ranks)[members[0]]
-            if (stage == GATHER and ready is not None) != inside or not any(
-                    seconds[stage][r] for r in members):
+            inside = stage == GATHER_AHEAD
+            if inside and ready is None or not any((seconds.get(stage) or [0] * ranks)[r]
+                                                   for r in members):
                 continue
             issued = (-ready * backward[0], _NONE) if inside else None
             starts = [max(issued or (clock[r], via[r]), network[r]) for r in members]
@@ -96,21 +100,24 @@ def in_order(order: Sequence[tuple[str, int, int]], stages: dict, ranks: int,
                              for r, start in zip(members, starts))
             exposed = max(end, 0.0) - max(start[0], 0.0)
             for r in members:
-                network[r] = ends[r] = (end, _plus(start[1], stage, exposed))
+                network[r] = ends[r] = (end, _plus(start[1], GATHER if inside else stage,
+                                                   exposed))
 
-    for stage, s, k in sorted((x for x in order if x[0] == GATHER),
-                              key=lambda x: -max(r or 0.0 for r in stages[x[1:]].get(READY)
-                                                 or [0.0])):
-        all_to_all(stage, s, k, inside=True)
+    for _, s, k in sorted((x for x in order if x[0] == GATHER),
+                          key=lambda x: -max(r or 0.0 for r in stages[x[1:]].get(READY)
+                                             or [0.0])):
+        all_to_all(GATHER_AHEAD, s, k)
     for stage, s, k in order:
         seconds = stages[s, k]
         if stage in (GATHER, SCATTER):
-            all_to_all(stage, s, k, inside=False)
+            all_to_all(stage, s, k)
             continue
-        awaited = ended[GATHER if stage == NEWTON_SCHULZ else SCATTER, s, k]
+        awaited = [ended[SCATTER, s, k]] if stage == APPLIED else [
+            ended[GATHER, s, k], ended.get((GATHER_AHEAD, s, k), [(0.0, _NONE)] * ranks)]
         for r in range(ranks):
-            if awaited[r][0] > clock[r]:
-                clock[r], via[r] = awaited[r]
+            end = max((ends[r] for ends in awaited), key=lambda e: e[0])
+            if end[0] > clock[r]:
+                clock[r], via[r] = end
             if stage == NEWTON_SCHULZ:
                 clock[r] += seconds[newton_schulz][r]
                 via[r] = _plus(via[r], NEWTON_SCHULZ, seconds[newton_schulz][r])
@@ -167,7 +174,8 @@ def planned_step(planned: Planned, mode: str, cost, args, ranks: int,
     stages = {(s, k): {key: [exchanges[k][key][to_part(r)] if k < len(exchanges)
                              else None if key == READY else 0
                              for r, (exchanges, to_part) in enumerate(stream)]
-                       for key in (GATHER, NEWTON_SCHULZ, SYRK, SCATTER, READY) + TOTALS}
+                       for key in (GATHER_AHEAD, GATHER, NEWTON_SCHULZ, SYRK, SCATTER, READY)
+                       + TOTALS}
               for s, stream in enumerate(streams) for k in range(counts[s])}
     for k in range(counts[-1] if expert_of else 0):  # dp_cp rank r: expert group r % EP's
         stages[1, k][GROUP] = [r % planned.ep for r in range(ranks)]
@@ -200,12 +208,13 @@ def syrk_share(matrix) -> float:
 def collective_latency(part: Part, mode: str, us_per_rank: float,
                        ns_steps: int = 5) -> tuple[int, float]:
     """One step's collectives of `part` in `mode` and their latency, seconds: an all-gather per
-    matrix in allgather mode, else each exchange's gather and scatter all-to-alls, and the
+    matrix in allgather mode, else each exchange's gather and scatter all-to-alls (those issued
+    at the step: plan.step_collectives), and the
     all-reduces of the teams of the rank that takes the longest in them
     (plan.team_all_reduces); each costs `us_per_rank` per rank of its group."""
     if mode == "allgather":
         return len(part.matrices), len(part.matrices) * part.world * us_per_rank * 1e-6
-    count = 2 * len(part.exchanges)
+    count = step_collectives(part.exchanges, part.early if mode == "owner" else frozenset())
     teams = team_all_reduces(part.matrices, _owners(part, mode), ns_steps).values()
     slowest = max(teams, default=[], key=lambda calls: sum(size for _, size, _ in calls))
     return (count + len(slowest),
@@ -228,8 +237,9 @@ def exchange_costs(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int =
     all-reduces' between nodes too: plan.ring_bytes of each Gram matrix, `gram_bytes` an
     element, each way, over the nodes its team is on: part.nodes, else one a rank), and the
     network's seconds (the all-reduces' inside nodes at theirs: plan.tiered_seconds). Every
-    mode's exchanges are the plan's (its owners as `mode` chooses). In the owner mode the first
-    `part.ahead` gather inside backward: their rows carry the old momentum beside the gradient
+    mode's exchanges are the plan's (its owners as `mode` chooses). In the owner mode the
+    matrices in `part.early` gather inside backward (GATHER_AHEAD, the rest of their exchange
+    at the step): their rows carry the old momentum beside the gradient
     (Matrix.carrying_momentum), and READY is the share of backward left once the gradient of
     their first matrix in the model's order, the last reduced (backward runs from the last
     layer), is reduced, taking the matrices as spread evenly over backward."""
@@ -240,7 +250,8 @@ def exchange_costs(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int =
         moved = sum((m.layout.ranks - 1) * m.layout.max_rows * m.cols * ELEMENT_BYTES
                     for m in matrices if len(m.layout.rows) > 1)
         flops = sum(m.ns_flops(ns_steps) for m in matrices)
-        return [{GATHER: [moved / bandwidth] * world, NEWTON_SCHULZ: [seconds] * world,
+        return [{GATHER_AHEAD: [0.0] * world, GATHER: [moved / bandwidth] * world,
+                 NEWTON_SCHULZ: [seconds] * world,
                  SYRK: [syrk] * world, SCATTER: [0.0] * world, "ns_flops": [flops] * world,
                  "ns_seconds": [seconds] * world, "syrk_seconds": [syrk] * world,
                  "received": [moved] * world, "sent": [moved] * world,
@@ -250,16 +261,21 @@ def exchange_costs(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int =
     for k, batches in enumerate(part.exchanges):
         held = [i for batch in batches for i in batch]
         ms, os = [matrices[i] for i in held], [owners[i] for i in held]
-        inside = mode == "owner" and k < part.ahead
+        early = [i for i in held if mode == "owner" and i in part.early]
         figures = {"ns_flops": newton_schulz_flops(ms, os, ns_steps, world),
                    "ns_seconds": newton_schulz_seconds(matrices, owners, batches, cost),
                    "syrk_seconds": [0.0] * world, "received": [0] * world, "sent": [0] * world,
-                   READY: [min(held) / len(matrices) if inside else None] * world}
+                   READY: [min(early) / len(matrices) if early else None] * world}
         for matrix, owner in zip(ms, os):
             figures["syrk_seconds"][owner] += cost.call_seconds(matrix, 1) * syrk_share(matrix)
-        for stage, direction in ((GATHER, gather_traffic), (SCATTER, scatter_traffic)):
-            moved = [m.carrying_momentum() for m in ms] if inside and stage == GATHER else ms
-            into, out = owner_traffic(moved, os, ELEMENT_BYTES, direction)
+        late = [i for i in held if i not in early]
+        for stage, direction, moved in ((GATHER_AHEAD, gather_traffic, early),
+                                        (GATHER, gather_traffic, late),
+                                        (SCATTER, scatter_traffic, held)):
+            carried = [matrices[i].carrying_momentum() if stage == GATHER_AHEAD else matrices[i]
+                       for i in moved]
+            into, out = (owner_traffic(carried, [owners[i] for i in moved], ELEMENT_BYTES,
+                                       direction) if moved else ([0] * world, [0] * world))
             figures[stage] = [max(i, o) / bandwidth for i, o in zip(into, out)]
             figures["received"] = [a + b for a, b in zip(figures["received"], into)]
             figures["sent"] = [a + b for a, b in zip(figures["sent"], out)]
@@ -273,8 +289,8 @@ def exchange_costs(part: Part, mode: str, cost, ns_steps: int, gram_bytes: int =
                                                 part.nodes) for elements, k, spanned in calls)
         figures[NEWTON_SCHULZ] = [a + b for a, b in zip(figures["ns_seconds"], reducing)]
         figures[SYRK] = [a + b for a, b in zip(figures["syrk_seconds"], reducing)]
-        figures["network_seconds"] = [g + s + t for g, s, t in
-                                      zip(figures[GATHER], figures[SCATTER], reducing)]
+        figures["network_seconds"] = [a + g + s + t for a, g, s, t in zip(
+            figures[GATHER_AHEAD], figures[GATHER], figures[SCATTER], reducing)]
         found.append(figures)
     return found
 

@@ -17,7 +17,7 @@ from .layouts import (Matrix, Nodes, QKVRows, RowLayout, TeamBlock, applies_gram
                       ns_flops, orthogonalization_key, qkv_row_blocks, row_layouts, split_matrices)
 from .offload import OffloadFigures, offload_figures, offloaded
 from .owner_plan import (OwnedBatches, OwnerPlan, final_first, owned_batches, owner_plan,
-                         packed_beside, packed_plan)
+                         packed_beside, packed_plan, step_collectives)
 from .owners import (BYTE_SLACK, StepCost, TeamRule, choose_owners, choose_owners_by_time,
                      estimated_seconds, newton_schulz_seconds, rank_loads, whole_matrix_owners)
 from .team_split import (TEAM_ABOVE, TeamCost, all_reduce_seconds, block_sizes, can_split,

@@ -74,8 +74,9 @@ class ExchangeMemory:
     batch, the assembled matrices not yet orthogonalized and the results made so far (together
     at most one full matrix per owned matrix: `results`) beside a batch's call (`computing`: its
     Newton-Schulz, result included, and its batched input); the scatter's send and receive
-    buffers beside the results. Built one batch at a time (`add`); `largest`: the most any rank
-    holds."""
+    buffers beside the results. A matrix gathered inside backward (Matrix.gathered_ahead): only
+    its owner holds rows and a receive buffer (what GatheredAhead keeps), its holders sent
+    theirs. Built one batch at a time (`add`); `largest`: the most any rank holds."""
 
     def __init__(self, matrices: Sequence[Matrix], owners: Sequence[int], element_bytes: int):
         self.matrices, self.owners, self.element_bytes = matrices, owners, element_bytes
@@ -97,11 +98,13 @@ class ExchangeMemory:
             layout = matrix.layout
             for shard, rows in layout.nonempty_shards:
                 for rank in layout.holders(shard):
-                    add("local", rank, rows * matrix.gather_width * eb)
+                    if rank == owner or not matrix.gathered_ahead:
+                        add("local", rank, rows * matrix.gather_width * eb)
             for stage, traffic in (("gathered", gather_traffic(matrix, owner, eb)),
                                    ("scattered", scatter_traffic(matrix, owner, eb))):
+                sent = stage == "scattered" or not matrix.gathered_ahead
                 for rank, (into, out) in traffic.items():
-                    add(stage, rank, into + out)
+                    add(stage, rank, into + out * sent)
             if layout.held(owner) < layout.num_rows:
                 add("assembled", owner, layout.num_rows * matrix.gather_width * eb)
             add("results", owner, layout.num_rows * matrix.scatter_width * eb)
@@ -147,9 +150,8 @@ class ExchangeMemory:
 
 
 def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]],
-                     owners: Sequence[int], element_bytes: int, budgets: Sequence[int],
-                     then: Sequence[Sequence[int]] = (),
-                     after: Sequence[Sequence[Sequence[int]]] = ()) -> list[list[list[int]]]:
+                     owners: Sequence[int], element_bytes: int,
+                     budgets: Sequence[int]) -> list[list[list[int]]]:
     """Batches packed into exchanges, first fit in order: a batch joins the first exchange where
     every rank r it touches stays within `budgets[r]` with two exchanges in flight
     (working_memory's count: an exchange at its peak beside the next one started, the one
@@ -157,25 +159,18 @@ def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]
     start of any batch still to come, so that one opening an exchange after it fits. A batch
     that joins none opens the next exchange. With every budget at least alone_working's,
     every rank's working memory stays within its budget. An exchange carries all its batches'
-    rows in one collective per direction, whatever their shapes. Packed apart from others
-    (the gather inside backward's first): `then`, the batches packed after these, whose starts
-    the last of these keeps room for too; `after`, the exchanges packed before these, which
-    none joins and the first of these fits beside."""
-    alone = _alone(matrices, owners, [*batches, *then], element_bytes)
+    rows in one collective per direction, whatever their shapes."""
+    alone = _alone(matrices, owners, batches, element_bytes)
     memories: list[ExchangeMemory] = []
-    for exchange in after:
-        memories.append(ExchangeMemory(matrices, owners, element_bytes))
-        for batch in exchange:
-            memories[-1].add(batch)
     for batch, later in zip(batches, _later_starts(alone)):
-        for k in range(len(after), len(memories)):
+        for k in range(len(memories)):
             if _fits(memories, k, memories[k].added(batch), later, budgets):
                 memories[k].add(batch)
                 break
         else:
             memories.append(ExchangeMemory(matrices, owners, element_bytes))
             memories[-1].add(batch)
-    return [memory.batches for memory in memories[len(after):]]
+    return [memory.batches for memory in memories]
 
 
 def _fits(memories: Sequence[ExchangeMemory], k: int, added: dict, later: dict[int, int],

@@ -216,7 +216,8 @@ class Matrix:
     holds `moment2_cols` elements per row. Under --muon-tp-mode duplicated a tensor-parallel
     matrix is all-gathered before Newton-Schulz: `tp_gather` is (the dim its TP shards tile,
     their number), None where nothing is gathered. A block of a matrix split over a team
-    (plan/team_split.py) is a Matrix too, with its `team`."""
+    (plan/team_split.py) is a Matrix too, with its `team`. `gathered_ahead`: its gather ran
+    inside backward (carrying_momentum), so at the step its holders send nothing."""
 
     layout: RowLayout
     cols: int
@@ -227,6 +228,7 @@ class Matrix:
     moment2_cols: int = 0
     tp_gather: tuple[int, int] | None = None
     team: TeamBlock | None = None
+    gathered_ahead: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -249,7 +251,7 @@ class Matrix:
         variant's travelling second moment; its raw gradient, where it sends one, is the
         gradient already there): twice the update's columns and the returned state's there,
         what comes back as before."""
-        return replace(self, state_cols=self.returned_state_cols + self.cols)
+        return replace(self, state_cols=self.returned_state_cols + self.cols, gathered_ahead=True)
 
     @property
     def gather_width(self) -> int:

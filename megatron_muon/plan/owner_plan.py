@@ -21,13 +21,15 @@ class OwnedBatches:
 class OwnerPlan:
     """One exchange group's owner step, from shapes alone: each matrix's owner, the batches of
     same-shape matrices orthogonalized together, the exchanges (lists of batches) that carry
-    them, one collective per direction each, and each rank's working-memory budget; the first
-    `ahead` exchanges gather inside backward (packed_plan)."""
+    them, one collective per direction each, and each rank's working-memory budget; the
+    matrices in `early` gather inside backward, in the first `ahead` exchanges, beside any
+    gathered at the step (packed_plan)."""
     owners: list[int]
     batches: list[list[int]]
     exchanges: list[list[list[int]]]
     budgets: list[int]
     ahead: int = 0
+    early: frozenset[int] = frozenset()
 
 
 def owned_batches(matrices: Sequence[Matrix], element_bytes: int, byte_slack: float | None = None,
@@ -59,11 +61,12 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
     beside, of another group's exchanges interleaved with these). `ahead` (the gather inside
     backward): the batches that may gather ahead (batches_ahead, within this group's saving),
     taken in the order their gradients become final (`final_first`), packed first in that
-    order, apart from the rest, into the exchanges that do (_packed); as many of them, in that
-    order, as leave the step no more collectives than it has without any ahead (each exchange
-    one per direction, those gathered ahead only their scatter at the step): where packing
-    them apart would add an exchange at the step, its round costs what their gather saved, and
-    fewer go ahead, or none."""
+    order, the rest after them, into exchanges that may carry both (_packed): an exchange's
+    batches gathered ahead send their rows inside backward, its others at the step, and its
+    scatter carries all. As many of them, in that order, as leave the step no more collectives
+    than it has without any ahead (step_collectives): where carrying them twice as wide would
+    add an exchange at the step, its round costs what their gather saved, and fewer go ahead,
+    or none."""
     plain = _packed(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
                     reserved, [])
     if not ahead:
@@ -77,37 +80,39 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
         middle = (low + high) // 2
         plan = _packed(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
                        reserved, early[:middle])
-        if step_collectives(plan) <= step_collectives(plain):
+        if step_collectives(plan.exchanges, plan.early) <= step_collectives(plain.exchanges):
             best, low = plan, middle + 1
         else:
             high = middle - 1
     return best
 
 
-def step_collectives(plan: OwnerPlan) -> int:
-    """The all-to-alls a plan's step issues: each exchange's gather and scatter, but for those
-    whose gathers were issued inside backward (one a direction; an exchange moving no rows is
-    counted alike: a bound)."""
-    return 2 * len(plan.exchanges) - plan.ahead
+def step_collectives(exchanges: Sequence[Sequence[Sequence[int]]],
+                     early: frozenset[int] = frozenset()) -> int:
+    """The all-to-alls a plan's step issues: each exchange's scatter, and its gather where any
+    of its matrices gathers at the step, not inside backward (`early`; an exchange moving no
+    rows is counted alike: a bound)."""
+    return sum(1 + any(i not in early for batch in exchange for i in batch)
+               for exchange in exchanges)
 
 
 def _packed(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,
             max_exchange_bytes: int | None, headroom: int | None, saved: Sequence[int] | None,
             reserved: Sequence[int] | None, early: list[list[int]]) -> OwnerPlan:
     """packed_plan with `early` (batches, in the order their gradients become final) packed
-    first, apart from the rest, into the exchanges that gather inside backward, counted as they
-    carry them (Matrix.carrying_momentum: twice the update's columns gathered and assembled);
-    the budgets are of the batches in that order (what each batch needs alone depends on the
-    starts after it)."""
+    first, the rest after them, first fit, counted as they travel (Matrix.carrying_momentum:
+    twice the update's columns gathered and assembled); the budgets are of the batches in that
+    order (what each batch needs alone depends on the starts after it). The exchanges `early`
+    opens come first: the first `ahead`."""
     taken = set(map(id, early))
     late = [batch for batch in owned.batches if id(batch) not in taken]
-    carried = {i for batch in early for i in batch}
+    carried = frozenset(i for batch in early for i in batch)
     counted = [m.carrying_momentum() if i in carried else m for i, m in enumerate(matrices)]
     budgets = rank_budgets(counted, owned.owners, early + late, element_bytes,
                            max_exchange_bytes, headroom, saved, reserved)
-    first = exchange_batches(counted, early, owned.owners, element_bytes, budgets, then=late)
-    rest = exchange_batches(counted, late, owned.owners, element_bytes, budgets, after=first)
-    return OwnerPlan(owned.owners, owned.batches, first + rest, budgets, len(first))
+    exchanges = exchange_batches(counted, early + late, owned.owners, element_bytes, budgets)
+    ahead = sum(any(i in carried for batch in exchange for i in batch) for exchange in exchanges)
+    return OwnerPlan(owned.owners, owned.batches, exchanges, budgets, ahead, carried)
 
 
 def final_first(batches: Sequence[Sequence[int]]) -> list[Sequence[int]]:

@@ -30,10 +30,11 @@ class GroupPlan:
                  exchanges: list[list[list[int]]], group: dist.ProcessGroup | None,
                  budgets: list[int], cost: StepCost | None = None,
                  team_groups: dict | None = None, fits_beside: bool = True,
-                 ahead: int = 0) -> None:
+                 ahead: int = 0, early: frozenset[int] = frozenset()) -> None:
         self.params, self.matrices, self.pieces, self.owners = params, matrices, pieces, owners
         self.group, self.budgets, self.cost = group, budgets, cost
-        self.ahead = ahead  # the first exchanges, that gather inside backward (packed_plan)
+        # The matrices that gather inside backward, in the first `ahead` exchanges (packed_plan).
+        self.ahead, self.early = ahead, early
         self.fits_beside = fits_beside
         self.team_groups = team_groups or {}
         self.rank = dist.get_rank(group)
@@ -44,13 +45,23 @@ class GroupPlan:
 
     @functools.cached_property
     def routes_carrying_momentum(self) -> list[OwnerRoutes]:
-        """The routes of the exchanges that gather inside backward (the first `ahead`): the same
-        batches and owners, each row's old momentum beside its gradient
-        (Matrix.carrying_momentum)."""
+        """The routes of the first `ahead` exchanges' batches that gather inside backward: the
+        same owners, each row's old momentum beside its gradient (Matrix.carrying_momentum)."""
         matrices = [matrix.carrying_momentum() for matrix in self.matrices]
-        return [OwnerRoutes(matrices, self.owners, routes.batches, self.rank)
-                for routes in self.routes[:self.ahead]]
+        return [OwnerRoutes(matrices, self.owners, early, self.rank)
+                for early, _ in self._split_exchanges()]
 
+    @functools.cached_property
+    def routes_at_step(self) -> list[OwnerRoutes | None]:
+        """The routes of the first `ahead` exchanges' other batches, gathered at the step (None:
+        none)."""
+        return [OwnerRoutes(self.matrices, self.owners, rest, self.rank) if rest else None
+                for _, rest in self._split_exchanges()]
+
+    def _split_exchanges(self) -> list[tuple[list[list[int]], list[list[int]]]]:
+        return [([batch for batch in routes.batches if batch[0] in self.early],
+                 [batch for batch in routes.batches if batch[0] not in self.early])
+                for routes in self.routes[:self.ahead]]
 
     def bytes_received(self) -> int:
         """What this rank receives in one owner step (gather and scatter)."""
@@ -131,7 +142,8 @@ class Draft:
                       else packed_beside(*args, reserved, ahead))
         return GroupPlan(self.params, self.matrices, self.pieces, plan.owners, plan.exchanges,
                          self.group, plan.budgets, self.cost, self.team_groups,
-                         fits_beside=fits is None or fits[self.rank], ahead=plan.ahead)
+                         fits_beside=fits is None or fits[self.rank], ahead=plan.ahead,
+                         early=plan.early)
 
     def beside(self, base: list[float]) -> "Draft":
         """This draft with owners chosen again, each rank's load starting at `base` (its load in

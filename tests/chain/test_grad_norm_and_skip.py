@@ -9,7 +9,8 @@ for bit, with the clip on and off, gradient accumulation, and a gradient changed
 left (reduced again, or scaled as --calculate-per-token-loss scales it: the step then gathers
 them itself), experts, TP, HSDP, the adaptive variants and teams; the check interval passes on
 what the owners formed from what they gathered ahead; a skipped step drops it; the start-up line
-names each Muon part and how many of its exchanges gather ahead."""
+names each Muon part and how many of its matrices gather ahead; the exchange gathering ahead
+gathers its other matrices at the step, one scatter for all."""
 
 import contextlib
 import io
@@ -285,6 +286,9 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, af
     if variant == "teams":
         assert any(m.team for muon in chain.muon_optimizers for plan in muon.plans
                    for m in plan.matrices)
+    if gather and variant != "adamuon":  # an exchange gathers ahead, and the rest at the step
+        assert any(routes is not None for muon in chain.muon_optimizers for plan in muon.plans
+                   for routes in plan.routes_at_step)
     starts = _counting_starts(chain)
     for step in range(GATHER_STEPS):
         chain.zero_grad()

@@ -302,16 +302,17 @@ def test_packing_keeps_every_rank_within_its_budget_on_random_layouts():
 
 
 def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_saving():
-    """packed_plan with `ahead`: the batches that gather inside backward, the first of those that
-    may (batches_ahead, over the batches in the order their gradients become final:
-    final_first), come first, in that order, in exchanges of their own; each owner holds them
-    whole, momentum beside gradient, within what Muon's state saves it; the step issues no more
-    collectives than without any ahead (step_collectives), and where one more batch ahead would
-    keep that too, none is left out; every batch goes once and every rank's working memory,
-    the batches ahead counted twice as wide where they travel, stays within its budget. Without
-    `ahead` the packing is first fit over every batch, as before."""
+    """packed_plan with `ahead`: the batches that gather inside backward (`early`), the first of
+    those that may (batches_ahead, over the batches in the order their gradients become final:
+    final_first), come first, in that order, and the rest after them, first fit, so that an
+    exchange may carry both (its scatter all of them; its gather at the step only the rest);
+    each owner holds them whole, momentum beside gradient, within what Muon's state saves it;
+    the step issues no more collectives than without any ahead (step_collectives), and where
+    one more batch ahead would keep that too, none is left out; every batch goes once and every
+    rank's working memory, the batches ahead counted twice as wide where they travel, stays
+    within its budget. Without `ahead` the packing is first fit over every batch, as before."""
     rng = random.Random(2)
-    some_ahead = some_left = 0
+    some_ahead = some_left = some_shared = 0
     for _ in range(60):
         world = rng.choice([2, 4])
         matrices = [_matrix([rng.choice([0, 1, 3, 6]) for _ in range(world - 1)] + [1],
@@ -325,29 +326,35 @@ def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_s
         candidates = final_first(owned.batches)
         chosen = batches_ahead(matrices, owned.owners, candidates, 4, state_saved(matrices, 4))
         fitting = [batch for batch, ahead in zip(candidates, chosen) if ahead]
-        early = fitting[:len([b for exchange in plan.exchanges[:plan.ahead] for b in exchange])]
-        assert sorted(b for exchange in plan.exchanges[:plan.ahead] for b in exchange) == sorted(
-            early)
-        assert step_collectives(plan) <= step_collectives(plain)
+        early = [batch for batch in fitting if batch[0] in plan.early]
+        assert early == fitting[:len(early)]  # a prefix, in that order
+        assert plan.early == {i for batch in early for i in batch}
+        assert step_collectives(plan.exchanges, plan.early) <= step_collectives(plain.exchanges)
         if len(early) < len(fitting):  # one more ahead would add a collective at the step
             more = _packed(matrices, owned, 4, None, 0, None, None, fitting[:len(early) + 1])
-            assert step_collectives(more) > step_collectives(plain)
+            assert (step_collectives(more.exchanges, more.early)
+                    > step_collectives(plain.exchanges))
             some_left += 1
-        # First fit opens them in that order: the latest first matrix first.
+        # First fit opens them in that order, the first `ahead` exchanges; the rest may join.
         assert [min(b) for b in early] == sorted((min(b) for b in early), reverse=True)
-        opened = [early.index(exchange[0]) for exchange in plan.exchanges[:plan.ahead]]
-        assert opened == sorted(opened)
+        assert all(any(batch in early for batch in exchange)
+                   for exchange in plan.exchanges[:plan.ahead])
+        assert not any(batch in early for exchange in plan.exchanges[plan.ahead:]
+                       for batch in exchange)
+        some_shared += any(batch not in early for exchange in plan.exchanges[:plan.ahead]
+                           for batch in exchange)
         assert sorted(b for exchange in plan.exchanges for b in exchange) == sorted(owned.batches)
         held = [0] * world
-        for i in (i for batch in early for i in batch):
+        for i in plan.early:
             held[owned.owners[i]] += matrices[i].layout.num_rows * 2 * matrices[i].cols * 4
         assert all(h <= kept for h, kept in zip(held, state_saved(matrices, 4))), held
-        carried = {i for batch in early for i in batch}  # counted as they travel
-        counted = [m.carrying_momentum() if i in carried else m for i, m in enumerate(matrices)]
+        counted = [m.carrying_momentum() if i in plan.early else m  # counted as they travel
+                   for i, m in enumerate(matrices)]
         memory = working_memory(counted, owned.owners, plan.exchanges, 4)
         assert all(h <= budget for h, budget in zip(memory, plan.budgets)), (memory, plan)
         some_ahead += bool(early)
-    assert some_ahead > 10 and some_left > 0, (some_ahead, some_left)
+    assert some_ahead > 10 and some_left > 0 and some_shared > 0, (
+        some_ahead, some_left, some_shared)
 
 
 def test_a_matrix_too_large_for_its_owners_saving_goes_alone_on_it_beside_other_owners():

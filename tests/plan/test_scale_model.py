@@ -16,9 +16,9 @@ from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.reporting.rates_file import rates_table
 from megatron_muon.estimate.model import fsdp_rows, muon_matrices, tensor_parallel_part
 from megatron_muon.estimate.parts import Part, Planned, Rates, planned_parts
-from megatron_muon.estimate.step_time import (APPLIED, GATHER, GROUP, NEWTON_SCHULZ, READY,
-                                              SCATTER, collective_latency, exchange_order,
-                                              in_order, planned_step, syrk_share)
+from megatron_muon.estimate.step_time import (APPLIED, GATHER, GATHER_AHEAD, GROUP,
+                                              NEWTON_SCHULZ, READY, SCATTER, collective_latency,
+                                              exchange_order, in_order, planned_step, syrk_share)
 from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, gpt, init_parallel_state,
                                          optimizer_config)
 from megatron_muon.core.zero_muon import ZeROTensorParallelMuon
@@ -194,14 +194,15 @@ def test_exchanges_are_charged_in_the_order_the_step_runs_them():
 
 
 def test_a_gather_inside_backward_is_charged_only_where_backward_leaves_the_network_free():
-    """--muon-gather-inside-backward: an exchange's gather starts once its last gradient is
-    reduced (READY: the share of the last micro-batch's backward left then) and runs beside
-    Megatron-FSDP's own traffic at the share of the network it leaves free until backward ends,
-    at the whole network after; only what runs after backward's end is on the critical path,
-    and the next exchange's gather waits for it. Where backward leaves nothing free, it is
-    charged as at the step."""
-    g, n, s = GATHER, NEWTON_SCHULZ, SCATTER
-    stages = {(0, 0): {g: [2, 1], n: [1.5, 1.5], s: [1, 1], READY: [0.5, 0.5]},
+    """--muon-gather-inside-backward: an exchange's gather ahead (GATHER_AHEAD) starts once its
+    last gradient is reduced (READY: the share of the last micro-batch's backward left then)
+    and runs beside Megatron-FSDP's own traffic at the share of the network it leaves free
+    until backward ends, at the whole network after; only what runs after backward's end is on
+    the critical path, and the next gather waits for it. Where backward leaves nothing free, it
+    is charged as at the step. The rest of its exchange gathers at the step, and its
+    Newton-Schulz waits for both."""
+    a, g, n, s = GATHER_AHEAD, GATHER, NEWTON_SCHULZ, SCATTER
+    stages = {(0, 0): {a: [2, 1], g: [0, 0], n: [1.5, 1.5], s: [1, 1], READY: [0.5, 0.5]},
               (0, 1): {g: [1, 1], n: [1, 2], s: [1, 1]}}
     order = exchange_order([2], together=False)
     # Backward 8 s, half the network free: ready at -4, rank 0's 2 s take 4: ends at 0, hidden.
@@ -219,8 +220,14 @@ def test_a_gather_inside_backward_is_charged_only_where_backward_leaves_the_netw
     assert in_order(order, stages, 2, backward=(8.0, 0.0)) == pytest.approx(at_the_step)
     stages[0, 0][READY] = [0.0, 0.0]
     assert in_order(order, stages, 2, backward=(8.0, 0.5)) == pytest.approx(at_the_step)
-    stages[0, 0][READY] = [None, None]
+    stages[0, 0][READY] = [None, None]  # nothing ahead: the gather at the step
+    stages[0, 0][a], stages[0, 0][g] = [0, 0], [2, 1]
     assert in_order(order, stages, 2, backward=(8.0, 0.5)) == pytest.approx(at_the_step)
+    # Half ahead, hidden (ready at -4, ends at 0), the rest at the step: G1 0-1, G2 1-2, NS1
+    # 1-2.5, S1 2.5-3.5, NS2 to 4.5 and 5.5, S2 5.5-6.5.
+    stages[0, 0].update({a: [2, 1], g: [1, 1], READY: [0.5, 0.5]})
+    assert in_order(order, stages, 2, backward=(8.0, 0.5)) == pytest.approx(
+        dict(seconds=6.5, gather=1, newton_schulz=3.5, scatter=2))
 
 
 def test_the_plan_packed_for_the_gather_inside_backward_carries_momentum_beside_gradient():
@@ -244,18 +251,22 @@ def test_the_plan_packed_for_the_gather_inside_backward_carries_momentum_beside_
                                                   exchange_costs(part, "owner", cost, 5))):
             held = [i for batch in batches for i in batch]
             owners = [part.owners["owner"][i] for i in held]
-            gathered = [matrices[i].carrying_momentum() if k < part.ahead else matrices[i]
+            gathered = [matrices[i].carrying_momentum() if i in part.early else matrices[i]
                         for i in held]
             for moved, direction in ((gathered, gather_traffic),
                                      ([matrices[i] for i in held], scatter_traffic)):
                 into, _ = owner_traffic(moved, owners, 4, direction)
                 received = [a + b for a, b in zip(received, into)]
-            assert costs[READY] == [min(held) / 6 if k < part.ahead else None] * 2
+            early = [i for i in held if i in part.early]
+            assert costs[READY] == [min(early) / 6 if early else None] * 2
+            assert bool(early) == (k < part.ahead)
         # Each rank owns 3 matrices and holds 2 of each one's 4 rows (64 bytes plain each way).
         # Ahead, each owns one whose whole carried matrix (256 bytes) fits its saving (384),
-        # the last two in the model's order, final first: the first exchange, which gathers its
-        # 2 rows from the other twice as wide, ready with 4/6 of backward left.
-        assert part.ahead == ahead and (not ahead or part.exchanges[0] == [[5], [4]])
+        # the last two in the model's order, final first: they open the first exchange, which
+        # gathers their 2 rows from the other twice as wide, ready with 4/6 of backward left,
+        # and the first two in the model's order join it, gathered at the step.
+        assert part.ahead == ahead and part.early == ({4, 5} if ahead else set())
+        assert not ahead or part.exchanges[0] == [[5], [4], [0], [1]]
         assert received == [384 + 64 * ahead] * 2
         assert [f["received"] for f in step["per_rank"]] == received
 
