@@ -1,5 +1,6 @@
 """Small models wrapped by real Megatron-FSDP, and the unsharded reference they must match."""
 
+import contextlib
 import copy
 import functools
 import importlib
@@ -234,13 +235,23 @@ def teams_of_two():
     return mock.patch.object(plan_teams, "team_sizes", largest_in_two)
 
 
-def every_batch_that_fits_ahead():
+@contextlib.contextmanager
+def every_batch_that_fits_ahead(sharing: bool = True):
     """packed_plan taking ahead every batch whose owners can hold it, though carrying them
     twice as wide adds collectives to the step (a tiny model's few exchanges: the plan would
-    gather more at the step, test_plan.py's subject): for tests about what a gather ahead
-    computes."""
-    return mock.patch("megatron_muon.plan.owner_plan.step_collectives",
-                      lambda exchanges, early=frozenset(): 0)
+    gather more at the step, test_plan.py's subject), the rest joining their exchanges where
+    they fit (`sharing`: an exchange gathering some matrices ahead and others at the step) or
+    apart: for tests about what a gather ahead computes."""
+    def shares(plan) -> bool:
+        return any(batch[0] not in plan.early for exchange in plan.exchanges[:plan.ahead]
+                   for batch in exchange)
+
+    with mock.patch("megatron_muon.plan.owner_plan.step_collectives",
+                    lambda exchanges, early=frozenset(): 0), \
+            mock.patch("megatron_muon.plan.owner_plan._better",
+                       lambda plan, than, matrices: bool(plan.early) and (
+                           shares(plan) == sharing or not than.early)):
+        yield
 
 
 def muon_param_groups(matrices):

@@ -150,8 +150,8 @@ class ExchangeMemory:
 
 
 def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]],
-                     owners: Sequence[int], element_bytes: int,
-                     budgets: Sequence[int]) -> list[list[list[int]]]:
+                     owners: Sequence[int], element_bytes: int, budgets: Sequence[int],
+                     apart: int | None = None) -> list[list[list[int]]]:
     """Batches packed into exchanges, first fit in order: a batch joins the first exchange where
     every rank r it touches stays within `budgets[r]` with two exchanges in flight
     (working_memory's count: an exchange at its peak beside the next one started, the one
@@ -159,11 +159,15 @@ def exchange_batches(matrices: Sequence[Matrix], batches: Sequence[Sequence[int]
     start of any batch still to come, so that one opening an exchange after it fits. A batch
     that joins none opens the next exchange. With every budget at least alone_working's,
     every rank's working memory stays within its budget. An exchange carries all its batches'
-    rows in one collective per direction, whatever their shapes."""
+    rows in one collective per direction, whatever their shapes. `apart`: the batches from
+    this one on join none of the exchanges those before opened (the gather inside backward's,
+    packed apart)."""
     alone = _alone(matrices, owners, batches, element_bytes)
     memories: list[ExchangeMemory] = []
-    for batch, later in zip(batches, _later_starts(alone)):
-        for k in range(len(memories)):
+    opened = 0  # the first exchange the next batch may join
+    for j, (batch, later) in enumerate(zip(batches, _later_starts(alone))):
+        opened = len(memories) if j == apart else opened
+        for k in range(opened, len(memories)):
             if _fits(memories, k, memories[k].added(batch), later, budgets):
                 memories[k].add(batch)
                 break

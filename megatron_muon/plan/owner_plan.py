@@ -61,30 +61,44 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
     beside, of another group's exchanges interleaved with these). `ahead` (the gather inside
     backward): the batches that may gather ahead (batches_ahead, within this group's saving),
     taken in the order their gradients become final (`final_first`), packed first in that
-    order, the rest after them, into exchanges that may carry both (_packed): an exchange's
-    batches gathered ahead send their rows inside backward, its others at the step, and its
-    scatter carries all. As many of them, in that order, as leave the step no more collectives
-    than it has without any ahead (step_collectives): where carrying them twice as wide would
-    add an exchange at the step, its round costs what their gather saved, and fewer go ahead,
-    or none."""
+    order, the rest after them (_packed): either joining their exchanges where they fit (an
+    exchange's batches gathered ahead send their rows inside backward, its others at the step,
+    and its scatter carries all), or apart, in exchanges of their own (an exchange wholly
+    gathered ahead issues no gather at the step). Each way, as many of them, in that order, as
+    leave the step no more collectives than it has without any ahead (step_collectives): where
+    carrying them twice as wide adds an exchange at the step, its round costs what their gather
+    saved, and fewer go ahead, or none. Of the two, the one whose step issues fewer
+    collectives, then the one gathering more elements ahead (`_better`)."""
     plain = _packed(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
-                    reserved, [])
+                    reserved, [], apart=False)
     if not ahead:
         return plain
     candidates = final_first(owned.batches)
     chosen = batches_ahead(matrices, owned.owners, candidates, element_bytes,
                            state_saved(matrices, element_bytes))
     early = [batch for batch, fits in zip(candidates, chosen) if fits]
-    best, low, high = plain, 1, len(early)
-    while low <= high:  # the longest prefix found that keeps the step's collectives
-        middle = (low + high) // 2
-        plan = _packed(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
-                       reserved, early[:middle])
-        if step_collectives(plan.exchanges, plan.early) <= step_collectives(plain.exchanges):
-            best, low = plan, middle + 1
-        else:
-            high = middle - 1
+    best = plain
+    for apart in (True, False):
+        found, low, high = plain, 1, len(early)
+        while low <= high:  # the longest prefix found that keeps the step's collectives
+            middle = (low + high) // 2
+            plan = _packed(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
+                           reserved, early[:middle], apart)
+            if step_collectives(plan.exchanges, plan.early) <= step_collectives(plain.exchanges):
+                found, low = plan, middle + 1
+            else:
+                high = middle - 1
+        best = found if _better(found, best, matrices) else best
     return best
+
+
+def _better(plan: OwnerPlan, than: OwnerPlan, matrices: Sequence[Matrix]) -> bool:
+    """Whether `plan`'s step issues fewer collectives than `than`'s, or as many and `plan`
+    gathers more elements ahead."""
+    def rank(p: OwnerPlan) -> tuple[int, int]:
+        return (step_collectives(p.exchanges, p.early),
+                -sum(matrices[i].layout.num_rows * matrices[i].cols for i in p.early))
+    return rank(plan) < rank(than)
 
 
 def step_collectives(exchanges: Sequence[Sequence[Sequence[int]]],
@@ -98,19 +112,21 @@ def step_collectives(exchanges: Sequence[Sequence[Sequence[int]]],
 
 def _packed(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,
             max_exchange_bytes: int | None, headroom: int | None, saved: Sequence[int] | None,
-            reserved: Sequence[int] | None, early: list[list[int]]) -> OwnerPlan:
+            reserved: Sequence[int] | None, early: list[list[int]], apart: bool) -> OwnerPlan:
     """packed_plan with `early` (batches, in the order their gradients become final) packed
-    first, the rest after them, first fit, counted as they travel (Matrix.carrying_momentum:
-    twice the update's columns gathered and assembled); the budgets are of the batches in that
-    order (what each batch needs alone depends on the starts after it). The exchanges `early`
-    opens come first: the first `ahead`."""
+    first, the rest after them, first fit (`apart`: the rest joining none of the exchanges
+    `early` opens), counted as they travel (Matrix.carrying_momentum: twice the update's columns
+    gathered and assembled); the budgets are of the batches in that order (what each batch needs
+    alone depends on the starts after it). The exchanges `early` opens come first: the first
+    `ahead`."""
     taken = set(map(id, early))
     late = [batch for batch in owned.batches if id(batch) not in taken]
     carried = frozenset(i for batch in early for i in batch)
     counted = [m.carrying_momentum() if i in carried else m for i, m in enumerate(matrices)]
     budgets = rank_budgets(counted, owned.owners, early + late, element_bytes,
                            max_exchange_bytes, headroom, saved, reserved)
-    exchanges = exchange_batches(counted, early + late, owned.owners, element_bytes, budgets)
+    exchanges = exchange_batches(counted, early + late, owned.owners, element_bytes, budgets,
+                                 len(early) if apart else None)
     ahead = sum(any(i in carried for batch in exchange for i in batch) for exchange in exchanges)
     return OwnerPlan(owned.owners, owned.batches, exchanges, budgets, ahead, carried)
 

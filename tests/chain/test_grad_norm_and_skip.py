@@ -262,7 +262,7 @@ VARIANTS = {None: ({}, {}), "teams": ({}, {}),
 
 
 def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, after=None,
-           variant=None):
+           variant=None, sharing=True):
     torch.manual_seed(0)
     config_fields, model_settings = VARIANTS[variant]
     model = fsdp_gpt(strategy=strategy, overlap=overlap, num_experts=num_experts,
@@ -272,7 +272,7 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, af
     config = optimizer_config(clip_grad=clip, **config_fields)
     said = io.StringIO()
     with teams_of_two() if variant == "teams" else contextlib.nullcontext(), \
-            contextlib.redirect_stdout(said), every_batch_that_fits_ahead():
+            contextlib.redirect_stdout(said), every_batch_that_fits_ahead(sharing):
         chain = get_megatron_optimizer(config, [model], muon_owner_choice="bytes",
                                        muon_check_interval=int(not clip),
                                        muon_gather_inside_backward=gather,
@@ -286,9 +286,9 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, af
     if variant == "teams":
         assert any(m.team for muon in chain.muon_optimizers for plan in muon.plans
                    for m in plan.matrices)
-    if gather and variant != "adamuon":  # an exchange gathers ahead, and the rest at the step
+    if gather and variant != "adamuon":  # the exchanges gathering ahead: the rest at the step?
         assert any(routes is not None for muon in chain.muon_optimizers for plan in muon.plans
-                   for routes in plan.routes_at_step)
+                   for routes in plan.routes_at_step) == sharing
     starts = _counting_starts(chain)
     for step in range(GATHER_STEPS):
         chain.zero_grad()
@@ -309,13 +309,14 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, af
     return {name: p.to_local().clone() for name, p in named_main_weights(model)}, starts[:-1]
 
 
-def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap, layout, variant):
+def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap, layout, variant,
+                  sharing):
     init_parallel_state(**layout)
     experts = 4 if layout.get("expert_parallel") else None
     expected, _ = _train(rank, strategy, False, clip, micro_batches, overlap, experts,
                          variant=variant)
     got, starts = _train(rank, strategy, True, clip, micro_batches, overlap, experts,
-                         variant=variant)
+                         variant=variant, sharing=sharing)
     # It ran, every step; but AdaMuon's state is Adam's size: nothing saved to hold rows ahead in,
     # so its plan keeps every gather at the step.
     assert all((count > 0) == (variant != "adamuon") for count in starts), starts
@@ -329,20 +330,25 @@ def _same_weights(rank, world_size, strategy, clip, micro_batches, overlap, layo
 
 # `variant`: an adaptive Muon's second moment (AdaMuon's on the holders; NorMuon's travelling to
 # the owner, with MuonClip; NAMO's with the raw gradient), or "teams": the largest matrix split
-# over two ranks.
-@pytest.mark.parametrize("world_size, strategy, clip, micro_batches, overlap, layout, variant", [
-    (1, "optim_grads_params", CLIP, 1, True, {}, None),
-    (2, "optim_grads_params", CLIP, 1, True, {}, None),
-    (2, "optim", 0.0, 2, False, {}, None),
-    (2, "optim_grads", CLIP, 1, True, {}, "normuon, MuonClip"),
-    (2, "optim_grads_params", CLIP, 2, False, {}, "namo"),
-    (2, "optim_grads_params", CLIP, 1, True, {}, "adamuon"),
-    # The dense part over all 4 ranks, the experts' interleaved beside it over 2.
-    (4, "optim_grads", CLIP, 2, True, dict(expert_parallel=2), None),
-    (4, "optim_grads_params", CLIP, 1, False, dict(tensor_parallel=2), None),
-    (4, "optim_grads_params", CLIP, 2, True, dict(replicas=2), None),  # HSDP: the outer all-reduce
-    (4, "optim_grads_params", CLIP, 1, True, {}, "teams"),
-])
+# over two ranks. `sharing`: the exchanges gathering ahead gather other matrices at the step too,
+# else those are packed apart (fsdp_models.every_batch_that_fits_ahead).
+@pytest.mark.parametrize(
+    "world_size, strategy, clip, micro_batches, overlap, layout, variant, sharing", [
+        (1, "optim_grads_params", CLIP, 1, True, {}, None, True),
+        (2, "optim_grads_params", CLIP, 1, True, {}, None, True),
+        (2, "optim", 0.0, 2, False, {}, None, False),
+        (2, "optim_grads", CLIP, 1, True, {}, "normuon, MuonClip", True),
+        (2, "optim_grads_params", CLIP, 2, False, {}, "namo", False),
+        (2, "optim_grads_params", CLIP, 1, True, {}, "adamuon", True),
+        # The dense part over all 4 ranks, the experts' interleaved beside it over 2.
+        (4, "optim_grads", CLIP, 2, True, dict(expert_parallel=2), None, True),
+        (4, "optim_grads_params", CLIP, 1, False, dict(tensor_parallel=2), None, False),
+        # HSDP: the outer all-reduce.
+        (4, "optim_grads_params", CLIP, 2, True, dict(replicas=2), None, True),
+        (4, "optim_grads_params", CLIP, 1, True, {}, "teams", False),
+    ])
 def test_the_weights_are_those_of_the_gather_at_the_step(distributed, world_size, strategy, clip,
-                                                          micro_batches, overlap, layout, variant):
-    distributed(_same_weights, world_size, strategy, clip, micro_batches, overlap, layout, variant)
+                                                          micro_batches, overlap, layout, variant,
+                                                          sharing):
+    distributed(_same_weights, world_size, strategy, clip, micro_batches, overlap, layout, variant,
+                sharing)
