@@ -78,7 +78,7 @@ def built(shape, parallel, optimizer, layout, budget):
 
 def measure(shape, parallel, budget) -> dict:
     """This rank's StepMemory of every run, as dicts."""
-    from megatron_muon.distribution.exchange import Traffic, observed
+    from megatron_muon.observe.collectives import Traffic, observed
     from megatron_muon.tools.memory import measure_train_step
     from megatron_muon.tools.testing import init_parallel_state, lm_loss
 

@@ -22,7 +22,7 @@ are the optimizer step's (gradient reductions run before it, ZeRO-3's weight gat
 forward). megatron-core's layer-wise optimizer cannot be built in fp32 (docs/reliability.md,
 "Refused configurations"), so it runs with bf16 set on a fp32 model: its params stay fp32 and so
 does its arithmetic. Bytes, collectives, buffers and FLOPs are counted on one warm-up step
-(exchange.observed and torch's FlopCounterMode; nothing is patched), times on the others.
+(observe.collectives.observed and torch's FlopCounterMode; nothing is patched), times on the others.
 """
 
 import io
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_muon.cpu.torch_compat import fast_newton_schulz_precision
-from megatron_muon.distribution.exchange import Traffic, observed
+from megatron_muon.observe.collectives import Traffic, observed
 import per_world_size  # beside this script
 from step_profile import PHASES, profiled
 
@@ -63,9 +63,9 @@ OFFLOAD_MODE = "owner_offload"
 # backward), the rest at the step. "step ms" is then what stays after backward's reductions.
 INSIDE_MODE = "owner_inside"
 WARMUP = 3
-# The warm-up step whose collectives, bytes, buffers and FLOPs are counted (exchange.observed and
-# torch's FlopCounterMode: every op passes through Python while they count, so no timed step is
-# counted); the plan is fixed, so every step's counts are the same.
+# The warm-up step whose collectives, bytes, buffers and FLOPs are counted
+# (observe.collectives.observed and torch's FlopCounterMode: every op passes through Python while
+# they count, so no timed step is counted); the plan is fixed, so every step's counts are the same.
 COUNTED_STEP = WARMUP - 1
 # After the timed steps, this many steps run under torch.profiler for the per-phase profile.
 PROFILED_STEPS = 3

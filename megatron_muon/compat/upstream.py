@@ -44,8 +44,8 @@ flatten_mesh = _borrow(
     "Megatron-FSDP built, as Megatron-FSDP gets its own")
 TorchDispatchMode = _borrow(
     "torch.utils._python_dispatch.TorchDispatchMode",
-    "exchange.observed sees every collective a step issues (at its c10d op) without patching "
-    "torch.distributed (torch's own CommDebugMode is built on it)")
+    "observe.collectives.observed sees every collective a step issues (at its c10d op) without "
+    "patching torch.distributed (torch's own CommDebugMode is built on it)")
 _borrow("torch.autograd._KinetoEvent.nbytes",
         "the profiler's allocation records ([memory] events, with their bytes and times), which "
         "memory.AllocationTracker reads on CPU from profile.kineto_results")
@@ -202,7 +202,8 @@ _borrow("argparse.ArgumentParser._actions",
 
 _borrow("torch._ops.OpOverload._schema",
         "the argument names of a c10d op, to read its process group and tensors by name in "
-        "exchange.observed", get=lambda: resolve("torch.ops.c10d.allreduce_.default")._schema)
+        "observe.collectives.observed",
+        get=lambda: resolve("torch.ops.c10d.allreduce_.default")._schema)
 
 
 def op_argument_names(op) -> list[str]:

@@ -1,9 +1,7 @@
 """Collectives that carry out a row layout: learn it once, gather each matrix's rows, and the
-owner exchange; with the one instrumentation hook that observes them (and everything else a step
-sends through torch.distributed)."""
+owner exchange, its buffers reported to the instrumentation hook (observe.collectives)."""
 
-import contextlib
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import zip_longest
 from operator import attrgetter
@@ -12,7 +10,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from ..compat import upstream
+from ..observe.collectives import held
 from ..observe.phases import GATHER, NEWTON_SCHULZ, SCATTER, UPDATE, phase
 from ..plan import (IN_FLIGHT, Matrix, RowLayout, gather_moves, gather_segments, scatter_moves,
                     scatter_segments)
@@ -40,7 +38,7 @@ def all_gather_rows(local: torch.Tensor, layout: RowLayout,
     padded = local.new_zeros((layout.max_rows, *local.shape[1:]))
     padded[: local.shape[0]].copy_(local)
     gathered = local.new_empty((layout.ranks * layout.max_rows, *local.shape[1:]))
-    with _held(padded, gathered), phase(GATHER):
+    with held(padded, gathered), phase(GATHER):
         dist.all_gather_into_tensor(gathered, padded, group=group)
         gathered = gathered.view(layout.ranks, layout.max_rows, *local.shape[1:])
         return torch.cat([gathered[layout.holders(shard)[0], :rows]
@@ -161,14 +159,14 @@ def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: 
     if ahead is None or rest is not None:
         at_step = rest or routes
         parts.append(GatheredPart(at_step, local, issue_gather(at_step, group, local)))
-    with _held(*(part.gathered.received for part in parts),
+    with held(*(part.gathered.received for part in parts),
                *(part.gathered.payload for part in parts)):
         yield
         with phase(GATHER):
             full, assembled = _assembled_parts(parts)
     del parts  # freed before Newton-Schulz runs (the work holds its tensors)
     results = {}
-    with _held(*(full[i] for i in assembled)):
+    with held(*(full[i] for i in assembled)):
         for owned in routes.owned_batches:
             if owned:  # each batch's assembled matrices freed once it has its results
                 with phase(NEWTON_SCHULZ):
@@ -177,7 +175,7 @@ def owner_exchange(routes: OwnerRoutes, group: dist.ProcessGroup | None, local: 
         returned, payload, work = _all_to_all(
             routes.scatter, [results[i][start:stop] for segments in routes.scatter.sends
                              for i, start, stop in segments], local[routes.batch[0]], group)
-    with _held(returned, payload, *results.values()):
+    with held(returned, payload, *results.values()):
         yield
         with phase(SCATTER):
             if work is not None:
@@ -267,138 +265,3 @@ def run_overlapped(exchanges: Iterable[Iterator[None]], in_flight: int = IN_FLIG
             next(running[0], None)  # the oldest computes and issues its scatter
     for exchange in running:
         deque(exchange, maxlen=0)
-
-
-# The instrumentation hook.
-
-class Observer:
-    """What `observed(observer)` reports to; subclass it. `collective`: every collective this
-    process issues through torch.distributed (the optimizer's, Megatron-FSDP's, megatron-core's),
-    after it is issued; `buffers`: the bytes of the owner exchange's and all_gather_rows'
-    buffers alive now, whenever some are added."""
-
-    def collective(self, call: "Collective") -> None:
-        pass
-
-    def buffers(self, live_bytes: int) -> None:
-        pass
-
-
-class Collective(NamedTuple):
-    """One collective: its c10d op (e.g. "alltoall_base_", "_allgather_base_", "allreduce_"),
-    its group's size and this rank's place in it, the tensors handed to it, and the bytes this
-    rank receives from other ranks (gathers and all-to-alls; 0 for reductions and broadcasts)."""
-
-    name: str
-    group_size: int
-    group_rank: int
-    tensors: tuple
-    received_bytes: int
-
-
-class Traffic(Observer):
-    """Counts of what a step sends: collectives over more than one rank (by c10d op), bytes
-    received from other ranks, and the peak bytes of the exchange's buffers alive at once."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.collectives, self.received_bytes, self.peak_buffer_bytes = 0, 0, 0
-        self.by_name: Counter = Counter()
-
-    def collective(self, call: Collective) -> None:
-        if call.group_size > 1:
-            self.collectives += 1
-            self.received_bytes += call.received_bytes
-            self.by_name[call.name] += 1
-
-    def buffers(self, live_bytes: int) -> None:
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, live_bytes)
-
-
-_observers: list[Observer] = []
-_live_bytes = 0
-
-
-@contextlib.contextmanager
-def observed(observer: Observer) -> Iterator[Observer]:
-    """Report to `observer` while the block runs (see Observer). It sees collectives at the c10d
-    ops torch.distributed dispatches to, through a dispatch mode: nothing is patched, and nothing
-    is observed (or slowed down) outside the block; inside it every tensor op passes through
-    Python, so time a step apart from the one observed."""
-    _observers.append(observer)
-    try:
-        with _CollectiveMode():
-            yield observer
-    finally:
-        _observers.remove(observer)
-
-
-class _held:
-    """Report `tensors` (None skipped) alive while the block runs, holding no reference to them:
-    the block may free them (the assembled matrices, batch by batch; a generator context
-    manager would keep its arguments, and every one of them, until the block ends)."""
-
-    def __init__(self, *tensors):
-        self.nbytes = _nbytes(t for t in tensors if t is not None) if _observers else 0
-
-    def __enter__(self) -> None:
-        global _live_bytes
-        _live_bytes += self.nbytes
-        for observer in _observers:
-            observer.buffers(_live_bytes)
-
-    def __exit__(self, *exc) -> None:
-        global _live_bytes
-        _live_bytes -= self.nbytes
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _received_bytes(name: str, args: dict, rank: int, size: int) -> int:
-    if name == "alltoall_base_":
-        output, splits = args["output"], args["output_split_sizes"]
-        row = output.numel() // output.shape[0] if output.dim() and output.shape[0] else 0
-        own = splits[rank] * row if splits else output.numel() // size
-        return (output.numel() - own) * output.element_size()
-    if name == "_allgather_base_":
-        return _nbytes([args["output_tensor"]]) - _nbytes([args["input_tensor"]])
-    if name == "allgather_into_tensor_coalesced_":
-        return _nbytes(args["outputs"]) - _nbytes(args["inputs"])
-    if name == "allgather_":  # output_tensors[input][rank]
-        return sum(_nbytes(t for j, t in enumerate(outputs) if j != rank)
-                   for outputs in args["output_tensors"])
-    if name == "allgather_coalesced_":  # output_lists[rank][input]
-        return sum(_nbytes(outputs) for j, outputs in enumerate(args["output_lists"]) if j != rank)
-    return 0
-
-
-class _CollectiveMode(upstream.TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # Every other op of the observed block passes here too: c10d's data collectives only.
-        if func.namespace != "c10d" or func.name().startswith("c10d::barrier"):
-            return out
-        bound = dict(zip(upstream.op_argument_names(func), args), **(kwargs or {}))
-        if "process_group" not in bound:
-            return out
-        name = func.name().removeprefix("c10d::")
-        group = dist.ProcessGroup.unbox(bound["process_group"])
-        rank, size = group.rank(), group.size()
-        call = Collective(name, size, rank,
-                          tuple(t for value in bound.values() for t in _tensors(value)),
-                          _received_bytes(name, bound, rank, size))
-        for observer in list(_observers):
-            observer.collective(call)
-        return out
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)

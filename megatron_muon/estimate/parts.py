@@ -136,8 +136,8 @@ class Part:
         another (plan.packed_beside; `fits`: whether every rank holds both within its budget
         apart), `ahead`: with the gather inside backward's batches first (`early`, in its
         first `ahead` exchanges), and, for the offloaded state, without them, as
-        ZeROTensorParallelMuon plans them then; with one rank's routes through every exchange, as it builds them at
-        construction."""
+        ZeROTensorParallelMuon plans them then; with one rank's routes through every exchange,
+        as it builds them at construction."""
         start = time.perf_counter()
         if reserved is None:
             plan, self.fits = packed_plan(self.matrices, self.owned, ELEMENT_BYTES, None,

@@ -14,7 +14,7 @@ from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, batch, make_models, muon_
                          split_params)
 from megatron_muon import ZeROTensorParallelAdaptiveMuon, ZeROTensorParallelMuon
 from megatron_muon.chain.model_chunks import find_megatron_fsdp, named_main_weights
-from megatron_muon.distribution.exchange import Traffic, observed
+from megatron_muon.observe.collectives import Traffic, observed
 
 def _muon(world_size, strategy="optim_grads_params", check_interval=0, precision="highest",
           offload_fraction=0.0):

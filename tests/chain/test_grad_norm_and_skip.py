@@ -25,7 +25,7 @@ from megatron_muon import get_megatron_optimizer
 from megatron_muon.chain.chained import FSDPMuonChainedOptimizer
 from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.chain.qk_clip import take_max_attention_logit
-from megatron_muon.distribution.exchange import Traffic, observed
+from megatron_muon.observe.collectives import Traffic, observed
 from megatron_muon.reporting.step_report import step_scalars
 from megatron_muon.tools.testing import (TINY, fsdp_gpt, gpt, init_parallel_state, lm_loss,
                                          optimizer_config)

@@ -9,7 +9,7 @@ from megatron.core import parallel_state
 
 from fsdp_models import global_batch_loss
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.distribution.exchange import Traffic, observed
+from megatron_muon.observe.collectives import Traffic, observed
 from megatron_muon.chain.qk_clip import (_core_attentions, observe_max_attention_logits,
                                         reduce_max_attention_logits, take_max_attention_logit)
 from megatron_muon.tools.testing import TINY, fsdp_gpt, gpt, init_parallel_state, optimizer_config

@@ -17,7 +17,7 @@ from megatron_muon import ZeROTensorParallelMuon
 from megatron_muon.core import second_moment
 from megatron_muon.compat import upstream
 from megatron_muon.core.zero_adaptive_muon import ZeROTensorParallelAdaptiveMuon
-from megatron_muon.distribution.exchange import Traffic, observed
+from megatron_muon.observe.collectives import Traffic, observed
 
 STEPS = 6
 

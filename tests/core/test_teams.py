@@ -29,7 +29,7 @@ from megatron_muon.compat import upstream
 from megatron_muon.compat.newton_schulz_loop import distributed_newton_schulz
 from megatron_muon.core.team_newton_schulz import (orthogonalized_by_team, reordering_bound,
                                                    team_orthogonalize)
-from megatron_muon.distribution.exchange import Traffic, observed
+from megatron_muon.observe.collectives import Traffic, observed
 from megatron_muon.observe.measured_cost import node_bytes_per_second
 from megatron_muon.reporting.rates_file import rates_table
 from megatron_muon.plan import (Matrix, Nodes, RowLayout, StepCost, applies_gram_twice,

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_muon.distribution.exchange import (OwnerRoutes, Traffic, all_gather_ints,
-                                                 all_gather_rows, observed, owner_exchange,
-                                                 run_overlapped)
+from megatron_muon.distribution.exchange import (OwnerRoutes, all_gather_ints, all_gather_rows,
+                                                 owner_exchange, run_overlapped)
+from megatron_muon.observe.collectives import Traffic, observed
 from megatron_muon.plan import (ExchangeMemory, Matrix, batch_matrices, choose_owners,
                                 exchange_batches, gather_traffic, owner_bytes, row_layouts,
                                 scatter_traffic)

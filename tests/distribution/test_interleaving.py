@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_muon import get_megatron_optimizer
-from megatron_muon.distribution.exchange import Observer, observed
+from megatron_muon.observe.collectives import Observer, observed
 from megatron_muon.estimate.step_time import (APPLIED, GATHER, NEWTON_SCHULZ, SCATTER,
                                               exchange_order)
 from megatron_muon.planner.interleaving import MuonPart

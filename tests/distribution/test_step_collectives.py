@@ -12,7 +12,7 @@ import pytest
 
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.compat import versions
-from megatron_muon.distribution.exchange import Traffic, observed
+from megatron_muon.observe.collectives import Traffic, observed
 from megatron_muon.tools.testing import (ddp_gpt, fsdp_gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
 
