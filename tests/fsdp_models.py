@@ -247,7 +247,7 @@ def every_batch_that_fits_ahead(sharing: bool = True):
                    for batch in exchange)
 
     with mock.patch("megatron_muon.plan.owner_plan.step_collectives",
-                    lambda exchanges, early=frozenset(): 0), \
+                    lambda matrices, owners, exchanges, early=frozenset(): 0), \
             mock.patch("megatron_muon.plan.owner_plan._better",
                        lambda plan, than, matrices: bool(plan.early) and (
                            shares(plan) == sharing or not than.early)):

@@ -214,7 +214,8 @@ def collective_latency(part: Part, mode: str, us_per_rank: float,
     (plan.team_all_reduces); each costs `us_per_rank` per rank of its group."""
     if mode == "allgather":
         return len(part.matrices), len(part.matrices) * part.world * us_per_rank * 1e-6
-    count = step_collectives(part.exchanges, part.early if mode == "owner" else frozenset())
+    count = step_collectives(part.matrices, _owners(part, mode), part.exchanges,
+                             part.early if mode == "owner" else frozenset())
     teams = team_all_reduces(part.matrices, _owners(part, mode), ns_steps).values()
     slowest = max(teams, default=[], key=lambda calls: sum(size for _, size, _ in calls))
     return (count + len(slowest),

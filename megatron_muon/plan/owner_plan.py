@@ -6,6 +6,7 @@ from typing import Sequence
 from .budget import (MAX_EXCHANGE_BYTES, batch_bytes, batch_matrices, batches_ahead,
                      exchange_batches, rank_budgets, state_saved, step_headroom, working_memory)
 from .layouts import Matrix, Nodes
+from .traffic import gather_moves, scatter_moves
 from .owners import BYTE_SLACK, StepCost, choose_owners, choose_owners_by_time
 
 
@@ -84,7 +85,8 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
             middle = (low + high) // 2
             plan = _packed(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
                            reserved, early[:middle], apart)
-            if step_collectives(plan.exchanges, plan.early) <= step_collectives(plain.exchanges):
+            if (step_collectives(matrices, plan.owners, plan.exchanges, plan.early)
+                    <= step_collectives(matrices, plain.owners, plain.exchanges)):
                 found, low = plan, middle + 1
             else:
                 high = middle - 1
@@ -96,18 +98,23 @@ def _better(plan: OwnerPlan, than: OwnerPlan, matrices: Sequence[Matrix]) -> boo
     """Whether `plan`'s step issues fewer collectives than `than`'s, or as many and `plan`
     gathers more elements ahead."""
     def rank(p: OwnerPlan) -> tuple[int, int]:
-        return (step_collectives(p.exchanges, p.early),
+        return (step_collectives(matrices, p.owners, p.exchanges, p.early),
                 -sum(matrices[i].layout.num_rows * matrices[i].cols for i in p.early))
     return rank(plan) < rank(than)
 
 
-def step_collectives(exchanges: Sequence[Sequence[Sequence[int]]],
+def step_collectives(matrices: Sequence[Matrix], owners: Sequence[int],
+                     exchanges: Sequence[Sequence[Sequence[int]]],
                      early: frozenset[int] = frozenset()) -> int:
-    """The all-to-alls a plan's step issues: each exchange's scatter, and its gather where any
-    of its matrices gathers at the step, not inside backward (`early`; an exchange moving no
-    rows is counted alike: a bound)."""
-    return sum(1 + any(i not in early for batch in exchange for i in batch)
-               for exchange in exchanges)
+    """The all-to-alls a plan's step issues, as exchange.owner_exchange issues them: each
+    exchange's scatter where it moves rows, and its gather where the matrices gathering at the
+    step, not inside backward (`early`), move rows."""
+    count = 0
+    for exchange in exchanges:
+        held = [i for batch in exchange for i in batch]
+        count += scatter_moves(matrices, owners, held)
+        count += gather_moves(matrices, owners, [i for i in held if i not in early])
+    return count
 
 
 def _packed(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: int,

@@ -26,6 +26,7 @@ from megatron_muon.chain.chained import FSDPMuonChainedOptimizer
 from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.chain.qk_clip import take_max_attention_logit
 from megatron_muon.observe.collectives import Traffic, observed
+from megatron_muon.plan import step_collectives
 from megatron_muon.reporting.step_report import step_scalars
 from megatron_muon.tools.testing import (TINY, fsdp_gpt, gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
@@ -301,7 +302,13 @@ def _train(rank, strategy, gather, clip, micro_batches, overlap, num_experts, af
         if after == "scaled":  # as finalize_model_grads under --calculate-per-token-loss
             model.finish_grad_sync()
             model.scale_gradients(0.5)
-        chain.step()
+        with observed(Traffic()) as traffic:
+            chain.step()
+        # The plan counts the all-to-alls its step issues (plan.step_collectives), exactly.
+        assert traffic.by_name["alltoall_base_"] == sum(
+            step_collectives(plan.matrices, plan.owners, [r.batches for r in plan.routes],
+                             plan.early if starts[-1] else frozenset())
+            for muon in chain.muon_optimizers for plan in muon.plans), traffic.by_name
         starts.append(0)
         if model_settings.get("qk_clip"):  # it clipped, and the next step measures afresh
             assert chain.max_attention_logits.largest > model_settings["qk_clip_threshold"]

@@ -331,7 +331,8 @@ def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_s
         early = [batch for batch in fitting if batch[0] in plan.early]
         assert early == fitting[:len(early)]  # a prefix, in that order
         assert plan.early == {i for batch in early for i in batch}
-        assert step_collectives(plan.exchanges, plan.early) <= step_collectives(plain.exchanges)
+        steps = step_collectives(matrices, owned.owners, plain.exchanges)
+        assert step_collectives(matrices, owned.owners, plan.exchanges, plan.early) <= steps
         if early:
             way = next(apart for apart in (True, False) if _packed(
                 matrices, owned, 4, None, 0, None, None, early, apart) == plan)
@@ -339,8 +340,8 @@ def test_the_gather_inside_backward_packs_its_batches_first_within_each_owners_s
             if len(early) < len(fitting):  # one more ahead would add a collective at the step
                 more = _packed(matrices, owned, 4, None, 0, None, None,
                                fitting[:len(early) + 1], way)
-                assert (step_collectives(more.exchanges, more.early)
-                        > step_collectives(plain.exchanges))
+                assert step_collectives(matrices, owned.owners, more.exchanges,
+                                        more.early) > steps
                 some_left += 1
         # First fit opens them in that order, the first `ahead` exchanges.
         assert [min(b) for b in early] == sorted((min(b) for b in early), reverse=True)
