@@ -6,8 +6,8 @@ from typing import Sequence
 from .budget import (MAX_EXCHANGE_BYTES, batch_bytes, batch_matrices, batches_ahead,
                      exchange_batches, rank_budgets, state_saved, step_headroom, working_memory)
 from .layouts import Matrix, Nodes
-from .traffic import gather_moves, scatter_moves
 from .owners import BYTE_SLACK, StepCost, choose_owners, choose_owners_by_time
+from .traffic import gather_moves, scatter_moves
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,14 @@ def packed_plan(matrices: Sequence[Matrix], owned: OwnedBatches, element_bytes: 
     chosen = batches_ahead(matrices, owned.owners, candidates, element_bytes,
                            state_saved(matrices, element_bytes))
     early = [batch for batch, fits in zip(candidates, chosen) if fits]
-    best = plain
+    best, most = plain, step_collectives(matrices, plain.owners, plain.exchanges)
     for apart in (True, False):
         found, low, high = plain, 1, len(early)
         while low <= high:  # the longest prefix found that keeps the step's collectives
             middle = (low + high) // 2
             plan = _packed(matrices, owned, element_bytes, max_exchange_bytes, headroom, saved,
                            reserved, early[:middle], apart)
-            if (step_collectives(matrices, plan.owners, plan.exchanges, plan.early)
-                    <= step_collectives(matrices, plain.owners, plain.exchanges)):
+            if step_collectives(matrices, plan.owners, plan.exchanges, plan.early) <= most:
                 found, low = plan, middle + 1
             else:
                 high = middle - 1
