@@ -22,7 +22,8 @@ are the optimizer step's (gradient reductions run before it, ZeRO-3's weight gat
 forward). megatron-core's layer-wise optimizer cannot be built in fp32 (docs/reliability.md,
 "Refused configurations"), so it runs with bf16 set on a fp32 model: its params stay fp32 and so
 does its arithmetic. Bytes, collectives, buffers and FLOPs are counted on one warm-up step
-(observe.collectives.observed and torch's FlopCounterMode; nothing is patched), times on the others.
+(observe.collectives.observed and torch's FlopCounterMode; nothing is patched), times on the
+others.
 """
 
 import io

@@ -42,9 +42,9 @@ def reasons(muon: ZeROTensorParallelMuon, fsdp_models) -> list[str]:
 class BackwardGather:
     """For the chain: which matrices of its Muon parts gather inside backward (each plan's
     `early`, in its first `ahead` exchanges, packed so by the factory), and when each exchange's
-    start. `finish_grad_sync(fsdp)`
-    frames a chunk's grad sync (its reduces are final, and so is every gradient after it);
-    `before_step()` and `after_step()` frame the chain's step."""
+    gather ahead starts. `finish_grad_sync(fsdp)` frames a chunk's grad sync (its reduces are
+    final, and so is every gradient after it); `before_step()` and `after_step()` frame the
+    chain's step."""
 
     def __init__(self, muon_optimizers: list[ZeROTensorParallelMuon], fsdp_models) -> None:
         self._fsdp_of_pipeline = {fsdp.grad_reduce_pipeline: fsdp for fsdp in fsdp_models}
