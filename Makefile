@@ -102,12 +102,16 @@ define make_venv
 	$(call uv_install,$(1),$(2),--upgrade pip $(3))
 endef
 
+# gram-newton-schulz without its dependencies: the tests hold our Gram Newton-Schulz to its torch
+# path, which needs none of its GPU kernels' packages (quack, CUTLASS DSL).
 $(VENV)/.installed: setup.py $(RANGES) constraints/newest.txt | $(UV)
 	$(call make_venv,$(VENV),constraints/newest.txt,-e '.[test$(COMMA)fsdp]')
+	$(call uv_install,$(VENV),constraints/newest.txt,--no-deps gram-newton-schulz)
 	touch $@
 
 $(LOWEST_VENV)/.installed: setup.py $(RANGES) constraints/lowest.txt | $(UV)
 	$(call make_venv,$(LOWEST_VENV),constraints/lowest.txt,-e '.[test$(COMMA)fsdp]')
+	$(call uv_install,$(LOWEST_VENV),constraints/lowest.txt,--no-deps gram-newton-schulz)
 	touch $@
 
 # Bridge's wheel without its dependencies (GPU builds, hundreds of packages), then what its

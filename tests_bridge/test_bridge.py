@@ -379,11 +379,13 @@ def test_the_optimizer_configs_own_fields_reach_the_factory():
     muon_bridge.install(cfg)
     cfg.optimizer.muon_use_syrk, cfg.optimizer.muon_max_exchange_bytes = True, 4096
     cfg.optimizer.muon_max_team_size = 4
+    cfg.optimizer.muon_gram_newton_schulz, cfg.optimizer.muon_gram_restarts = True, (1, 3)
     with mock.patch.object(muon_bridge.factory, "get_megatron_optimizer") as factory:
         cfg.optimizer.provide(["chunk"])
     settings = factory.call_args.kwargs
     assert settings["muon_use_syrk"] is True and settings["muon_max_exchange_bytes"] == 4096
     assert settings["muon_max_team_size"] == 4
+    assert settings["muon_gram_newton_schulz"] is True and settings["muon_gram_restarts"] == (1, 3)
 
 
 def test_bridges_qk_clip_is_ours_for_megatron_fsdp_models_only():

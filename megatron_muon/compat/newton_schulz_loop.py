@@ -12,7 +12,13 @@ from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
 from .upstream import COEFFICIENT_SETS
 
 # The coefficient types newton_schulz iterates with "repeat_last" (the others "cycle"), its eps.
-_REPEAT_LAST, _EPS = ("polar_express", "cans", "deepseekv4"), 1e-7
+_REPEAT_LAST, EPS = ("polar_express", "cans", "deepseekv4"), 1e-7
+
+
+def coefficients(steps: int, coefficient_type: str) -> list[tuple[float, float, float]]:
+    """Each iteration's (a, b, c), as newton_schulz iterates a coefficient type's set."""
+    mode = "repeat_last" if coefficient_type in _REPEAT_LAST else "cycle"
+    return list(get_coefficient_iterator(steps, COEFFICIENT_SETS[coefficient_type], mode=mode))
 
 
 def distributed_newton_schulz(part: torch.Tensor, steps: int, coefficient_type: str, group,
@@ -21,11 +27,10 @@ def distributed_newton_schulz(part: torch.Tensor, steps: int, coefficient_type: 
     part transposed where split along dim 0, normalized over `group`, each iteration in bf16 at
     matmul precision "medium", each by `step` (newton_schulz_step's signature)."""
     x = part.mT if dim == 0 else part
-    X = distributed_normalize_p2(x, _EPS, group)
-    mode = "repeat_last" if coefficient_type in _REPEAT_LAST else "cycle"
+    X = distributed_normalize_p2(x, EPS, group)
     if torch.get_float32_matmul_precision() == "medium":
         X = X.to(torch.bfloat16)
-    for a, b, c in get_coefficient_iterator(steps, COEFFICIENT_SETS[coefficient_type], mode=mode):
+    for a, b, c in coefficients(steps, coefficient_type):
         X = step(X, a, b, c, tp_group=group)
     X = X.to(torch.float32)
     return X.mT if dim == 0 else X

@@ -18,4 +18,8 @@ SUPPORTED = {
 # ends like the others. fsdp: the standalone Megatron-FSDP package, for models sharded outside
 # Megatron (megatron_muon.standalone); NeMo Automodel 0.7 pins 0.5.0, megatron-core 0.19.2's own
 # copy is 0.6.1's code.
-OPTIONAL = {"fsdp": {"megatron-fsdp": ">=0.5.0,<0.7"}}
+# gram: Dao-AILab's gram-newton-schulz (--muon-gram-newton-schulz), whose torch path the tests hold
+# ours to; installed without its dependencies there (its kernels' quack and CUTLASS DSL are GPU
+# packages), with them by the extra.
+OPTIONAL = {"fsdp": {"megatron-fsdp": ">=0.5.0,<0.7"},
+            "gram": {"gram-newton-schulz": ">=0.1.6,<0.2"}}

@@ -18,6 +18,7 @@ from emerging_optimizers import utils as eo_utils
 from ..distribution.agreement import agree_on_every_rank
 from ..distribution.dtensor_rows import num_experts
 from ..distribution.exchange import run_overlapped
+from ..distribution.team_groups import whole_results
 from ..observe.phases import CHECK, UPDATE, phase
 from ..planner.group_plan import GroupPlan
 from .checks import CheckResult, MuonCheckError
@@ -25,6 +26,22 @@ from .team_newton_schulz import reordering_bound
 
 # What the step does with a matrix's rows that come back: apply(plan, matrix, this rank's rows).
 ApplyUpdate = Callable[[GroupPlan, int, torch.Tensor], None]
+
+
+def all_update_rows(muon: Any, plan: GroupPlan) -> dict[int, torch.Tensor]:
+    """This rank's rows of every matrix's update in `plan` (ZeROTensorParallelMuon.update_rows),
+    all at once: what "allgather" mode and the check's reference assemble."""
+    return {i: muon.update_rows(plan, i) for i in range(len(plan.matrices))}
+
+
+def allgather_orthogonalize(muon: Any, plan: GroupPlan, local: dict[int, torch.Tensor],
+                            apply: ApplyUpdate) -> None:
+    """"allgather" mode: every matrix assembled whole on every rank from `local` (its rows,
+    all_update_rows) and orthogonalized there (muon.orthogonalize_whole), `apply(plan, matrix,
+    this rank's rows)`."""
+    for i, result in whole_results(plan, local, muon.orthogonalize_whole):
+        start, stop = plan.matrices[i].layout.row_range(plan.rank)
+        apply(plan, i, result[start:stop])
 
 
 class OwnerCheck:
@@ -42,7 +59,7 @@ class OwnerCheck:
         with phase(CHECK):
             restore = self._snapshot()
         with phase(UPDATE):
-            locals_ = [muon.all_update_rows(plan) for plan in muon.plans]
+            locals_ = [all_update_rows(muon, plan) for plan in muon.plans]
         results = {}
         for plan, local in zip(muon.plans, locals_):
             run_overlapped(muon.owner_exchanges(
@@ -74,12 +91,12 @@ class OwnerCheck:
         worst, owned, failures = 0.0, 0, []
         for plan, local in zip(muon.plans, locals_):
             references, fp32 = {}, {}
-            muon.allgather_orthogonalize(plan, local,
-                                         lambda _, i, rows: references.update({i: rows}))
+            allgather_orthogonalize(muon, plan, local,
+                                    lambda _, i, rows: references.update({i: rows}))
             if muon.fp32_matmul_prec != "highest":
                 with eo_utils.fp32_matmul_precision("highest"):
-                    muon.allgather_orthogonalize(plan, local,
-                                                 lambda _, i, rows: fp32.update({i: rows}))
+                    allgather_orthogonalize(muon, plan, local,
+                                            lambda _, i, rows: fp32.update({i: rows}))
             device = plan.param_of(0).to_local().device
             diffs = torch.zeros(len(plan.matrices), dtype=torch.float64, device=device)
             bounds = torch.zeros_like(diffs)

@@ -13,6 +13,7 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat import upstream
+from ..plan import GramSchedule, gram_refusal
 from ..distribution.dtensor_rows import (ParamAttributes, data_parallel_layout, num_experts,
                                          tp_local_rows)
 
@@ -29,6 +30,18 @@ def tensor_parallel_muon_settings(muon_kwargs: dict) -> dict:
     defaults = {name: parameter.default for name, parameter
                 in inspect.signature(TensorParallelMuon.__init__).parameters.items()}
     return {**defaults, **muon_kwargs}
+
+
+def gram_schedule(gram_newton_schulz: bool, restarts, muon_kwargs: dict) -> GramSchedule | None:
+    """--muon-gram-newton-schulz's schedule (None without it), over TensorParallelMuon's
+    num_ns_steps; a restart outside its iterations refused, naming the flags."""
+    if not gram_newton_schulz:
+        return None
+    schedule = GramSchedule(tensor_parallel_muon_settings(muon_kwargs)["num_ns_steps"],
+                            tuple(restarts))
+    if problem := gram_refusal(schedule):
+        raise ValueError(f"ZeROTensorParallelMuon: {problem}")
+    return schedule
 
 
 def check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
@@ -124,6 +137,7 @@ def _check_teams(muon) -> None:
     beside = [flag for flag, on in (
         ("--muon-dist-mode allgather", muon.dist_mode != "owner"),
         ("--muon-use-syrk", muon.use_syrk),
+        ("--muon-gram-newton-schulz", muon.gram is not None),
         ("--optimizer adaptive_muon", muon.second_moment is not None)) if on]
     if beside:
         raise ValueError(f"ZeROTensorParallelMuon: --muon-max-team-size "

@@ -12,10 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from emerging_optimizers.orthogonalized_optimizers.muon_utils import get_coefficient_iterator
-
 from ..compat import upstream
-from ..compat.newton_schulz_loop import distributed_newton_schulz
+from ..compat.newton_schulz_loop import coefficients, distributed_newton_schulz
 from ..plan import Matrix, applies_gram_twice
 
 
@@ -23,12 +21,12 @@ def team_orthogonalize(part: torch.Tensor, whole_shape: tuple[int, int], dim: in
                        settings: dict) -> torch.Tensor:
     """This member's part of the orthogonalized whole matrix, from its `part` of it along `dim`
     (over `group`, the team). `settings`: TensorParallelMuon's arguments."""
-    steps, coefficients = settings["num_ns_steps"], settings["coefficient_type"]
+    steps, coefficient_type = settings["num_ns_steps"], settings["coefficient_type"]
     if applies_gram_twice(min(whole_shape), part.shape[dim]):
-        orthogonalized = distributed_newton_schulz(part, steps, coefficients, group, dim,
+        orthogonalized = distributed_newton_schulz(part, steps, coefficient_type, group, dim,
                                                    gram_applied_twice_step)
     else:
-        orthogonalized = upstream.newton_schulz_tp(part, steps, coefficients, group,
+        orthogonalized = upstream.newton_schulz_tp(part, steps, coefficient_type, group,
                                                    partition_dim=dim, tp_mode="distributed")
     scale = upstream.get_muon_scale_factor(*whole_shape, mode=settings["scale_mode"])
     return orthogonalized * scale * settings["extra_scale_factor"]
@@ -66,9 +64,7 @@ def orthogonalized_by_team(muon: Any, plan: Any, owned: list[int],
 def newton_schulz_gain(coefficient_type: str, steps: int) -> float:
     """Newton-Schulz's largest amplification of a change of its normalized input: the slope at 0
     of its composite polynomial (each step's a x + b x^3 + c x^5, b < 0, is steepest there)."""
-    coefficients = get_coefficient_iterator(steps, upstream.COEFFICIENT_SETS[coefficient_type],
-                                            mode="cycle")
-    return math.prod(a for a, _, _ in coefficients)
+    return math.prod(a for a, _, _ in coefficients(steps, coefficient_type))
 
 
 def reordering_bound(block: Matrix, settings: dict) -> float:

@@ -16,6 +16,7 @@ from ..distribution.dtensor_rows import ParamAttributes, num_experts, tp_local_r
 from ..distribution.exchange import OwnerRoutes
 from ..fixes.upstream_fixes import scale_after_second_moment, whole_shape
 from ..planner.group_plan import GroupPlan
+from . import gram_newton_schulz
 from .second_moment import SECOND_MOMENTS, Columns
 from .settings import tensor_parallel_muon_settings
 from .zero_muon import ZeROTensorParallelMuon
@@ -77,6 +78,8 @@ class ZeROTensorParallelAdaptiveMuon(ZeROTensorParallelMuon, AdaptiveMuon):
 
     def _set_newton_schulz(self, settings: dict, use_syrk: bool, upstream_runs_syrk: bool) -> None:
         scale_after_second_moment(self, settings)  # AdaptiveMuon's step reads what it sets
+        # AdaptiveMuon scales after the second moment: Gram Newton-Schulz unscaled too.
+        gram_newton_schulz.route_newton_schulz_through_it(self, settings, scaled=False)
 
     def initial_state(self, p: DTensor) -> dict[str, DTensor]:
         """Muon's state and the second moment, placed as `p` is: its columns per row

@@ -13,19 +13,18 @@ from torch.distributed.tensor import DTensor
 from ..compat import tensor_parallel
 from ..distribution.dtensor_rows import ParamAttributes
 from ..distribution.exchange import OwnerRoutes, owner_exchange, run_overlapped
-from ..distribution.team_groups import whole_results
 from ..observe.phases import UPDATE, phase
 from ..plan import MAX_EXCHANGE_BYTES
 from ..planner.group_plan import GroupPlan, offloaded_params
 from ..planner.group_planner import GroupPlanner
-from . import syrk
+from . import gram_newton_schulz, syrk
 from .checks import CheckResult
 from .gather_ahead import GatheredAhead
 from .muon_math import momentum_update_
-from .owner_check import ApplyUpdate, OwnerCheck
+from .owner_check import ApplyUpdate, OwnerCheck, all_update_rows, allgather_orthogonalize
 from .second_moment import SecondMoment
 from .settings import (DistMode, OwnerChoice, check_hooks, check_params, check_settings,
-                       tensor_parallel_muon_settings)
+                       gram_schedule, tensor_parallel_muon_settings)
 from .state_offload import HostState
 from .team_newton_schulz import orthogonalized_by_team
 
@@ -72,6 +71,8 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
             (--muon-use-syrk; megatron_muon.core.syrk says where it runs): CUDA, bf16 (`medium`),
             each matrix in its own call (the kernel takes no batch); refused at construction
             where it cannot run.
+        gram_newton_schulz: Gram Newton-Schulz where a matrix is whole and it costs fewer FLOPs,
+            restarting at `gram_restarts` (--muon-gram-*; core/gram_newton_schulz.py).
         param_names: {param: name}, for error messages.
         second_moment: an adaptive variant's second moment after Newton-Schulz (SecondMoment,
             core/second_moment.py; ZeROTensorParallelAdaptiveMuon passes its own), None for
@@ -98,7 +99,10 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                  max_exchange_bytes: int | None = MAX_EXCHANGE_BYTES,
                  param_names: dict | None = None, check_interval: int = 0,
                  use_syrk: bool = False, second_moment: SecondMoment | None = None,
-                 offload_fraction: float = 0.0, max_team_size: int = 1, **kwargs: Any) -> None:
+                 offload_fraction: float = 0.0, max_team_size: int = 1,
+                 gram_newton_schulz: bool = False, gram_restarts: tuple[int, ...] = (2,),
+                 **kwargs: Any) -> None:
+        self.gram = gram_schedule(gram_newton_schulz, gram_restarts, kwargs)
         check_settings(dist_mode, owner_choice, byte_slack, max_exchange_bytes, check_interval,
                        offload_fraction, max_team_size, kwargs)
         check_hooks(type(self))
@@ -138,6 +142,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         times it)."""
         if use_syrk:
             syrk.route_newton_schulz_through_it(self, settings, upstream_runs_syrk)
+        gram_newton_schulz.route_newton_schulz_through_it(self, settings, scaled=True)
 
     def held_rows(self, p: DTensor) -> tuple[int, int, int]:
         """(start, stop, rows): this rank holds rows [start, stop) of `p`'s `rows` TP-local rows."""
@@ -208,7 +213,7 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
                     run_overlapped(self.owner_exchanges(plan, partial(self.update_rows, plan),
                                                         apply, partial(self.prefetch_state, plan)))
                 else:
-                    self.allgather_orthogonalize(plan, self.all_update_rows(plan), apply)
+                    allgather_orthogonalize(self, plan, all_update_rows(self, plan), apply)
         return None
 
     def apply_update(self, plan: GroupPlan, i: int, rows: torch.Tensor) -> None:
@@ -218,9 +223,6 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
 
     def group_of(self, p: DTensor) -> dict:
         return self.param_groups[self._group_index[p]]
-
-    def all_update_rows(self, plan: GroupPlan) -> dict[int, torch.Tensor]:
-        return {i: self.update_rows(plan, i) for i in range(len(plan.matrices))}
 
     def momentum_rows(self, plan: GroupPlan, i: int) -> torch.Tensor:
         return plan.rows_of(i, self.state[plan.param_of(i)]["momentum_buffer"].to_local())
@@ -238,12 +240,6 @@ class ZeROTensorParallelMuon(TensorParallelMuon):
         with self.host_state.rows(p, self.momentum_rows(plan, i)) as momentum:
             return momentum_update_(self, plan.rows_of(i, p.to_local()), plan.grad_rows(i),
                                     momentum, self.group_of(p))
-
-    def allgather_orthogonalize(self, plan: GroupPlan, local: dict[int, torch.Tensor],
-                                apply: ApplyUpdate) -> None:
-        for i, result in whole_results(plan, local, self.orthogonalize_whole):
-            start, stop = plan.matrices[i].layout.row_range(plan.rank)
-            apply(plan, i, result[start:stop])
 
     def owner_exchanges(self, plan: GroupPlan, local_rows: Callable[[int], torch.Tensor],
                         apply: ApplyUpdate, ahead: Callable[[OwnerRoutes], None] | None = None

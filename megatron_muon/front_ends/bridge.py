@@ -91,6 +91,14 @@ class MuonOptimizerConfig(OptimizerConfig):
     """Newton-Schulz through emerging-optimizers' Triton SYRK kernel (--muon-use-syrk;
     ZeROTensorParallelMuon's use_syrk): CUDA, bf16 (muon_fp32_matmul_prec "medium")."""
 
+    muon_gram_newton_schulz: bool = MuonSettings.gram_newton_schulz
+    """Gram Newton-Schulz on each matrix whole on its owner whose shape it costs fewer FLOPs for
+    (--muon-gram-newton-schulz; ZeROTensorParallelMuon's gram_newton_schulz)."""
+
+    muon_gram_restarts: tuple[int, ...] = MuonSettings.gram_restarts
+    """The iterations at which Gram Newton-Schulz restarts from the long side
+    (--muon-gram-restarts; ZeROTensorParallelMuon's gram_restarts)."""
+
     muon_max_team_size: int = MuonSettings.max_team_size
     """A matrix whose Newton-Schulz alone exceeds its share may be split over a team of up to this
     many ranks (--muon-max-team-size; ZeROTensorParallelMuon's max_team_size); 1: never."""

@@ -38,6 +38,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
                            muon_owner_choice=MuonSettings.owner_choice,
                            muon_max_exchange_bytes=MuonSettings.max_exchange_bytes,
                            muon_use_syrk=MuonSettings.use_syrk,
+                           muon_gram_newton_schulz=MuonSettings.gram_newton_schulz,
+                           muon_gram_restarts=MuonSettings.gram_restarts,
                            muon_max_team_size=MuonSettings.max_team_size,
                            muon_gather_inside_backward=MuonSettings.gather_inside_backward):
     """megatron-core's `get_megatron_optimizer`, plus `optimizer='muon'` (ZeROTensorParallelMuon)
@@ -57,6 +59,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
       be split over (1: none);
     - `muon_use_syrk`: its `use_syrk`, Newton-Schulz through emerging-optimizers' SYRK kernel
       (also on with `OptimizerConfig.muon_use_syrk`, where megatron-core has it);
+    - `muon_gram_newton_schulz`, `muon_gram_restarts`: its `gram_newton_schulz` and
+      `gram_restarts`, Gram Newton-Schulz where it costs fewer FLOPs and its restarts;
     - `muon_max_consecutive_skipped_steps`: FSDPMuonChainedOptimizer's limit on steps skipped
       in a row for a non-finite gradient before the run stops;
     - `muon_gather_inside_backward`: FSDPMuonChainedOptimizer's `gather_inside_backward`, the
@@ -84,6 +88,8 @@ def get_megatron_optimizer(config, model_chunks, config_overrides=None, use_gloo
                               check_interval=muon_check_interval,
                               max_exchange_bytes=muon_max_exchange_bytes, use_syrk=muon_use_syrk,
                               max_team_size=muon_max_team_size,
+                              gram_newton_schulz=muon_gram_newton_schulz,
+                              gram_restarts=tuple(muon_gram_restarts),
                               offload_fraction=_offload_fraction(config)),
                          fsdp_modules if muon_gather_inside_backward else None)
     if config.optimizer_cpu_offload:

@@ -70,6 +70,22 @@ class MuonSettings:
         help='Run Newton-Schulz through emerging-optimizers\' Triton SYRK kernel (about half the '
         'FLOPs of its symmetric products): CUDA, Triton >= 3.4, --muon-fp32-matmul-prec medium; '
         'each matrix in its own call. Refused, naming why, where it cannot run.')
+    gram_newton_schulz: bool = _setting(
+        False, action="store_true",
+        help='Run Gram Newton-Schulz (Dao-AILab\'s gram-newton-schulz: the same polynomial on the '
+        'small Gram matrix, touching the long side only at the start, at a restart and at the '
+        'end) on each matrix whole on its owner whose shape it costs fewer FLOPs for (more than '
+        '1.5 times as long as wide: 0.70 of the FLOPs at 1:3.5, 0.56 at 1:7); standard '
+        'Newton-Schulz on the rest (square matrices, TP-partitioned ones under --muon-tp-mode '
+        'duplicated or distributed). At fp32 within a derived bound of standard Newton-Schulz '
+        '(docs/design.md); at --muon-fp32-matmul-prec medium it iterates in fp16, as '
+        'gram-newton-schulz does. The start-up log says how many matrices use it.')
+    gram_restarts: tuple[int, ...] = _setting(
+        (2,), type=int, nargs="+",
+        help='With --muon-gram-newton-schulz: the iterations (0-based, each in [1, '
+        '--muon-num-ns-steps)) at which Gram Newton-Schulz restarts from the long side, which '
+        'keeps the Gram matrix well conditioned in low precision (gram-newton-schulz\'s '
+        'gram_newton_schulz_reset_iterations; its default, 2).')
     max_consecutive_skipped_steps: int = _setting(
         10, type=at_least_0,
         help='Stop with an error after this many optimizer steps in a row skipped for NaN or Inf '

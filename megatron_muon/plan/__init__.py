@@ -14,7 +14,9 @@ from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, alone_workin
                      largest_alone, newton_schulz_bytes, owner_bytes, per_exchange_bytes,
                      rank_budgets, state_saved, step_headroom, working_memory)
 from .layouts import (Matrix, Nodes, QKVRows, RowLayout, TeamBlock, applies_gram_twice, cost_key,
-                      ns_flops, orthogonalization_key, qkv_row_blocks, row_layouts, split_matrices)
+                      orthogonalization_key, qkv_row_blocks, row_layouts, split_matrices)
+from .newton_schulz import GramSchedule, matrix_ns_flops, ns_flops
+from .newton_schulz import refusal as gram_refusal
 from .offload import OffloadFigures, offload_figures, offloaded
 from .owner_plan import (OwnedBatches, OwnerPlan, final_first, owned_batches, owner_plan,
                          packed_beside, packed_plan, step_collectives)

@@ -7,6 +7,8 @@ from functools import cached_property
 from itertools import accumulate
 from typing import Sequence
 
+from .newton_schulz import GramSchedule, matrix_ns_flops
+
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -145,12 +147,6 @@ def qkv_row_blocks(rows: int, split_shapes: Sequence[int]) -> tuple[int, ...]:
     return tuple(groups * block for block in split_shapes)
 
 
-def ns_flops(rows: int, cols: int, steps: int) -> int:
-    """Newton-Schulz FLOPs of one m x n matrix: k(4m^2 n + 2m^3) with m the smaller side."""
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m ** 3)
-
-
 def applies_gram_twice(gram_side: int, long_side: int) -> bool:
     """Whether a team member holding `long_side` of a matrix's long side updates its part X as
     aX + A(bX + cAX) (A = X X^T summed over the team: 6g^2 l FLOPs an iteration) rather than as
@@ -217,7 +213,9 @@ class Matrix:
     matrix is all-gathered before Newton-Schulz: `tp_gather` is (the dim its TP shards tile,
     their number), None where nothing is gathered. A block of a matrix split over a team
     (plan/team_split.py) is a Matrix too, with its `team`. `gathered_ahead`: its gather ran
-    inside backward (carrying_momentum), so at the step its holders send nothing."""
+    inside backward (carrying_momentum), so at the step its holders send nothing. `gram`: its
+    owner runs Gram Newton-Schulz on it, or on each of its row blocks, where that costs fewer
+    FLOPs (--muon-gram-newton-schulz; plan/newton_schulz.py), None: standard Newton-Schulz."""
 
     layout: RowLayout
     cols: int
@@ -229,6 +227,7 @@ class Matrix:
     tp_gather: tuple[int, int] | None = None
     team: TeamBlock | None = None
     gathered_ahead: bool = False
+    gram: GramSchedule | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -267,7 +266,8 @@ class Matrix:
         """Its Newton-Schulz FLOPs; a team's block: a member's on its part (team_ns_flops)."""
         if self.team:
             return team_ns_flops(self.gram_side, self.long_side, steps)
-        return sum(ns_flops(rows, self.cols, steps) for rows in self.row_blocks or (self.shape[0],))
+        return sum(matrix_ns_flops(rows, self.cols, steps, self.gram)
+                   for rows in self.row_blocks or (self.shape[0],))
 
     def bytes_to_owner(self, owner: int, element_bytes: int) -> int:
         """Bytes this matrix moves per step with `owner`: the rows of its other shards in, and the

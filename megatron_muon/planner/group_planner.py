@@ -67,6 +67,7 @@ class GroupPlanner:
         if (dist.get_rank() == 0 and self.muon.dist_mode == "owner"
                 and max_exchange_bytes is not None):
             _say_which_go_alone(self.muon, plans, max_exchange_bytes)
+        _say_where_gram_runs(self.muon, plans)
         return plans
 
     def saving(self) -> int:
@@ -147,7 +148,8 @@ class GroupPlanner:
         for index, (p, layout) in enumerate(zip(params, layouts)):
             self.held_rows[p] = (*layout.row_range(rank), layout.num_rows)
             cols = p.to_local().shape[-1]
-            whole.extend((index, start, self._with_tp_gather(self._with_second_moment(matrix), p))
+            whole.extend((index, start, _with_gram(self.muon, _with_tp_gather(
+                self.muon, self._with_second_moment(matrix), p), p))
                          for start, matrix in split_matrices(layout, num_experts(p), cols,
                                                              self._batch_key(p),
                                                              self._row_blocks(p)))
@@ -236,17 +238,6 @@ class GroupPlanner:
         moment = self.muon.second_moment
         return matrix if moment is None else moment.planned(matrix)
 
-    def _with_tp_gather(self, matrix: Matrix, p: DTensor) -> Matrix:
-        """`matrix` with what emerging_optimizers' newton_schulz_tp all-gathers before
-        Newton-Schulz: in duplicated mode, a matrix TensorParallelMuon.orthogonalize hands a TP
-        partition (compat.tensor_parallel.orthogonalize_partition)."""
-        partition = tensor_parallel.orthogonalize_partition(
-            self.muon.tp_mode, self.muon.pg_collection, ParamAttributes(p))
-        if self.muon.tp_mode != "duplicated" or partition is None:
-            return matrix
-        partition_dim, tp_group = partition
-        return dataclasses.replace(matrix, tp_gather=(partition_dim, tp_group.size()))
-
     def _row_blocks(self, p) -> tuple[int, ...] | None:
         """Rows of the q, k and v blocks Newton-Schulz sees for a QKV-split param (for its cost)."""
         attrs = ParamAttributes(p)
@@ -295,6 +286,55 @@ def _say_which_go_alone(muon: PlannedMuon, plans: list[GroupPlan], max_exchange_
           f"orthogonalized alone; the largest, {muon.name_of(plan.param_of(i))} "
           f"({rows}x{cols}, {rows * cols * plan.param_of(i).element_size() / 2**20:.1f} "
           f"MiB), needs {largest / 2**20:.1f} MiB on its owner", flush=True)
+
+
+def _with_tp_gather(muon: PlannedMuon, matrix: Matrix, p: DTensor) -> Matrix:
+    """`matrix` with what emerging_optimizers' newton_schulz_tp all-gathers before
+    Newton-Schulz: in duplicated mode, a matrix TensorParallelMuon.orthogonalize hands a TP
+    partition (compat.tensor_parallel.orthogonalize_partition)."""
+    partition = tensor_parallel.orthogonalize_partition(
+        muon.tp_mode, muon.pg_collection, ParamAttributes(p))
+    if muon.tp_mode != "duplicated" or partition is None:
+        return matrix
+    partition_dim, tp_group = partition
+    return dataclasses.replace(matrix, tp_gather=(partition_dim, tp_group.size()))
+
+
+def _with_gram(muon: PlannedMuon, matrix: Matrix, p: DTensor) -> Matrix:
+    """`matrix` with the Gram schedule its owner runs where it takes fewer FLOPs
+    (--muon-gram-newton-schulz), where Newton-Schulz gets it whole: no TP partition handed to
+    it, or a TP group of one (core.gram_newton_schulz.scaled_orthogonalize_fn)."""
+    partition = tensor_parallel.orthogonalize_partition(
+        muon.tp_mode, muon.pg_collection, ParamAttributes(p))
+    if muon.gram is None or (partition is not None and partition[1].size() > 1):
+        return matrix
+    return dataclasses.replace(matrix, gram=muon.gram)
+
+
+def _say_where_gram_runs(muon: PlannedMuon, plans: list[GroupPlan]) -> None:
+    """One line on rank 0: of the matrices Newton-Schulz runs on (a QKV split's blocks each), how
+    many take Gram Newton-Schulz, and why the others do not: their shape (Gram would cost as many
+    FLOPs or more) or a TP partition (Newton-Schulz over the TP group). Nothing without
+    --muon-gram-newton-schulz."""
+    if dist.get_rank() != 0 or muon.gram is None:
+        return
+    gram = by_shape = partitioned = 0
+    for matrix in (matrix for plan in plans for matrix in plan.matrices):
+        for rows in matrix.row_blocks or (matrix.shape[0],):
+            if matrix.gram is None:
+                partitioned += 1
+            elif matrix.gram.runs_on(rows, matrix.cols):
+                gram += 1
+            else:
+                by_shape += 1
+    total = gram + by_shape + partitioned
+    why = [f"{by_shape} by their shape (square or nearly: no fewer FLOPs)"] if by_shape else []
+    if partitioned:
+        why.append(f"{partitioned} partitioned over tensor parallelism under --muon-tp-mode "
+                   f"{muon.tp_mode}")
+    rest = f"; standard Newton-Schulz on {', '.join(why)}" if why else ""
+    print(f"megatron-muon: --muon-gram-newton-schulz: {type(muon).__name__}: Gram Newton-Schulz "
+          f"on {gram} of {total} matrices{rest}", flush=True)
 
 
 def _with_teams_cost(cost: StepCost | None, matrices: list[Matrix], muon: PlannedMuon,

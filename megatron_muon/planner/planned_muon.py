@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..distribution.dtensor_rows import ParamAttributes
-from ..plan import Matrix
+from ..plan import GramSchedule, Matrix
 
 
 class PlannedColumns(Protocol):
@@ -25,7 +25,8 @@ class PlannedColumns(Protocol):
 @runtime_checkable
 class PlannedMuon(Protocol):
     """The settings, groups and Newton-Schulz of the optimizer GroupPlanner plans: its own
-    (`dist_mode`, `owner_choice`, `max_team_size`, `use_syrk`, `second_moment`, `dp_group`),
+    (`dist_mode`, `owner_choice`, `max_team_size`, `use_syrk`, `gram`, `second_moment`,
+    `dp_group`),
     TensorParallelMuon's (`tp_mode`, `pg_collection`, `qkv_split_shapes`, `fp32_matmul_prec`,
     `newton_schulz_settings`) and torch.optim.Optimizer's `param_groups`."""
 
@@ -35,6 +36,7 @@ class PlannedMuon(Protocol):
     owner_choice: str
     max_team_size: int
     use_syrk: bool
+    gram: GramSchedule | None
     second_moment: PlannedColumns | None
     tp_mode: str
     pg_collection: object  # megatron-core's ProcessGroupCollection, or None

@@ -17,12 +17,14 @@ from megatron_muon.chain.model_chunks import find_megatron_fsdp, named_main_weig
 from megatron_muon.observe.collectives import Traffic, observed
 
 def _muon(world_size, strategy="optim_grads_params", check_interval=0, precision="highest",
-          offload_fraction=0.0):
+          offload_fraction=0.0, gram=False):
+    """(`gram`: --muon-gram-newton-schulz, the owners' and the reference's Newton-Schulz.)"""
     _, fsdp = make_models(strategy, world_size)
     matrices, _ = split_params(fsdp)
     names = {p: n for n, p in fsdp.named_parameters()}
     muon = ZeROTensorParallelMuon(muon_param_groups(matrices), check_interval=check_interval,
                                   param_names=names, offload_fraction=offload_fraction,
+                                  gram_newton_schulz=gram,
                                   **{**MUON_KWARGS, "fp32_matmul_prec": precision})
     return fsdp, matrices, muon
 
@@ -85,9 +87,10 @@ def test_the_check_passes_exact_updates_and_adds_no_collective_between_checks(di
     distributed(_check_logs_and_costs_nothing_between, world_size)
 
 
-def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3, offload=0.0):
+def _corrupted_owner(rank, world_size, precision="highest", corruption=1e-3, offload=0.0,
+                     gram=False):
     fsdp, matrices, muon = _muon(world_size, check_interval=1, precision=precision,
-                                 offload_fraction=offload)
+                                 offload_fraction=offload, gram=gram)
     _backward(fsdp, 0, rank)
     before = [p.to_local().clone() for p in matrices]
     owned_results = muon.orthogonalize_owned
@@ -131,18 +134,51 @@ def test_a_corrupted_owner_result_is_caught_named_and_nothing_applied(distribute
     distributed(_corrupted_owner, world_size, "highest", 1e-3, offload)
 
 
-def _bf16_checks(rank, world_size):
-    fsdp, _, muon = _muon(world_size, check_interval=1, precision="medium")
+def _bf16_checks(rank, world_size, gram=False):
+    fsdp, _, muon = _muon(world_size, check_interval=1, precision="medium", gram=gram)
     for step in range(2):
         _backward(fsdp, step, rank)
         muon.step()  # owner and per-matrix reference within bf16's own error: no raise
+        assert muon.last_check.iteration == step + 1
         fsdp.zero_grad_buffer()
         muon.zero_grad()
-    _corrupted_owner(rank, world_size, precision="medium", corruption=1.0)
+    _corrupted_owner(rank, world_size, precision="medium", corruption=1.0, gram=gram)
 
 
-def test_with_bf16_newton_schulz_the_bound_is_bf16s_own_error(distributed):
-    distributed(_bf16_checks, 2)
+@pytest.mark.parametrize("gram", [False, True], ids=["standard", "gram"])
+def test_with_bf16_newton_schulz_the_bound_is_bf16s_own_error(distributed, gram):
+    """(`gram`: --muon-gram-newton-schulz, fp16 at `medium`: its reference's distance from its
+    own fp32 result.)"""
+    distributed(_bf16_checks, 2, gram)
+
+
+def _gram_checks(rank, world_size):
+    """--muon-gram-newton-schulz with a check every step: each passes, exactly (the owners and
+    the reference run the same Gram Newton-Schulz), beside an unchecked twin; then a corrupted
+    Gram result is caught."""
+    fsdp, matrices, checked = _muon(world_size, check_interval=1, gram=True)
+    _, twins, plain = _muon(world_size, gram=True)
+    _, standard_twins, standard = _muon(world_size)  # what Gram's updates are not
+    for step in range(3):
+        _backward(fsdp, step, rank)
+        for p, q, r in zip(matrices, twins, standard_twins):
+            q.grad = r.grad = p.grad
+        checked.step()
+        plain.step()
+        standard.step()
+        assert checked.last_check.iteration == step + 1 and checked.last_check.worst == 0
+        assert all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(matrices, twins))
+        assert not all(torch.equal(p.to_local(), r.to_local())
+                       for p, r in zip(matrices, standard_twins))
+        fsdp.zero_grad_buffer()
+        checked.zero_grad()
+    _corrupted_owner(rank, world_size, gram=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_check_passes_gram_newton_schulz_and_catches_a_corrupted_gram_result(distributed,
+                                                                                  world_size):
+    distributed(_gram_checks, world_size)
 
 
 def _adaptive_checks(rank, world_size):

@@ -74,14 +74,16 @@ def _switch(rank, world_size, checkout):
         "--optimizer", "muon", "--muon-dist-mode", "allgather", "--muon-owner-choice", "bytes",
         "--muon-max-consecutive-skipped-steps", "3", "--muon-check-interval", "5",
         "--muon-max-exchange-bytes", "65536", "--muon-use-syrk", "--muon-max-team-size", "8",
-        "--muon-gather-inside-backward"))
+        "--muon-gather-inside-backward", "--muon-gram-newton-schulz", "--muon-gram-restarts", "1",
+        "3"))
     with mock.patch.object(megatron_lm.factory, "get_megatron_optimizer") as factory:
         megatron.training.training.get_megatron_optimizer("config", ["chunk"])
     factory.assert_called_once_with("config", ["chunk"], muon_dist_mode="allgather",
                                     muon_owner_choice="bytes",
                                     muon_max_consecutive_skipped_steps=3, muon_check_interval=5,
                                     muon_max_exchange_bytes=65536, muon_use_syrk=True,
-                                    muon_max_team_size=8, muon_gather_inside_backward=True)
+                                    muon_max_team_size=8, muon_gather_inside_backward=True,
+                                    muon_gram_newton_schulz=True, muon_gram_restarts=[1, 3])
     assert _validate("--optimizer", "adam").optimizer == "adam"
     _refused("does not support: --fp16", "--optimizer", "muon", "--fp16")
     _refused("without --overlap-grad-reduce", "--optimizer", "muon",
