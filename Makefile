@@ -4,8 +4,9 @@
 # `make test-fast` runs the gloo
 # suite without the tests marked e2e (the demo, torchrun, Megatron-LM-style scripts) or slow (5 s
 # or more on 2 cores), in under 3 minutes on 2 cores;
-# `make bench` measures the optimizer step (benchmarks/results/latest.json and .png) and each
-# rank's peak memory in a train step (benchmarks/results/memory.json and .png); `make
+# `make bench` measures the optimizer step (benchmarks/results/latest.json and .png), each
+# rank's peak memory in a train step (benchmarks/results/memory.json and .png) and Gram against
+# standard Newton-Schulz (benchmarks/results/gram.json); `make
 # bench-demo` times the demo's iterations as megatron.training does, ours beside megatron-core's
 # Muon on DDP and Adam (benchmarks/results/demo.json); `make scale`
 # estimates it, and the memory per rank, for 8B/70B/DeepSeek-V3/Kimi K2 shapes at W=8..2048 from
@@ -182,6 +183,7 @@ test-gpu: venv
 bench: venv
 	$(PY) benchmarks/bench_muon_step.py
 	$(PY) benchmarks/bench_memory.py
+	$(PY) benchmarks/bench_gram.py
 
 bench-demo: venv
 	$(PY) benchmarks/bench_demo.py
