@@ -18,7 +18,8 @@ whole-matrix-per-rank (megatron-core's layer-wise placement: whole matrices spre
 Newton-Schulz work alone, wherever their rows lie), against Adam's optimizer step and a
 forward-backward estimate at each model's own tokens per step (its paper's; --tokens-per-step
 sets one for all) and at NVIDIA's Kimi K2 benchmark batch, beside NVIDIA's published figure for
-layer-wise Muon; and our step with emerging-optimizers' SYRK Newton-Schulz (--muon-use-syrk).
+layer-wise Muon; our step with emerging-optimizers' SYRK Newton-Schulz (--muon-use-syrk), and with
+Gram Newton-Schulz (--muon-gram-newton-schulz) beside the standard Newton-Schulz floor.
 Prints a table, writes benchmarks/results/scale.json and scale.png. The assumptions are printed
 with the numbers.
 """
@@ -29,13 +30,14 @@ import functools
 import json
 from pathlib import Path
 
-from megatron_muon.estimate.figures import assumed, mode_figures, plan_model
+from megatron_muon.estimate.figures import assumed, mode_figures, plan_model, planned_with_gram
 from megatron_muon.estimate.model import (MAX_EXPERT_PARALLEL, MODELS, SEQUENCE_LENGTH,
                                           attention_flops_per_token, expert_parallel, is_dense,
                                           meta_model)
 from megatron_muon.estimate.parts import (ELEMENT_BYTES, LATENCY_US_PER_RANK, Planned, Rates,
                                              measure_rates, planned_parts)
 from megatron_muon.estimate.step_time import planned_step
+from megatron_muon.plan import gram_counts
 from megatron_muon.planner.param_tags import is_expert_param
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -171,6 +173,11 @@ def estimate(name: str, world: int, model, rates: Rates, args, tensor_parallel: 
             with_overheads(mode_figures(inside, "owner", args, window)), **packed,
             micro_batch_tokens=micro_batch_tokens, backward_ms=window[0] * 1e3,
             free_share=window[1]))
+    gram = planned_with_gram(planned, args)
+    counts = gram_counts(m for part, _ in gram.parts for m in part.matrices)
+    result["gram"] = dict(with_overheads(mode_figures(gram, "owner", args)),
+                          ns_floor_ms=gram.ideal / (rates.matmul_tflops * 1e12) * 1e3,
+                          matrices_gram=counts[0], newton_schulz_matrices=sum(counts))
     result["variants"] = {
         variant: variant_figures(parts if variant == "muon" else planned_parts(
             with_second_moment(planned.dense, variant),
@@ -453,6 +460,26 @@ def print_gather_inside(results):
                          f"{ours['overhead']:.2%}"], columns))
 
 
+def print_gram(results):
+    print("\nOurs with --muon-gram-newton-schulz beside ours (owner mode), and the Newton-Schulz "
+          "floors (total FLOPs / W at the matmul rate), standard's and Gram's; overheads at each "
+          "model's own batch / NVIDIA's:")
+    columns = [("model", 12, "<"), ("W", 5, ">"), ("TP", 3, ">"), ("Gram on", 10, ">"),
+               ("floor ms", 9, ">"), ("Gram floor", 11, ">"), ("step ms", 8, ">"),
+               ("Gram step", 10, ">"), ("overhead", 16, ">"), ("Gram overhead", 16, ">")]
+    print(_line([name for name, _, _ in columns], columns))
+    for r in results:
+        ours, gram = r["modes"]["owner"], r["gram"]
+        print(_line([r["model"], r["world"], r["tensor_parallel"],
+                     f"{gram['matrices_gram']}/{gram['newton_schulz_matrices']}",
+                     f"{r['ns_floor_ms']:.1f}",
+                     f"{gram['ns_floor_ms']:.1f}", f"{ours['step_ms']:.1f}",
+                     f"{gram['step_ms']:.1f}",
+                     f"{ours['overhead']:.2%} / {ours['overhead_at_nvidia_batch']:.2%}",
+                     f"{gram['overhead']:.2%} / {gram['overhead_at_nvidia_batch']:.2%}"],
+                    columns))
+
+
 def print_variants_table(results):
     columns = [("model", 12, "<"), ("W", 5, ">"), ("TP", 3, ">"), ("variant", 8, "<"),
                ("exch", 5, ">"),
@@ -615,6 +642,7 @@ def main():
     print_table(results, notes)
     print_beside_nvidia(results, rates)
     print_gather_inside(results)
+    print_gram(results)
     print_variants_table(results)
     print_memory_table(results)
     RESULTS.mkdir(exist_ok=True)

@@ -100,6 +100,33 @@ def gather_inside(results: list[dict]) -> str:
                    "step ms, overhead, at NVIDIA's 8.4M"], rows, "lrrrlrrr")
 
 
+# The rows of the Gram table: the dense model at TP 1 and 8, the MoE flagships (issue 84).
+GRAM = (("llama-70b", 1), ("llama-70b", 8), ("deepseek-v3", 1), ("kimi-k2", 1))
+
+
+def gram(results: list[dict]) -> str:
+    """Ours with --muon-gram-newton-schulz beside ours without it: how many matrices take it,
+    the Newton-Schulz floors (total FLOPs / W at the matmul rate: standard's, Gram's), the
+    critical path's Newton-Schulz, the step, and the overhead at the model's own batch and at
+    NVIDIA's; "below" where Gram's Newton-Schulz on the path is shorter than standard's floor."""
+    rows = []
+    for r in _rows(results, GRAM):
+        ours, with_gram = r["modes"]["owner"], r["gram"]
+        below = with_gram["path_newton_schulz_ms"] < r["ns_floor_ms"]
+        rows.append([
+            NAMES[r["model"]], str(r["world"]), str(r["tensor_parallel"]),
+            f"{with_gram['matrices_gram']} of {with_gram['newton_schulz_matrices']}",
+            f"{_ms(r['ns_floor_ms'])} / {_ms(with_gram['ns_floor_ms'])}",
+            f"{_ms(ours['path_newton_schulz_ms'])} / {_ms(with_gram['path_newton_schulz_ms'])}"
+            + (" (below)" if below else ""),
+            f"{_ms(ours['step_ms'])} / {_ms(with_gram['step_ms'])}",
+            f"{ours['overhead_with_latency']:.2%} / {with_gram['overhead_with_latency']:.2%}",
+            f"{ours['overhead_at_nvidia_batch']:.2%} / {with_gram['overhead_at_nvidia_batch']:.2%}"])
+    return _table(["model", "W", "TP", "Gram on", "NS floor ms: standard / Gram",
+                   "NS on the path ms: ours / with Gram", "step ms", "overhead",
+                   "at NVIDIA's 8.4M"], rows, "lrrrrrrrr")
+
+
 def modes(results: list[dict]) -> str:
     """Every row of the run: each mode's overhead with latency, the owners' busiest / ideal."""
     names = ("owner", "teams", "owner-by-bytes", "whole-matrix-per-rank", "allgather")
@@ -157,7 +184,7 @@ def offload(results: list[dict]) -> str:
                   rows, "lrrrrrrrr")
 
 
-TABLES = {"headline": headline, "gather inside": gather_inside, "modes": modes,
+TABLES = {"headline": headline, "gather inside": gather_inside, "gram": gram, "modes": modes,
           "variants": variants, "memory": memory,
           "offload": offload}
 

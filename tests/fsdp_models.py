@@ -20,8 +20,10 @@ from megatron.core.utils import unwrap_model
 from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from megatron_muon.compat import upstream
+from megatron_muon.core.gram_newton_schulz import route_newton_schulz_through_it
+from megatron_muon.core.settings import tensor_parallel_muon_settings
 from megatron_muon.fixes import upstream_fixes
-from megatron_muon.plan import offload_figures
+from megatron_muon.plan import GramSchedule, offload_figures
 from megatron_muon.plan import team_split as plan_teams
 from megatron_muon.chain.model_chunks import find_megatron_fsdp
 from megatron_muon.tools.testing import TINY, GPTShape, loss_on
@@ -259,6 +261,17 @@ def muon_param_groups(matrices):
     per-param overrides make them: each matrix must be stepped with its own group's."""
     return [{"params": matrices[::2]},
             {"params": matrices[1::2], "lr": 0.05, "weight_decay": 0.1, "momentum": 0.8}]
+
+
+def with_gram_newton_schulz(optimizer, scaled: bool = True):
+    """megatron-core's single-device `optimizer` (TensorParallelMuon, or its adaptive variant:
+    `scaled` False) with its Newton-Schulz routed through Gram Newton-Schulz as
+    --muon-gram-newton-schulz routes ours (core.gram_newton_schulz, gram-newton-schulz's
+    restart), for the reference of a run with it."""
+    settings = tensor_parallel_muon_settings(MUON_KWARGS)
+    optimizer.gram = GramSchedule(settings["num_ns_steps"])
+    route_newton_schulz_through_it(optimizer, settings, scaled)
+    return optimizer
 
 
 def reference_optimizers(ref, moment2_method=None):

@@ -24,7 +24,7 @@ import sys
 import torch
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
 
-from megatron_muon.core.team_newton_schulz import newton_schulz_gain
+from megatron_muon.compat.newton_schulz_loop import newton_schulz_gain
 
 UNIT_ROUNDOFF = 2.0 ** -24  # fp32
 ATOL, RTOL = 1e-6, 1e-5

@@ -3,7 +3,10 @@
 newton_schulz_step, and a team member that applies the Gram matrix twice
 (core/team_newton_schulz.py) runs its own step in the same loop. Written as emerging-optimizers
 0.3's newton_schulz is; with upstream's step it gives newton_schulz_tp bit for bit
-(tests/core/test_teams.py holds it there)."""
+(tests/core/test_teams.py holds it there). Beside it, what every Newton-Schulz of ours reads of
+upstream's coefficients: each iteration's (a, b, c) in newton_schulz's order, and their gain."""
+
+import math
 
 import torch
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
@@ -34,3 +37,9 @@ def distributed_newton_schulz(part: torch.Tensor, steps: int, coefficient_type: 
         X = step(X, a, b, c, tp_group=group)
     X = X.to(torch.float32)
     return X.mT if dim == 0 else X
+
+
+def newton_schulz_gain(coefficient_type: str, steps: int) -> float:
+    """Newton-Schulz's largest amplification of a change of its normalized input: the slope at 0
+    of its composite polynomial (each step's a x + b x^3 + c x^5, b < 0, is steepest there)."""
+    return math.prod(a for a, _, _ in coefficients(steps, coefficient_type))

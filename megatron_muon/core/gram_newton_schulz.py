@@ -19,9 +19,8 @@ from typing import Protocol
 import torch
 
 from ..compat import upstream
-from ..compat.newton_schulz_loop import EPS, coefficients
+from ..compat.newton_schulz_loop import EPS, coefficients, newton_schulz_gain
 from ..plan import GramSchedule
-from .team_newton_schulz import newton_schulz_gain
 
 # TensorParallelMuon's scaled_orthogonalize_fn: (grad, tp_group, partition_dim) -> update.
 OrthogonalizeFn = Callable[..., torch.Tensor]
@@ -44,20 +43,23 @@ def gram_newton_schulz(x: torch.Tensor, schedule: GramSchedule,
 
 
 def gram_iterations(X: torch.Tensor, coefficients: Sequence[tuple[float, float, float]],
-                    restarts: Sequence[int]) -> torch.Tensor:
+                    restarts: Sequence[int],
+                    gram_of: Callable[[torch.Tensor], torch.Tensor] = lambda X: X @ X.mT
+                    ) -> torch.Tensor:
     """gram-newton-schulz's iteration on a batch of normalized wide matrices X (b x m x n, m <=
     n): R = X X^T, each iteration Z = bR + cR^2 and Q <- aQ + QZ (Q = Z + aI at the first and
     at a restart), R <- (aI + Z) R (aI + Z) from R and Z; a restart X <- Q X, R <- X X^T; at the
-    end Q X. In X's dtype."""
+    end Q X. In X's dtype. `gram_of(X)`: X X^T (a team's member sums it over the team: X is its
+    columns of the whole)."""
     restarts = set(restarts)
-    R = X @ X.mT
+    R = gram_of(X)
     eye = torch.eye(R.size(-1), device=X.device, dtype=X.dtype)
     eye = eye.unsqueeze(0).expand(R.size(0), -1, -1).contiguous()
     Q = None
     for i, (a, b, c) in enumerate(coefficients):
         if i in restarts:
             X = Q @ X
-            R = X @ X.mT
+            R = gram_of(X)
         Z = torch.baddbmm(R, R, R, alpha=c, beta=b)
         Q = Z + a * eye if i == 0 or i in restarts else torch.baddbmm(Q, Q, Z, beta=a)
         if i < len(coefficients) - 1 and i + 1 not in restarts:

@@ -137,7 +137,6 @@ def _check_teams(muon) -> None:
     beside = [flag for flag, on in (
         ("--muon-dist-mode allgather", muon.dist_mode != "owner"),
         ("--muon-use-syrk", muon.use_syrk),
-        ("--muon-gram-newton-schulz", muon.gram is not None),
         ("--optimizer adaptive_muon", muon.second_moment is not None)) if on]
     if beside:
         raise ValueError(f"ZeROTensorParallelMuon: --muon-max-team-size "

@@ -7,22 +7,28 @@ bit with even blocks in rank order, else up to the order of those sums. A member
 shorter than the Gram side applies the Gram matrix twice instead of squaring it
 (plan.applies_gram_twice): the same polynomial and collectives (docs/design.md, "Teams")."""
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import distributed_normalize_p2
+
 from ..compat import upstream
-from ..compat.newton_schulz_loop import coefficients, distributed_newton_schulz
-from ..plan import Matrix, applies_gram_twice
+from ..compat.newton_schulz_loop import (EPS, coefficients, distributed_newton_schulz,
+                                         newton_schulz_gain)
+from ..plan import GramSchedule, Matrix, applies_gram_twice
+from .gram_newton_schulz import gram_iterations
 
 
 def team_orthogonalize(part: torch.Tensor, whole_shape: tuple[int, int], dim: int, group,
-                       settings: dict) -> torch.Tensor:
+                       settings: dict, gram: GramSchedule | None = None) -> torch.Tensor:
     """This member's part of the orthogonalized whole matrix, from its `part` of it along `dim`
-    (over `group`, the team). `settings`: TensorParallelMuon's arguments."""
+    (over `group`, the team): under Gram Newton-Schulz where `gram` (Matrix.team_gram) is
+    given. `settings`: TensorParallelMuon's arguments."""
     steps, coefficient_type = settings["num_ns_steps"], settings["coefficient_type"]
-    if applies_gram_twice(min(whole_shape), part.shape[dim]):
+    if gram is not None:
+        orthogonalized = team_gram_newton_schulz(part, gram, coefficient_type, group, dim)
+    elif applies_gram_twice(min(whole_shape), part.shape[dim]):
         orthogonalized = distributed_newton_schulz(part, steps, coefficient_type, group, dim,
                                                    gram_applied_twice_step)
     else:
@@ -30,6 +36,28 @@ def team_orthogonalize(part: torch.Tensor, whole_shape: tuple[int, int], dim: in
                                                    partition_dim=dim, tp_mode="distributed")
     scale = upstream.get_muon_scale_factor(*whole_shape, mode=settings["scale_mode"])
     return orthogonalized * scale * settings["extra_scale_factor"]
+
+
+def team_gram_newton_schulz(part: torch.Tensor, schedule: GramSchedule, coefficient_type: str,
+                            group, dim: int) -> torch.Tensor:
+    """A team member's part of Gram Newton-Schulz of a matrix split over `group` along `dim`, its
+    long side (core/team_newton_schulz.py): as newton_schulz_tp's distributed form frames it
+    (the part transposed where split along dim 0, normalized over the team), each Gram matrix of
+    the long side summed over the team, one at the start and one a restart; every member
+    iterates on the whole Gram matrix itself, and applies Q to its own columns."""
+    x = part.mT if dim == 0 else part
+    X = distributed_normalize_p2(x, EPS, group)
+    if torch.get_float32_matmul_precision() == "medium":
+        X = X.to(torch.float16)
+
+    def summed_gram(X: torch.Tensor) -> torch.Tensor:
+        R = X @ X.mT
+        dist.all_reduce(R, group=group)
+        return R
+
+    X = gram_iterations(X.unsqueeze(0), coefficients(schedule.steps, coefficient_type),
+                        schedule.restarts, summed_gram).to(torch.float32).squeeze(0)
+    return X.mT if dim == 0 else X
 
 
 def gram_applied_twice_step(X: torch.Tensor, a: float, b: float, c: float,
@@ -57,14 +85,8 @@ def orthogonalized_by_team(muon: Any, plan: Any, owned: list[int],
         result = muon.orthogonalize_full(plan.param_of(owned[0]), part)
     else:
         result = team_orthogonalize(part, team.whole, team.dim, group,
-                                    muon.newton_schulz_settings)
+                                    muon.newton_schulz_settings, plan.matrices[owned[0]].team_gram)
     return list(result.split([full.shape[team.dim] for full in fulls], dim=team.dim))
-
-
-def newton_schulz_gain(coefficient_type: str, steps: int) -> float:
-    """Newton-Schulz's largest amplification of a change of its normalized input: the slope at 0
-    of its composite polynomial (each step's a x + b x^3 + c x^5, b < 0, is steepest there)."""
-    return math.prod(a for a, _, _ in coefficients(steps, coefficient_type))
 
 
 def reordering_bound(block: Matrix, settings: dict) -> float:

@@ -6,9 +6,9 @@ import dataclasses
 import time
 from types import SimpleNamespace
 
-from ..plan import team_step_cost
+from ..plan import GramSchedule, team_step_cost
 from ..planner.param_tags import is_expert_param, is_scalar_param
-from .model import ModelSpec, expert_parallel, fsdp_rows, meta_model, muon_matrices
+from .model import ModelSpec, expert_parallel, fsdp_rows, meta_model, muon_matrices, with_gram
 from .parts import (LATENCY_US_PER_RANK, Planned, Rates, nodes_in_rank_order, planned_parts,
                     step_cost)
 from .step_time import planned_step
@@ -97,14 +97,30 @@ def plan_model(spec: ModelSpec, world: int, model, rates: Rates, args, tensor_pa
                 if experts else 1)
     elementwise = max((muon_elements[r] * rates.muon_elementwise_ns_per_element
                        + adam_elements[r] * rates.adam_ns_per_element) * 1e-9 for r in range(ranks))
-    # The ideal: every rank total / W of the Newton-Schulz FLOPs of the matrices whole (a TP
-    # group's ranks each their own TP-local matrices' share: total / data parallel).
-    ideal = sum(sum(m.ns_flops(args.ns_steps) for m in part.matrices) * ranks / part.world
-                for part, _ in parts) / ranks
     return PlannedModel(world, tensor_parallel, ranks, ep, rows, dense, expert, cost, parts,
                         team_parts, all_elements, muon_elements, adam_elements, active,
-                        layout_seconds, ideal, elementwise,
+                        layout_seconds, _ideal(parts, ranks, args.ns_steps), elementwise,
                         max(all_elements) * rates.adam_ns_per_element * 1e-9)
+
+
+def _ideal(parts: Planned, ranks: int, steps: int) -> float:
+    """The ideal Newton-Schulz FLOPs a rank: total / W of the matrices whole, each by the
+    Newton-Schulz it runs (a TP group's ranks each their own TP-local matrices' share: total /
+    data parallel)."""
+    return sum(sum(m.ns_flops(steps) for m in part.matrices) * ranks / part.world
+               for part, _ in parts) / ranks
+
+
+def planned_with_gram(planned: PlannedModel, args) -> PlannedModel:
+    """`planned` under --muon-gram-newton-schulz (five iterations' schedule at args.ns_steps,
+    gram-newton-schulz's restart): its matrices with the schedule where Newton-Schulz gets them
+    whole (model.with_gram), their parts planned again, the ideal by what runs. Without teams
+    (`team_parts` the same parts: not yet with Gram)."""
+    schedule = GramSchedule(args.ns_steps)
+    dense, expert = with_gram(planned.dense, schedule), with_gram(planned.expert, schedule)
+    parts = planned_parts(dense, expert, planned.ranks, planned.ep, planned.cost)
+    return dataclasses.replace(planned, dense=dense, expert=expert, parts=parts,
+                               team_parts=parts, ideal=_ideal(parts, planned.ranks, args.ns_steps))
 
 
 def mode_figures(planned: PlannedModel, mode: str, args,
@@ -133,10 +149,12 @@ def mode_figures(planned: PlannedModel, mode: str, args,
 
 
 def estimated_steps(spec: ModelSpec, world: int, rates: Rates, args, tensor_parallel: int = 1,
-                    expert_parallel_size: int | None = None, scales=(1, 4, 16)) -> list[dict]:
+                    expert_parallel_size: int | None = None, scales=(1, 4, 16),
+                    gram: bool = False) -> list[dict]:
     """`spec`'s step at `world` ranks and `scales` times them (EP `expert_parallel_size`, default
     model.expert_parallel's), a dict a W: its layout, Adam's step and ours (ms, latency counted)
-    whole-matrix and with teams (--muon-max-team-size), each with its busiest/ideal."""
+    whole-matrix and with teams (--muon-max-team-size), each with its busiest/ideal, and with
+    `gram` ours with --muon-gram-newton-schulz ("gram": planned_with_gram)."""
     models, rows = {}, []
     for w in (world * scale for scale in scales):
         ep = expert_parallel_size or expert_parallel(spec, w // tensor_parallel)
@@ -145,9 +163,12 @@ def estimated_steps(spec: ModelSpec, world: int, rates: Rates, args, tensor_para
         planned = plan_model(spec, w, models[ep], rates, args, tensor_parallel, ep)
         row = dict(world=w, tensor_parallel=tensor_parallel, data_parallel=planned.ranks,
                    expert_parallel=ep, adam_step_ms=planned.adam_step * 1e3)
-        for mode in ("owner", "teams"):
-            figures = mode_figures(planned, mode, args)
-            row[mode] = dict(step_ms=figures["step_ms"] + figures["latency_ms"],
+        modes = [("owner", planned, "owner"), ("teams", planned, "teams")]
+        if gram:
+            modes.append(("gram", planned_with_gram(planned, args), "owner"))
+        for name, plan, mode in modes:
+            figures = mode_figures(plan, mode, args)
+            row[name] = dict(step_ms=figures["step_ms"] + figures["latency_ms"],
                              busiest_over_ideal=figures["busiest_over_ideal"])
         rows.append(row)
     return rows

@@ -198,6 +198,14 @@ def fsdp_rows(model, world: int, expert_world: int) -> dict:
     return rows
 
 
+def with_gram(matrices: list, schedule) -> list:
+    """`matrices` under --muon-gram-newton-schulz (`schedule`, a plan.GramSchedule): each one
+    Newton-Schulz gets whole (no TP gather, or over one rank) with the schedule, which runs
+    where it costs fewer FLOPs (planner.group_planner's _with_gram)."""
+    return [dataclasses.replace(matrix, gram=schedule)
+            if (matrix.tp_gather or (0, 1))[1] == 1 else matrix for matrix in matrices]
+
+
 def muon_matrices(model, rows: dict, tp_mode: str, tensor_parallel: int = 1):
     """(dense, expert) Muon matrices, each [Matrix], as megatron_muon's factory and
     ZeROTensorParallelMuon make them under `--muon-tp-mode tp_mode` (QKV split into q, k, v

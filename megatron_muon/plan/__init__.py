@@ -15,7 +15,7 @@ from .budget import (IN_FLIGHT, MAX_EXCHANGE_BYTES, ExchangeMemory, alone_workin
                      rank_budgets, state_saved, step_headroom, working_memory)
 from .layouts import (Matrix, Nodes, QKVRows, RowLayout, TeamBlock, applies_gram_twice, cost_key,
                       orthogonalization_key, qkv_row_blocks, row_layouts, split_matrices)
-from .newton_schulz import GramSchedule, matrix_ns_flops, ns_flops
+from .newton_schulz import GramSchedule, gram_counts, matrix_ns_flops, ns_flops
 from .newton_schulz import refusal as gram_refusal
 from .offload import OffloadFigures, offload_figures, offloaded
 from .owner_plan import (OwnedBatches, OwnerPlan, final_first, owned_batches, owner_plan,

@@ -30,7 +30,9 @@ def newton_schulz_bytes(matrix: Matrix, element_bytes: int) -> int:
     all-gathered first (`tp_gather`: newton_schulz_tp's duplicated mode, over one rank too),
     Newton-Schulz runs on the whole matrix, beside the gathered shards and their concatenation,
     each as large as it. A team's block (plan/team_split.py): its rows beside the whole matrix's
-    Gram side (Matrix.gram_side)."""
+    Gram side (Matrix.gram_side). Where Gram Newton-Schulz runs on it (Matrix.gram): 3mn + 5m^2
+    (the iterate, the next one at a restart or the end, the result; R, Q, Z, R Z, the next R:
+    measured so at fp32, test_memory checks the bound)."""
     shape = list(matrix.shape)
     gathered = 0
     if matrix.tp_gather:
@@ -38,7 +40,10 @@ def newton_schulz_bytes(matrix: Matrix, element_bytes: int) -> int:
         shape[dim] *= shards
         gathered = 2 * math.prod(shape)
     m, n = (matrix.gram_side, matrix.long_side) if matrix.team else sorted(shape)
-    return (3 * m * n + 2 * m * m + gathered) * element_bytes
+    runs_gram = matrix.team_gram if matrix.team else (
+        matrix.gram and matrix.gram.runs_on(*matrix.shape))
+    squares = 5 if runs_gram else 2
+    return (3 * m * n + squares * m * m + gathered) * element_bytes
 
 
 def owner_bytes(matrix: Matrix, element_bytes: int) -> int:

@@ -263,11 +263,33 @@ class Matrix:
         return self.cols + self.returned_state_cols
 
     def ns_flops(self, steps: int) -> int:
-        """Its Newton-Schulz FLOPs; a team's block: a member's on its part (team_ns_flops)."""
+        """Its Newton-Schulz FLOPs; a team's block: a member's on its part (member_flops)."""
         if self.team:
-            return team_ns_flops(self.gram_side, self.long_side, steps)
+            return self.member_flops(self.long_side, steps)
         return sum(matrix_ns_flops(rows, self.cols, steps, self.gram)
                    for rows in self.row_blocks or (self.shape[0],))
+
+    @property
+    def team_gram(self) -> GramSchedule | None:
+        """A team's block: the Gram schedule its team runs on the whole matrix, where it runs on
+        the whole matrix's shape (--muon-gram-newton-schulz); None: standard Newton-Schulz."""
+        runs = self.team and self.gram and self.gram.runs_on(*self.team.whole)
+        return self.gram if runs else None
+
+    def member_flops(self, long_side: int, steps: int) -> int:
+        """A team member's Newton-Schulz FLOPs on `long_side` of the whole matrix's long side:
+        Gram's (its products of that part, and the Gram side's, which every member repeats;
+        `steps` scales them as matrix_ns_flops does) where its team runs it, else
+        team_ns_flops."""
+        if self.team_gram:
+            return self.team_gram.flops_on(self.gram_side, long_side) * steps // self.gram.steps
+        return team_ns_flops(self.gram_side, long_side, steps)
+
+    def gram_all_reduces(self, steps: int) -> int:
+        """A team's block: the Gram matrices its team sums over its members in one
+        Newton-Schulz call, beside the norm: one an iteration, or under Gram Newton-Schulz one
+        at the start and one a restart (GramSchedule.gram_matrices)."""
+        return self.team_gram.gram_matrices if self.team_gram else steps
 
     def bytes_to_owner(self, owner: int, element_bytes: int) -> int:
         """Bytes this matrix moves per step with `owner`: the rows of its other shards in, and the

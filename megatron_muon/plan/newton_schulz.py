@@ -36,9 +36,20 @@ class GramSchedule:
 
     def flops(self, rows: int, cols: int) -> int:
         """Gram Newton-Schulz's FLOPs on one rows x cols matrix."""
-        m, n = min(rows, cols), max(rows, cols)
-        long_side, gram_side = self.products()
-        return 2 * m * m * (long_side * n + gram_side * m)
+        return self.flops_on(min(rows, cols), max(rows, cols))
+
+    def flops_on(self, gram_side: int, long_side: int) -> int:
+        """Its FLOPs on `long_side` of a matrix whose Gram matrix is gram_side x gram_side: a
+        whole matrix's, or a team member's on its part (the Gram side's products repeated by
+        every member)."""
+        long_products, gram_products = self.products()
+        return 2 * gram_side * gram_side * (long_products * long_side + gram_products * gram_side)
+
+    @property
+    def gram_matrices(self) -> int:
+        """The Gram matrices of the long side it forms: at the start and at each restart (a
+        team sums each over its members: its all-reduces beside the norm's)."""
+        return 1 + len(self.restarts)
 
     def runs_on(self, rows: int, cols: int) -> bool:
         """Whether the step runs Gram Newton-Schulz on a rows x cols matrix: where it costs fewer
@@ -60,6 +71,22 @@ def matrix_ns_flops(rows: int, cols: int, steps: int, gram: GramSchedule | None)
     if gram is not None and gram.runs_on(rows, cols):
         return gram.flops(rows, cols) * steps // gram.steps
     return ns_flops(rows, cols, steps)
+
+
+def gram_counts(matrices) -> tuple[int, int, int]:
+    """Of the matrices Newton-Schulz runs on (`matrices`, plan.Matrix; a QKV split's blocks
+    each): how many run Gram Newton-Schulz, how many standard by their shape (Gram would cost as
+    many FLOPs or more), how many standard for having no schedule (a TP partition)."""
+    gram = by_shape = without = 0
+    for matrix in matrices:
+        for rows in matrix.row_blocks or (matrix.shape[0],):
+            if matrix.gram is None:
+                without += 1
+            elif matrix.gram.runs_on(rows, matrix.cols):
+                gram += 1
+            else:
+                by_shape += 1
+    return gram, by_shape, without
 
 
 def refusal(schedule: GramSchedule) -> str | None:

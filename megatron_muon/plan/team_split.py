@@ -9,7 +9,7 @@ import dataclasses
 from collections import Counter
 from typing import Callable, Sequence
 
-from .layouts import Matrix, Nodes, RowLayout, TeamBlock, team_ns_flops
+from .layouts import Matrix, Nodes, RowLayout, TeamBlock
 from .owners import StepCost
 
 # Nothing is split where every matrix alone costs at most this times the balanced share (the
@@ -141,13 +141,14 @@ def tiered_seconds(elements: float, k: int, spanned: int, element_bytes: int,
 
 def all_reduce_seconds(block: Matrix, bytes_per_second: float, steps: int, gram_bytes: int,
                        latency: float, nodes: Nodes | None = None) -> float:
-    """A team member's all-reduces in one Newton-Schulz call of its `block` (the norm and `steps`
-    Gram matrices, `gram_bytes` an element, tiered_seconds on the fewest `nodes` that hold the
+    """A team member's all-reduces in one Newton-Schulz call of its `block` (the norm and its
+    Gram matrices: `steps` of them, or under Gram Newton-Schulz one a restart and one more,
+    Matrix.gram_all_reduces; `gram_bytes` an element, tiered_seconds on the fewest `nodes` that hold the
     team), each with `latency` seconds per rank of the team."""
-    k = block.team.size
+    k, grams = block.team.size, block.gram_all_reduces(steps)
     spanned = nodes.fewest(k) if nodes else k
     gram = tiered_seconds(block.gram_side ** 2, k, spanned, gram_bytes, bytes_per_second, nodes)
-    return steps * gram + (steps + 1) * k * latency
+    return grams * gram + (grams + 1) * k * latency
 
 
 def team_step_cost(cost: StepCost, steps: int, gram_bytes: int, latency: float,
@@ -196,8 +197,8 @@ def newton_schulz_flops(matrices: Sequence[Matrix], owners: Sequence[int], steps
                         ranks: int) -> list[int]:
     """Each rank's Newton-Schulz FLOPs as the step runs them: each matrix on its owner
     (Matrix.ns_flops); a team's blocks one call per member, on all its rows of them
-    (team_ns_flops: their share of X X^T and B X and one A A, or the Gram matrix applied
-    twice)."""
+    (Matrix.member_flops: their share of X X^T and B X and one A A, or the Gram matrix applied
+    twice; under Gram Newton-Schulz its long side's products and the Gram side's)."""
     flops = [0] * ranks
     calls: dict[tuple[int, int], list[Matrix]] = {}
     for matrix, owner in zip(matrices, owners):
@@ -206,21 +207,22 @@ def newton_schulz_flops(matrices: Sequence[Matrix], owners: Sequence[int], steps
         else:
             flops[owner] += matrix.ns_flops(steps)
     for (owner, _), blocks in calls.items():
-        flops[owner] += team_ns_flops(blocks[0].gram_side, sum(b.long_side for b in blocks), steps)
+        flops[owner] += blocks[0].member_flops(sum(b.long_side for b in blocks), steps)
     return flops
 
 
 def team_all_reduces(matrices: Sequence[Matrix], owners: Sequence[int], steps: int,
                      nodes: Nodes | None = None) -> dict[int, list[tuple[int, int, int]]]:
     """{rank: (elements, team size, nodes its members are on) of each all-reduce it takes part
-    in}: per team of several members, newton_schulz_tp's norm (one element) and each iteration's
-    Gram matrix (the whole matrix's Gram side squared). Without `nodes`, a node each."""
-    gram = {matrix.team.team: matrix.gram_side ** 2 for matrix in matrices if matrix.team}
+    in}: per team of several members, newton_schulz_tp's norm (one element) and each Gram matrix
+    it sums (the whole matrix's Gram side squared; Matrix.gram_all_reduces). Without `nodes`, a node each."""
+    blocks = {matrix.team.team: matrix for matrix in matrices if matrix.team}
     found: dict[int, list[tuple[int, int, int]]] = {}
     for team, members in team_members(matrices, owners).items():
-        k = len(members)
+        k, block = len(members), blocks[team]
         spanned = len({nodes.of_rank[r] for r in members}) if nodes else k
+        gram = [(block.gram_side ** 2, k, spanned)] * block.gram_all_reduces(steps)
         for rank in members:
-            found.setdefault(rank, []).extend([(1, k, spanned)] + [(gram[team], k, spanned)] * steps)
+            found.setdefault(rank, []).extend([(1, k, spanned)] + gram)
     return found
 

@@ -22,7 +22,7 @@ from ..distribution.exchange import all_gather_ints
 from ..distribution.team_groups import create_team_groups, group_nodes
 from ..observe.measured_cost import measure, node_bytes_per_second, seconds_beyond_noise
 from ..plan import (Matrix, Nodes, RowLayout, StepCost, batch_bytes, batch_matrices, cost_key,
-                    flops_cost, orthogonalization_key, owned_batches, owner_bytes,
+                    flops_cost, gram_counts, orthogonalization_key, owned_batches, owner_bytes,
                     per_exchange_bytes, qkv_row_blocks, row_layouts, split_matrices, team_step_cost,
                     with_teams)
 from .group_plan import Draft, GroupPlan
@@ -318,15 +318,8 @@ def _say_where_gram_runs(muon: PlannedMuon, plans: list[GroupPlan]) -> None:
     --muon-gram-newton-schulz."""
     if dist.get_rank() != 0 or muon.gram is None:
         return
-    gram = by_shape = partitioned = 0
-    for matrix in (matrix for plan in plans for matrix in plan.matrices):
-        for rows in matrix.row_blocks or (matrix.shape[0],):
-            if matrix.gram is None:
-                partitioned += 1
-            elif matrix.gram.runs_on(rows, matrix.cols):
-                gram += 1
-            else:
-                by_shape += 1
+    gram, by_shape, partitioned = gram_counts(
+        matrix for plan in plans for matrix in plan.matrices)
     total = gram + by_shape + partitioned
     why = [f"{by_shape} by their shape (square or nearly: no fewer FLOPs)"] if by_shape else []
     if partitioned:

@@ -66,26 +66,30 @@ def _synchronize():
 
 
 class _NewtonSchulzClock:
-    """Time and FLOPs of the Newton-Schulz this rank runs as an owner, around the optimizer's own
-    orthogonalize (an attribute of that one instance; nothing upstream is touched)."""
+    """Time and FLOPs of the Newton-Schulz this rank runs as an owner, around each of the
+    optimizer's own Newton-Schulz calls (its scaled_orthogonalize_fn, a QKV split's block each;
+    an attribute of that one instance: nothing upstream is touched); the FLOPs of what runs
+    (plan.matrix_ns_flops: Gram's where --muon-gram-newton-schulz runs it on a whole matrix)."""
 
     def __init__(self, muon, steps: int):
-        from ..plan import ns_flops
+        from ..plan import matrix_ns_flops
 
         self.seconds, self.flops = 0.0, 0
-        orthogonalize = muon.orthogonalize
+        orthogonalize = muon.scaled_orthogonalize_fn
 
-        def timed(attrs, matrix, **options):
+        def timed(grad, tp_group=None, partition_dim=None):
             _synchronize()
             start = time.perf_counter()
-            result = orthogonalize(attrs, matrix, **options)
+            result = orthogonalize(grad, tp_group, partition_dim)
             _synchronize()
             self.seconds += time.perf_counter() - start
-            batch = matrix.shape[0] if matrix.dim() == 3 else 1
-            self.flops += batch * ns_flops(matrix.shape[-2], matrix.shape[-1], steps)
+            batch = grad.shape[0] if grad.dim() == 3 else 1
+            whole = partition_dim is None or tp_group is None or tp_group.size() == 1
+            self.flops += batch * matrix_ns_flops(*grad.shape[-2:], steps,
+                                                  muon.gram if whole else None)
             return result
 
-        muon.orthogonalize = timed
+        muon.scaled_orthogonalize_fn = timed
 
 
 def run_configuration(config: dict, args, corrupt: bool, rates_dir: str | None = None) -> dict:
@@ -109,7 +113,8 @@ def run_configuration(config: dict, args, corrupt: bool, rates_dir: str | None =
     settings = optimizer_config(optimizer=args.optimizer,
                                 adaptive_muon_moment2_method=args.adaptive_muon_moment2_method,
                                 muon_fp32_matmul_prec=args.muon_fp32_matmul_prec)
-    optimizer = get_megatron_optimizer(settings, [model], muon_check_interval=CHECK_INTERVAL)
+    optimizer = get_megatron_optimizer(settings, [model], muon_check_interval=CHECK_INTERVAL,
+                                       muon_gram_newton_schulz=args.muon_gram_newton_schulz)
     rates = write_rates(optimizer, rates_dir) if rates_dir else None
     clocks = [_NewtonSchulzClock(muon, settings.muon_num_ns_steps)
               for muon in optimizer.muon_optimizers]
@@ -218,6 +223,9 @@ def parse_args(argv=None):
                              "its second moment too)")
     parser.add_argument("--adaptive-muon-moment2-method", default="adamuon",
                         choices=tuple(SECOND_MOMENTS), help="--optimizer adaptive_muon's variant")
+    parser.add_argument("--muon-gram-newton-schulz", action="store_true",
+                        help="Gram Newton-Schulz where it costs fewer FLOPs, as Megatron's flag "
+                             "(the estimate then shows the step with it too)")
     parser.add_argument("--time-limit", type=float, default=600,
                         help="seconds one configuration may take before the run stops as hung")
     parser.add_argument("--rates-dir", default=None,
@@ -296,16 +304,18 @@ def print_estimates(args, world_size: int, run_rates) -> None:
           f"{max(measured):.3g} TFLOP/s), network {assumptions.bandwidth_gbps:.3g} GB/s per "
           f"rank{'' if table.get('all_to_all_gbps') else ' (assumed: nothing measured)'}",
           flush=True)
+    gram = args.muon_gram_newton_schulz
     header = (f"{'W':>7} {'DP':>6} {'EP':>4} {'Adam ms':>9} {'Muon ms':>9} {'busiest/ideal':>13} "
-              f"{'teams ms':>9} {'busiest/ideal':>13}")
+              f"{'teams ms':>9} {'busiest/ideal':>13}" + (f" {'Gram ms':>9}" if gram else ""))
     print(header + "\n" + "=" * len(header), flush=True)
     for row in estimated_steps(spec, args.estimate_world_size or world_size, rates, assumptions,
-                               tp, args.expert_model_parallel_size):
+                               tp, args.expert_model_parallel_size, gram=gram):
         owner, teams = row["owner"], row["teams"]
         print(f"{row['world']:>7} {row['data_parallel']:>6} {row['expert_parallel']:>4} "
               f"{row['adam_step_ms']:>9.3g} {owner['step_ms']:>9.3g} "
               f"{owner['busiest_over_ideal']:>13.2f} {teams['step_ms']:>9.3g} "
-              f"{teams['busiest_over_ideal']:>13.2f}", flush=True)
+              f"{teams['busiest_over_ideal']:>13.2f}"
+              + (f" {row['gram']['step_ms']:>9.3g}" if gram else ""), flush=True)
     dist.destroy_process_group()
 
 
@@ -331,7 +341,9 @@ def main(argv=None) -> int:
         f"--optimizer {args.optimizer}"
         f"{f' ({args.adaptive_muon_moment2_method})' if args.optimizer != 'muon' else ''}; "
         f"Newton-Schulz "
-        f"--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec}; GPT hidden {args.hidden}, "
+        f"--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec}"
+        f"{' --muon-gram-newton-schulz' if args.muon_gram_newton_schulz else ''}; "
+        f"GPT hidden {args.hidden}, "
         f"seq {args.seq}; {ITERATIONS} iterations, checked at every {CHECK_INTERVAL}nd", flush=True)
     header = (f"{'configuration':<30} {'max |diff|':>10}  {'result':<6} {'step ms':>9} "
               f"{'NS TFLOP/s':>10} {'bytes recv/rank':>15} {'peak MiB':>9}")

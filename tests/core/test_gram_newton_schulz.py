@@ -5,10 +5,12 @@ is, its FLOPs as counted against what runs, where it runs; whole steps on Megatr
 empty shards, W=1, 2 and 4) bit for bit against single-device Muon with the same Newton-Schulz."""
 
 import builtins
+import dataclasses
 from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from gram_newton_schulz.gram_newton_schulz import _TORCH_BACKEND, _make_compiled_gram
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
@@ -16,12 +18,21 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, full_tensor, make_models,
                          muon_param_groups, reference_optimizers, split_params,
-                         step_beside_reference)
-from megatron_muon import ZeROTensorParallelAdaptiveMuon, ZeROTensorParallelMuon
+                         step_beside_reference, with_gram_newton_schulz)
+from megatron_muon import (ZeROTensorParallelAdaptiveMuon, ZeROTensorParallelMuon,
+                           get_megatron_optimizer)
 from megatron_muon.compat import upstream
 from megatron_muon.compat.newton_schulz_loop import EPS, coefficients
 from megatron_muon.core import gram_newton_schulz as gram
-from megatron_muon.plan import GramSchedule, Matrix, RowLayout, ns_flops
+from megatron_muon.core.settings import tensor_parallel_muon_settings
+from megatron_muon.core.team_newton_schulz import team_orthogonalize
+from megatron_muon.observe.collectives import Traffic, observed
+from megatron_muon.plan import (GramSchedule, Matrix, RowLayout, TeamBlock, gram_counts,
+                                newton_schulz_flops, ns_flops)
+from megatron_muon.tools.selftest import _NewtonSchulzClock
+from megatron_muon.tools.testing import (TINY, fsdp_gpt, init_parallel_state, lm_loss,
+                                         optimizer_config)
+from tolerances import ATOL, muon_drift, reordering_error
 
 SETTINGS = dict(coefficient_type="quintic", scale_mode="spectral", extra_scale_factor=1.0)
 FIVE = GramSchedule(5)
@@ -151,20 +162,13 @@ def test_a_restart_outside_the_iterations_is_refused_naming_the_flags():
                                gram_restarts=(5,), **MUON_KWARGS)
 
 
-def _with_gram(optimizer, scale=_muon_scale):
-    """Single-device megatron-core optimizer `optimizer` with the same Gram route as ours."""
-    optimizer.scaled_orthogonalize_fn = gram.scaled_orthogonalize_fn(
-        optimizer.scaled_orthogonalize_fn, FIVE, "quintic", scale)
-    return optimizer
-
-
 def _steps_as_single_device_gram_muon(rank, world_size, strategy, moment2_method=None):
     """Six steps of the test net (every matrix but a QKV split's square blocks under Gram) on
     Megatron-FSDP: each weight bit-identical to megatron-core's single-device optimizer on the
     unsharded net with Gram Newton-Schulz routed in the same way; the start-up line on rank 0."""
     ref, fsdp = make_models(strategy, world_size)
     ref_opts = reference_optimizers(ref, moment2_method)
-    _with_gram(ref_opts[0], _muon_scale if moment2_method is None else (lambda rows, cols: 1.0))
+    with_gram_newton_schulz(ref_opts[0], scaled=moment2_method is None)
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
     printed = []
@@ -198,3 +202,78 @@ def _steps_as_single_device_gram_muon(rank, world_size, strategy, moment2_method
 def test_on_megatron_fsdp_each_update_is_single_device_gram_muons(distributed, world_size,
                                                                    strategy, moment2_method):
     distributed(_steps_as_single_device_gram_muon, world_size, strategy, moment2_method)
+
+
+def _a_gram_step_runs_the_flops_counted(rank, world_size):
+    """A GPT whose MLPs and output layer take Gram Newton-Schulz (fc1 128 x 32, fc2 32 x 128,
+    64 x 32), its attention's square blocks not, through the factory: the second step's matrix products (torch's
+    FlopCounterMode) are what the plan counts for this rank (plan.newton_schulz_flops) and what
+    the self-test's clock counts, to the FLOP."""
+    init_parallel_state()
+    shape = dataclasses.replace(TINY, ffn=4 * TINY.hidden)
+    model = fsdp_gpt(shape)
+    with mock.patch.object(builtins, "print"):
+        optimizer = get_megatron_optimizer(optimizer_config(), [model],
+                                           muon_gram_newton_schulz=True)
+    (muon,) = optimizer.muon_optimizers
+    steps = muon.newton_schulz_settings["num_ns_steps"]
+    clock = _NewtonSchulzClock(muon, steps)
+    for step in range(2):  # the first creates state
+        optimizer.zero_grad()
+        lm_loss(model, step, rank, shape).backward()
+        model.finish_grad_sync()
+        clocked = clock.flops
+        with FlopCounterMode(display=False) as counted:
+            assert optimizer.step()[0]
+    planned = sum(newton_schulz_flops(plan.matrices, plan.owners, steps,
+                                      dist.get_world_size(plan.group))[plan.rank]
+                  for plan in muon.plans)
+    assert counted.get_total_flops() == planned == clock.flops - clocked, (
+        counted.get_total_flops(), planned, clock.flops - clocked)
+    gram, by_shape, _ = gram_counts(m for plan in muon.plans for m in plan.matrices)
+    # fc1 and fc2 of each layer and the output layer (64 x 32); q, k, v and proj are square
+    assert (gram, by_shape) == (5, 8), (gram, by_shape)
+
+
+def test_a_gram_step_runs_the_flops_the_plan_and_the_self_test_count(distributed):
+    distributed(_a_gram_step_runs_the_flops_counted, 4)
+
+
+def _team_gram_as_whole_gram(rank, world_size, dim):
+    """A matrix 6 wide and 12 long a member, split over a team of `world_size` along its long side
+    (row blocks of a tall one, column blocks of a wide one) under Gram Newton-Schulz: the team's part is the whole
+    matrix's Gram Newton-Schulz, within what reordering the Gram matrices' fp32 sums changes;
+    three all-reduces (the norm, the Gram matrix at the start and at the restart, not one an
+    iteration), the FLOPs Matrix.member_flops counts; at `medium` (fp16) within twice the whole
+    matrix's fp16 distance from fp32; without the all-reduces, far off."""
+    shape = [12 * world_size, 6][::1 if dim == 0 else -1]
+    full = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    block = full.chunk(world_size, dim)[rank]
+    group = dist.new_group(list(range(world_size)))
+    settings = tensor_parallel_muon_settings({})
+    reference = with_gram_newton_schulz(
+        TensorParallelMuon([torch.nn.Parameter(torch.zeros(1, 1))], **SETTINGS))
+    member = Matrix(RowLayout((block.shape[0],)), block.shape[1], gram=FIVE,
+                    team=TeamBlock(0, tuple(full.shape), 0, world_size))
+    bound = muon_drift([1.0], full.shape, reordering_error(max(full.shape))) + ATOL
+    with eo_utils.fp32_matmul_precision("highest"):
+        whole = reference.scaled_orthogonalize_fn(full, None)
+        with FlopCounterMode(display=False) as counted, observed(Traffic()) as traffic:
+            ours = team_orthogonalize(block, tuple(full.shape), dim, group, settings, FIVE)
+        assert counted.get_total_flops() == member.ns_flops(5)
+        assert traffic.by_name["allreduce_"] == 1 + FIVE.gram_matrices == 3
+        assert member.gram_all_reduces(5) == 2
+        part = whole.chunk(world_size, dim)[rank]
+        assert (ours - part).abs().max() <= bound
+        with mock.patch.object(dist, "all_reduce"):  # each member its own columns alone
+            alone = team_orthogonalize(block, tuple(full.shape), dim, group, settings, FIVE)
+        assert (alone - part).abs().max() > bound
+    with eo_utils.fp32_matmul_precision("medium"):
+        fp16 = team_orthogonalize(block, tuple(full.shape), dim, group, settings, FIVE)
+        fp16_whole = reference.scaled_orthogonalize_fn(full, None)
+    assert (fp16 - part).abs().max() <= 2 * (fp16_whole - whole).abs().max()
+
+
+@pytest.mark.parametrize("world_size, dim", [(2, 0), (4, 1)])
+def test_a_team_under_gram_sums_its_gram_matrix_once_a_restart(distributed, world_size, dim):
+    distributed(_team_gram_as_whole_gram, world_size, dim)

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_models import (MUON_KWARGS, assert_offload_as_planned, batch, full_tensor, fully_shard,
                          make_models, muon_param_groups, reference_optimizers, split_params,
-                         step_beside_reference)
+                         step_beside_reference, with_gram_newton_schulz)
 from megatron_muon import ZeROTensorParallelMuon, get_megatron_optimizer
 from megatron_muon.core.checks import MuonCheckError
 from megatron_muon.core.settings import tensor_parallel_muon_settings
@@ -241,9 +241,12 @@ def _models(net, strategy, world_size):
 
 
 def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, net,
-                                      offload=0.0):
+                                      offload=0.0, gram=False):
+    """(`gram`: --muon-gram-newton-schulz, the team's and the reference's.)"""
     ref, fsdp, split = _models(net, strategy, world_size)
     ref_opts = reference_optimizers(ref)
+    if gram:
+        with_gram_newton_schulz(ref_opts[0])
     ref_params = dict(ref.named_parameters())
     matrices, vectors = split_params(fsdp)
     # By time on two hosts of two ranks (by name): the rate inside a node is measured for the
@@ -251,7 +254,7 @@ def _teams_step_as_single_device_muon(rank, world_size, strategy, owner_choice, 
     with mock.patch("socket.gethostname", return_value=f"node{rank // 2}"):
         muon = ZeROTensorParallelMuon(muon_param_groups(matrices), max_team_size=world_size,
                                       owner_choice=owner_choice, offload_fraction=offload,
-                                      **MUON_KWARGS)
+                                      gram_newton_schulz=gram, **MUON_KWARGS)
     if owner_choice == "time":
         (rate,) = muon.planner.node_rates
         rates = [None] * world_size
@@ -307,6 +310,14 @@ def test_a_step_with_a_team_matches_single_device_muon(distributed, world_size, 
                 offload)
 
 
+# Under --muon-gram-newton-schulz (the team and the reference: Gram Newton-Schulz on the whole
+# matrix, the team's Gram matrices summed once at the start and once a restart).
+@pytest.mark.parametrize("world_size, net", [(2, "tall"), (4, "wide")])
+def test_a_step_with_a_gram_team_matches_single_device_gram_muon(distributed, world_size, net):
+    distributed(_teams_step_as_single_device_muon, world_size, "optim_grads_params", "bytes",
+                net, 0.0, True)
+
+
 def _refused_beside(rank, world_size):
     ref, fsdp = make_models("optim_grads_params", world_size, unit_modules=True)
     matrices, _ = split_params(fsdp)
@@ -348,7 +359,7 @@ def _step_counts(model, optimizer, rank):
     return flops.get_total_flops(), calls
 
 
-def _a_step_does_what_the_plan_counts(rank, world_size):
+def _a_step_does_what_the_plan_counts(rank, world_size, gram=False):
     init_parallel_state()
     counts = {}
     # Teams sized by FLOPs (owners by bytes): by time they follow this machine's measured rates.
@@ -356,8 +367,10 @@ def _a_step_does_what_the_plan_counts(rank, world_size):
     # Two ranks a node (0 and 2, 1 and 3), as hosts name them: each team of two on one node
     # (plan.TeamRule; by bytes alone the teams are 0 and 1, 2 and 3).
     for name, settings in (("teams", teams), ("adam", {})):
+        settings = {**settings, "muon_gram_newton_schulz": gram} if name == "teams" else settings
         model = fsdp_gpt(TEAM_GPT)
-        with mock.patch("socket.gethostname", return_value=f"node{rank % 2}"):
+        with mock.patch("socket.gethostname", return_value=f"node{rank % 2}"), \
+                mock.patch("builtins.print"):
             optimizer = get_megatron_optimizer(
                 optimizer_config(**({"optimizer": "adam"} if name == "adam" else {})), [model],
                 **settings)
@@ -390,12 +403,14 @@ def _a_step_does_what_the_plan_counts(rank, world_size):
     assert scalars["muon/newton-schulz-busiest-over-mean"] == max(loads) / (sum(loads) / 4)
 
 
-def test_a_step_with_teams_does_what_the_plan_counts(distributed):
+@pytest.mark.parametrize("gram", [False, True], ids=["standard", "gram"])
+def test_a_step_with_teams_does_what_the_plan_counts(distributed, gram):
     """The FLOPs of its matrix products (torch's FlopCounterMode), its collectives and the
     elements and group of each all-reduce, and the bytes it receives: on every rank of W=4, what
     the plan (plan.newton_schulz_flops, plan.team_all_reduces, the routes) counts; on two
-    nodes of two ranks (their host names), each team on one."""
-    distributed(_a_step_does_what_the_plan_counts, 4)
+    nodes of two ranks (their host names), each team on one. (`gram`: the teams under
+    --muon-gram-newton-schulz: 3 all-reduces a team, not 6.)"""
+    distributed(_a_step_does_what_the_plan_counts, 4, gram)
 
 
 def _checked_with_teams(rank, world_size, corruption):

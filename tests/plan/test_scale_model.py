@@ -3,9 +3,11 @@ alone what a real run plans: the rows it derives from Megatron-FSDP's bucketing 
 rank's main weights hold, and its plan has the matrices and owners ZeROTensorParallelMuon
 chose."""
 
+import builtins
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from megatron.core import parallel_state
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.chain.model_chunks import named_main_weights
 from megatron_muon.reporting.rates_file import rates_table
-from megatron_muon.estimate.model import fsdp_rows, muon_matrices, tensor_parallel_part
+from megatron_muon.estimate.model import (fsdp_rows, muon_matrices, tensor_parallel_part,
+                                          with_gram)
+from megatron_muon.plan import GramSchedule, gram_counts
 from megatron_muon.estimate.parts import Part, Planned, Rates, planned_parts
 from megatron_muon.estimate.step_time import (APPLIED, GATHER, GATHER_AHEAD, GROUP,
                                               NEWTON_SCHULZ, READY, SCATTER, collective_latency,
@@ -28,12 +32,14 @@ SHAPE = GPTShape(layers=2, hidden=48, ffn=96, heads=4, vocab=72, seq=16)
 
 
 def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice, tp_mode,
-                                tensor_parallel):
+                                tensor_parallel, gram=False):
     init_parallel_state(expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)
     num_experts = 4 if expert_parallel > 1 else None
     model = fsdp_gpt(SHAPE, num_experts=num_experts)
     config = optimizer_config(**({"muon_tp_mode": tp_mode} if tp_mode else {}))
-    optimizer = get_megatron_optimizer(config, [model], muon_owner_choice=owner_choice)
+    with mock.patch.object(builtins, "print"):  # --muon-gram-newton-schulz's line
+        optimizer = get_megatron_optimizer(config, [model], muon_owner_choice=owner_choice,
+                                           muon_gram_newton_schulz=gram)
     reference = gpt(SHAPE, num_experts=num_experts)  # the same TP-local shapes, never sharded
     main_weights = {name.removeprefix("module.module."): main_weight
                     for name, main_weight in named_main_weights(model)}
@@ -56,6 +62,10 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
         assert by_name[name][group_rank] == rows, (name, by_name[name], rank, rows)
 
     dense, expert = muon_matrices(reference, derived, config.muon_tp_mode, tensor_parallel)
+    if gram:  # as the scale model plans --muon-gram-newton-schulz (estimate.figures)
+        schedule = GramSchedule(config.muon_num_ns_steps)
+        dense, expert = with_gram(dense, schedule), with_gram(expert, schedule)
+        assert gram_counts(dense)[0] > 0 and gram_counts(expert)[0] > 0
     muons = [part.optimizer for part in optimizer.chained_optimizers
              if isinstance(part.optimizer, ZeROTensorParallelMuon)]
     assert len(muons) == (2 if expert else 1)
@@ -101,14 +111,17 @@ def _plans_what_the_run_planned(rank, world_size, expert_parallel, owner_choice,
 
 # Each --muon-tp-mode that plans differently: duplicated gathers over the one TP rank; None is
 # the installed megatron-core's default (blockwise on 0.19, duplicated on 0.20), here at TP = 2
-# (the scale model's TP rows: TP-local matrices, under blockwise batched as at TP = 1).
-@pytest.mark.parametrize("world_size, expert_parallel, owner_choice, tp_mode, tensor_parallel",
-                         [(4, 1, "time", None, 2), (4, 2, "time", "blockwise", 1),
-                          (4, 2, "bytes", "duplicated", 1)])
+# (the scale model's TP rows: TP-local matrices, under blockwise batched as at TP = 1); and
+# --muon-gram-newton-schulz (`gram`: the MLPs' 96 x 48 and 48 x 96 matrices and the experts').
+@pytest.mark.parametrize("world_size, expert_parallel, owner_choice, tp_mode, tensor_parallel, "
+                         "gram", [(4, 1, "time", None, 2, False),
+                                  (4, 2, "time", "blockwise", 1, False),
+                                  (4, 2, "bytes", "duplicated", 1, False),
+                                  (4, 2, "time", "blockwise", 1, True)])
 def test_scale_model_plans_what_a_run_plans(distributed, world_size, expert_parallel, owner_choice,
-                                           tp_mode, tensor_parallel):
+                                           tp_mode, tensor_parallel, gram):
     distributed(_plans_what_the_run_planned, world_size, expert_parallel, owner_choice, tp_mode,
-                tensor_parallel)
+                tensor_parallel, gram)
 
 
 @pytest.mark.parametrize("rows, cols, blocks, kept", [

@@ -18,7 +18,9 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
 from megatron_muon import get_megatron_optimizer
 from megatron_muon.tools.memory import PHASES, AllocationTracker, at_rest_bytes, measure_train_step
-from megatron_muon.plan import (MAX_EXCHANGE_BYTES, Matrix, RowLayout,
+from megatron_muon.core.gram_newton_schulz import route_newton_schulz_through_it
+from megatron_muon.core.settings import tensor_parallel_muon_settings
+from megatron_muon.plan import (MAX_EXCHANGE_BYTES, GramSchedule, Matrix, RowLayout,
                                 newton_schulz_bytes, state_saved, working_memory)
 from megatron_muon.tools.testing import (GPTShape, fsdp_gpt, init_parallel_state, lm_loss,
                                          optimizer_config)
@@ -42,11 +44,15 @@ def test_the_tracker_gives_each_phase_its_peak_of_live_bytes():
     del y
 
 
-def newton_schulz_held(shape, device) -> tuple[int, int]:
+def newton_schulz_held(shape, device, gram=None) -> tuple[int, int]:
     """(the most TensorParallelMuon.orthogonalize holds at fp32 on one matrix or a batch, result
-    included, plan.newton_schulz_bytes of its matrices)."""
+    included, plan.newton_schulz_bytes of its matrices); through Gram Newton-Schulz with `gram`
+    (a plan.GramSchedule) as --muon-gram-newton-schulz routes it."""
     param = torch.nn.Parameter(torch.zeros(shape[-2:], device=device))
     muon = TensorParallelMuon([param], lr=0.1, split_qkv=False, fp32_matmul_prec="highest")
+    if gram is not None:
+        muon.gram = gram
+        route_newton_schulz_through_it(muon, tensor_parallel_muon_settings({}), scaled=True)
     options = {k: v for k, v in muon.param_groups[0].items() if k != "params"}
     update = torch.randn(shape, device=device)
     with eo_utils.fp32_matmul_precision("highest"):
@@ -55,15 +61,23 @@ def newton_schulz_held(shape, device) -> tuple[int, int]:
             with tracker.phase("orthogonalize"):
                 muon.orthogonalize(param, update, **options)
     matrices = shape[0] if len(shape) == 3 else 1
-    planned = matrices * newton_schulz_bytes(Matrix(RowLayout((shape[-2],)), shape[-1]), 4)
+    planned = matrices * newton_schulz_bytes(Matrix(RowLayout((shape[-2],)), shape[-1],
+                                                    gram=gram), 4)
     return tracker.peaks["orthogonalize"] - tracker.starts["orthogonalize"], planned
 
 
-@pytest.mark.parametrize("shape", [(48, 32), (32, 48), (40, 40), (3, 16, 24)])
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48), (40, 40), (3, 16, 24), (16, 48), (112, 32)])
 def test_newton_schulz_holds_at_most_what_the_plan_counts(shape):
-    """One matrix or a batch of three: within plan.newton_schulz_bytes, and not far below it."""
+    """One matrix or a batch of three: within plan.newton_schulz_bytes, and not far below it;
+    Gram Newton-Schulz too where it runs (its five m x m matrices: 3mn + 2m^2 would not hold
+    it), the square one standard."""
     held, planned = newton_schulz_held(shape, CPU)
     assert 0.75 * planned <= held <= planned
+    held, planned = newton_schulz_held(shape, CPU, GramSchedule(5))
+    assert 0.75 * planned <= held <= planned
+    if GramSchedule(5).runs_on(*shape[-2:]):
+        m, n = sorted(shape[-2:])
+        assert held > (3 * m * n + 2 * m * m) * 4 * (shape[0] if len(shape) == 3 else 1)
 
 
 SHAPE = GPTShape(layers=2, hidden=64, ffn=256, heads=4, vocab=128, seq=16, micro_batch=2)

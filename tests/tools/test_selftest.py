@@ -57,7 +57,7 @@ def rows(stdout: str) -> dict:
 MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                "--num-query-groups", "2", "--vocab-size", "256", "--swiglu", "--num-experts", "4",
                "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
-ESTIMATE = re.compile(r"^ +(\d+) +(\d+) +(\d+)" + r" +(\S+)" * 5 + "$", re.MULTILINE)
+ESTIMATE = re.compile(r"^ +(\d+) +(\d+) +(\d+)" + r" +(\S+)" * 6 + "$", re.MULTILINE)
 
 
 def test_every_configuration_is_exact_and_passes(tmp_path):
@@ -65,17 +65,21 @@ def test_every_configuration_is_exact_and_passes(tmp_path):
     with --rates-dir, the first configuration's measured rates written as the scale model's
     rates file and said in a line; with the user's model in Megatron's flags, its estimated step
     at W, 4 W and 16 W (estimate; tests/plan/test_scale_model.py holds the estimate to a
-    run's plan) in the layout the flags give."""
-    run = selftest_in_forked_ranks(4, "--rates-dir", str(tmp_path), *MODEL_FLAGS)
+    run's plan) in the layout the flags give. With --muon-gram-newton-schulz: every
+    configuration's owners and check run Gram Newton-Schulz where it runs (the run at W=2 runs
+    without it), and the estimate has its column."""
+    run = selftest_in_forked_ranks(4, "--rates-dir", str(tmp_path), "--muon-gram-newton-schulz",
+                                   *MODEL_FLAGS)
     assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-4000:]}"
     assert re.search(r"^estimated optimizer step of your model \(TP 2\), .* on its 6 shapes",
                      run.stdout, re.MULTILINE), run.stdout
     estimates = [m.groups() for m in ESTIMATE.finditer(run.stdout)]
     assert [tuple(map(int, row[:3])) for row in estimates] == [(4, 2, 2), (16, 8, 2),
                                                                 (64, 32, 2)], run.stdout
+    assert re.search(r"--muon-fp32-matmul-prec highest --muon-gram-newton-schulz; ", run.stdout)
     for row in estimates:
-        adam_ms, muon_ms, busiest, teams_ms, teams_busiest = map(float, row[3:])
-        assert adam_ms > 0 and muon_ms > 0 and teams_ms > 0, row
+        adam_ms, muon_ms, busiest, teams_ms, teams_busiest, gram_ms = map(float, row[3:])
+        assert adam_ms > 0 and muon_ms > 0 and teams_ms > 0 and gram_ms > 0, row
         assert busiest >= 1 and teams_busiest >= 1, row
     said = re.findall(r"^  rates measured at construction: Newton-Schulz \S+ TFLOP/s, all-to-all "
                       r"\S+ GB/s, matmul \S+ TFLOP/s; written to (\S+) ", run.stdout, re.MULTILINE)
