@@ -41,11 +41,13 @@ RANGES := megatron_muon/compat/supported_versions.py
 # calls. The compat layer's tests (upstream's names and patches, the fixes each decided by a probe
 # of the installed code, the CPU layer, Newton-Schulz's precision) and megatron-core's adaptive
 # Muon as repaired; then every path that calls upstream: the step on Megatron-FSDP (numerics),
-# megatron-core's GPT and Muon (factory), DCP checkpoints (resharded too), the standalone
+# megatron-core's GPT and Muon (factory), Gram Newton-Schulz in emerging-optimizers' frame and
+# against gram-newton-schulz's torch path, DCP checkpoints (resharded too), the standalone
 # megatron-fsdp (standalone), torch's fake process group, gloo's collectives (exchange, and the
 # flag sweep's rows), and megatron.training (one demo run). Not the plan (pure Python), and not a
 # case parametrized at W=4 (--largest-world-size 2): it makes the upstream calls of its W=2 case.
 LOWEST_TESTS := tests/compat tests/core/test_adaptive_muon.py tests/core/test_numerics.py \
+	tests/core/test_gram_newton_schulz.py \
 	tests/integrations/test_factory.py tests/chain/test_checkpoint.py \
 	tests/integrations/test_standalone.py tests/test_fake_pg.py tests/distribution/test_exchange.py \
 	tests/e2e/test_flag_sweep.py tests/e2e/test_e2e_training.py::test_muon_on_megatron_fsdp_loss_falls

@@ -121,7 +121,8 @@ def gram(results: list[dict]) -> str:
             + (" (below)" if below else ""),
             f"{_ms(ours['step_ms'])} / {_ms(with_gram['step_ms'])}",
             f"{ours['overhead_with_latency']:.2%} / {with_gram['overhead_with_latency']:.2%}",
-            f"{ours['overhead_at_nvidia_batch']:.2%} / {with_gram['overhead_at_nvidia_batch']:.2%}"])
+            f"{ours['overhead_at_nvidia_batch']:.2%} / "
+            f"{with_gram['overhead_at_nvidia_batch']:.2%}"])
     return _table(["model", "W", "TP", "Gram on", "NS floor ms: standard / Gram",
                    "NS on the path ms: ours / with Gram", "step ms", "overhead",
                    "at NVIDIA's 8.4M"], rows, "lrrrrrrrr")

@@ -369,6 +369,12 @@ ROWS = [
            why="on Megatron-FSDP's side: the MLP's fc1 and fc2 (1024 x 32, 32 x 1024) split over "
                "teams of ranks, orthogonalized in megatron-core's distributed form "
                "(docs/design.md, Teams); one layer with a 1024-wide MLP on both sides"),
+    *_each("--muon-gram-newton-schulz", ["dense W=2", "MoE W=4 EP=2"], ["muon"],
+           both="--ffn-hidden-size 128", fsdp="--muon-gram-newton-schulz",
+           why="on Megatron-FSDP's side: Gram Newton-Schulz on the MLPs' 128 x 32 and 32 x 128 "
+               "matrices (the square ones standard), against megatron-core's standard "
+               "Newton-Schulz on Megatron DDP: the same polynomial, within fp32's rounding "
+               "(docs/design.md); a 128-wide MLP on both sides"),
     *_each("--qk-clip", ["dense W=2"], ["muon"], expect="limitation",
            limitation_shows="no reference",
            why="Megatron DDP's --qk-clip needs TransformerEngine >= 2.9 (validate_args), absent "

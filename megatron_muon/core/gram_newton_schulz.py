@@ -123,10 +123,9 @@ def fp32_bound(shape: tuple[int, int], schedule: GramSchedule, settings: dict) -
     Q X (m the short side, n the long one). Normalizing at most doubles it, and Muon's scale
     factor scales the update. `settings`: TensorParallelMuon's arguments."""
     m, n = min(shape), max(shape)
-    long_side, gram_side = schedule.products()
-    grams = long_side // 2  # one Gram matrix and one Q X at the start or restart, end
+    grams, gram_side = schedule.gram_matrices, schedule.products()[1]
     standard = schedule.steps * (n + 2 * m)
-    gram = grams * n + (gram_side + grams) * m
+    gram = grams * n + (gram_side + grams) * m  # as many Q X: at each restart and at the end
     gain = newton_schulz_gain(settings["coefficient_type"], schedule.steps)
     scale = upstream.get_muon_scale_factor(*shape, mode=settings["scale_mode"])
     return 2 * gain * (standard + gram) * 2.0 ** -24 * scale * settings["extra_scale_factor"]

@@ -5,7 +5,9 @@ it as megatron-core's TensorParallelMuon does a param partitioned along that dim
 over it), scaled by get_muon_scale_factor of the whole shape times extra_scale_factor; bit for
 bit with even blocks in rank order, else up to the order of those sums. A member whose part is
 shorter than the Gram side applies the Gram matrix twice instead of squaring it
-(plan.applies_gram_twice): the same polynomial and collectives (docs/design.md, "Teams")."""
+(plan.applies_gram_twice): the same polynomial and collectives (docs/design.md, "Teams"). Under
+--muon-gram-newton-schulz a team runs Gram Newton-Schulz, summing its Gram matrix once at the
+start and once a restart (team_gram_newton_schulz)."""
 
 from typing import Any
 
@@ -41,7 +43,7 @@ def team_orthogonalize(part: torch.Tensor, whole_shape: tuple[int, int], dim: in
 def team_gram_newton_schulz(part: torch.Tensor, schedule: GramSchedule, coefficient_type: str,
                             group, dim: int) -> torch.Tensor:
     """A team member's part of Gram Newton-Schulz of a matrix split over `group` along `dim`, its
-    long side (core/team_newton_schulz.py): as newton_schulz_tp's distributed form frames it
+    long side (--muon-gram-newton-schulz): as newton_schulz_tp's distributed form frames it
     (the part transposed where split along dim 0, normalized over the team), each Gram matrix of
     the long side summed over the team, one at the start and one a restart; every member
     iterates on the whole Gram matrix itself, and applies Q to its own columns."""

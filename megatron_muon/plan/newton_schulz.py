@@ -1,5 +1,6 @@
-"""Newton-Schulz's FLOPs, standard and Gram, and where Gram Newton-Schulz runs (--muon-gram-newton-schulz): per shape, only where
-it costs fewer FLOPs than standard Newton-Schulz. The optimizer's step (core/gram_newton_schulz.py)
+"""Newton-Schulz's FLOPs, standard and Gram, and where Gram Newton-Schulz runs
+(--muon-gram-newton-schulz): per shape, only where it costs fewer FLOPs than standard
+Newton-Schulz. The optimizer's step (core/gram_newton_schulz.py)
 and every count of the plan, the scale model and the self-test ask `GramSchedule.runs_on`, so what
 is counted is what runs.
 

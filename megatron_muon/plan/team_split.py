@@ -143,8 +143,8 @@ def all_reduce_seconds(block: Matrix, bytes_per_second: float, steps: int, gram_
                        latency: float, nodes: Nodes | None = None) -> float:
     """A team member's all-reduces in one Newton-Schulz call of its `block` (the norm and its
     Gram matrices: `steps` of them, or under Gram Newton-Schulz one a restart and one more,
-    Matrix.gram_all_reduces; `gram_bytes` an element, tiered_seconds on the fewest `nodes` that hold the
-    team), each with `latency` seconds per rank of the team."""
+    Matrix.gram_all_reduces; `gram_bytes` an element, tiered_seconds on the fewest `nodes`
+    that hold the team), each with `latency` seconds per rank of the team."""
     k, grams = block.team.size, block.gram_all_reduces(steps)
     spanned = nodes.fewest(k) if nodes else k
     gram = tiered_seconds(block.gram_side ** 2, k, spanned, gram_bytes, bytes_per_second, nodes)
@@ -215,7 +215,8 @@ def team_all_reduces(matrices: Sequence[Matrix], owners: Sequence[int], steps: i
                      nodes: Nodes | None = None) -> dict[int, list[tuple[int, int, int]]]:
     """{rank: (elements, team size, nodes its members are on) of each all-reduce it takes part
     in}: per team of several members, newton_schulz_tp's norm (one element) and each Gram matrix
-    it sums (the whole matrix's Gram side squared; Matrix.gram_all_reduces). Without `nodes`, a node each."""
+    it sums (the whole matrix's Gram side squared; Matrix.gram_all_reduces). Without `nodes`, a
+    node each."""
     blocks = {matrix.team.team: matrix for matrix in matrices if matrix.team}
     found: dict[int, list[tuple[int, int, int]]] = {}
     for team, members in team_members(matrices, owners).items():

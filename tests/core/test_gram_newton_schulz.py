@@ -136,12 +136,14 @@ def test_the_counted_flops_are_those_that_run():
                     upstream.newton_schulz(x, schedule.steps, "quintic")
             assert counted.get_total_flops() == schedule.flops(*shape), (schedule, shape)
             assert standard.get_total_flops() == ns_flops(*shape, schedule.steps)
-            assert schedule.runs_on(*shape) == (schedule.flops(*shape) < ns_flops(*shape, schedule.steps))
+            fewer = schedule.flops(*shape) < ns_flops(*shape, schedule.steps)
+            assert schedule.runs_on(*shape) == fewer
     assert not FIVE.runs_on(48, 48) and not FIVE.runs_on(64, 96)  # 1:1.5: as many FLOPs
     assert FIVE.runs_on(64, 112) and FIVE.runs_on(112, 64)
     # The issue's figures: (8r + 28) m^3 against (20r + 10) m^3.
     for r, ratio in ((7, 0.56), (3.5, 0.70), (1.75, 28 / 30)):
-        assert FIVE.flops(1024, int(r * 1024)) / ns_flops(1024, int(r * 1024), 5) == pytest.approx(ratio)
+        shape = (1024, int(r * 1024))
+        assert FIVE.flops(*shape) / ns_flops(*shape, 5) == pytest.approx(ratio)
 
 
 def test_a_matrix_counts_the_newton_schulz_its_owner_runs():
@@ -206,9 +208,9 @@ def test_on_megatron_fsdp_each_update_is_single_device_gram_muons(distributed, w
 
 def _a_gram_step_runs_the_flops_counted(rank, world_size):
     """A GPT whose MLPs and output layer take Gram Newton-Schulz (fc1 128 x 32, fc2 32 x 128,
-    64 x 32), its attention's square blocks not, through the factory: the second step's matrix products (torch's
-    FlopCounterMode) are what the plan counts for this rank (plan.newton_schulz_flops) and what
-    the self-test's clock counts, to the FLOP."""
+    64 x 32), its attention's square blocks not, through the factory: the second step's matrix
+    products (torch's FlopCounterMode) are what the plan counts for this rank
+    (plan.newton_schulz_flops) and what the self-test's clock counts, to the FLOP."""
     init_parallel_state()
     shape = dataclasses.replace(TINY, ffn=4 * TINY.hidden)
     model = fsdp_gpt(shape)
@@ -241,11 +243,11 @@ def test_a_gram_step_runs_the_flops_the_plan_and_the_self_test_count(distributed
 
 def _team_gram_as_whole_gram(rank, world_size, dim):
     """A matrix 6 wide and 12 long a member, split over a team of `world_size` along its long side
-    (row blocks of a tall one, column blocks of a wide one) under Gram Newton-Schulz: the team's part is the whole
-    matrix's Gram Newton-Schulz, within what reordering the Gram matrices' fp32 sums changes;
-    three all-reduces (the norm, the Gram matrix at the start and at the restart, not one an
-    iteration), the FLOPs Matrix.member_flops counts; at `medium` (fp16) within twice the whole
-    matrix's fp16 distance from fp32; without the all-reduces, far off."""
+    (row blocks of a tall one, column blocks of a wide one) under Gram Newton-Schulz: the team's
+    part is the whole matrix's Gram Newton-Schulz, within what reordering the Gram matrices'
+    fp32 sums changes; three all-reduces (the norm, the Gram matrix at the start and at the
+    restart, not one an iteration), the FLOPs Matrix.member_flops counts; at `medium` (fp16)
+    within twice the whole matrix's fp16 distance from fp32; without the all-reduces, far off."""
     shape = [12 * world_size, 6][::1 if dim == 0 else -1]
     full = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     block = full.chunk(world_size, dim)[rank]
