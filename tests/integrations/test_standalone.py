@@ -21,10 +21,12 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import \
     preprocess_state_dict_for_uneven_dtensor
 from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon, TensorParallelMuon
 
-from fsdp_models import MEGATRON_FSDP, STRATEGIES, ForwardReads, fully_shard, full_tensor
+from fsdp_models import (MEGATRON_FSDP, STRATEGIES, ForwardReads, fully_shard, full_tensor,
+                         with_gram_newton_schulz)
 from megatron_muon.fixes import upstream_fixes
 from megatron_muon.front_ends.placement import place
 from megatron_muon.observe.phases import TIMERS
+from megatron_muon.plan import gram_counts
 from megatron_muon.front_ends.standalone import muon_optimizer
 from megatron_muon.standalone import step_report
 from megatron_muon.tools.testing import hugging_face_model
@@ -137,9 +139,10 @@ def test_what_muon_cannot_step_is_refused_naming_the_parameter(settings, refusal
         place(TinyLM(), **settings)
 
 
-def _reference(model, placement, moment2_method=None):
+def _reference(model, placement, moment2_method=None, gram=False):
     """Single-device Muon (with `moment2_method`: megatron-core's adaptive Muon, repaired) +
-    AdamW on the unsharded model, with the same placement."""
+    AdamW on the unsharded model, with the same placement; `gram`: its Newton-Schulz routed as
+    gram_newton_schulz=True routes ours."""
     params = dict(model.named_parameters())
     for name, rows in placement.qkv_splits.items():
         params[name].is_qkv, params[name].qkv_split_shapes = True, list(rows)
@@ -150,6 +153,8 @@ def _reference(model, placement, moment2_method=None):
     muon = muon_class([params[n] for n in placement.muon], **MUON, **variant,
                       fp32_matmul_prec="highest", split_qkv=True,
                       is_qkv_fn=lambda p: getattr(p, "is_qkv", False))
+    if gram:
+        with_gram_newton_schulz(muon, scaled=not moment2_method)
     return params, [muon, torch.optim.AdamW([params[n] for n in placement.adamw], **ADAMW,
                                             foreach=True)]
 
@@ -184,7 +189,7 @@ MODELS = {
 
 
 def _built(world_size, strategy, model_name, package="megatron-core", wrapped=False,
-           moment2_method=None, offload=False, report_interval=0):
+           moment2_method=None, offload=False, report_interval=0, gram=False):
     """(an unsharded copy of the model as built, the model on `package`'s fully_shard_model, our
     optimizer), `wrapped`: then given to that package's fully_shard_optimizer; `offload` and
     `report_interval`: the optimizer's."""
@@ -197,7 +202,8 @@ def _built(world_size, strategy, model_name, package="megatron-core", wrapped=Fa
                                adamw_eps=ADAMW["eps"], adamw_weight_decay=ADAMW["weight_decay"],
                                qkv_splits=qkv_splits, fp32_matmul_prec="highest",
                                moment2_method=moment2_method, offload=offload,
-                               report_interval=report_interval)
+                               report_interval=report_interval,
+                               **({"gram_newton_schulz": True} if gram else {}))
     if wrapped:
         assert MEGATRON_FSDP[package].fully_shard_optimizer(optimizer) is optimizer
     return unsharded, model, optimizer
@@ -215,7 +221,7 @@ def _count_calls(model, *names) -> dict:
 
 
 def steps_match_single_device(rank, reference, model, optimizer, qkv_splits, case, wrap=None,
-                              moment2_method=None):
+                              moment2_method=None, gram=False):
     """STEPS steps of our `optimizer` on `model` (on Megatron-FSDP; `reference`: the unsharded
     model as built), each bit-identical to single-device Muon + AdamW fed the same reduced
     gradients, the next forward reading the weights, and one install per step. `wrap`: applies
@@ -227,7 +233,7 @@ def steps_match_single_device(rank, reference, model, optimizer, qkv_splits, cas
         assert wrap(optimizer) is optimizer
         assert calls == {"finish_grad_sync": 0, "install_optimized_model_weights": 0}, calls
     ref_params, ref_optimizers = _reference(reference, place(reference, qkv_splits=qkv_splits),
-                                            moment2_method)
+                                            moment2_method, gram)
     main_weights = dict(model.param_and_grad_buffer.optimizer_named_parameters)
     reads = ForwardReads(model)
     for step in range(STEPS):
@@ -255,16 +261,21 @@ def steps_match_single_device(rank, reference, model, optimizer, qkv_splits, cas
 
 
 def _matches_single_device(rank, world_size, strategy, model_name, package="megatron-core",
-                           wrapped=False, moment2_method=None, offload=False):
+                           wrapped=False, moment2_method=None, offload=False, gram=False):
     """`wrapped`: with `package`'s fully_shard_optimizer around ours; `moment2_method`: adaptive
-    Muon's; `offload`: the state in host memory between steps."""
+    Muon's; `offload`: the state in host memory between steps; `gram`: gram_newton_schulz=True
+    (its matrices take it: asserted)."""
     reference, model, optimizer = _built(world_size, strategy, model_name, package,
-                                         moment2_method=moment2_method, offload=offload)
+                                         moment2_method=moment2_method, offload=offload,
+                                         gram=gram)
+    if gram:
+        (muon,) = optimizer.muon_optimizers
+        assert gram_counts(m for plan in muon.plans for m in plan.matrices)[0] > 0
     steps_match_single_device(
         rank, reference, model, optimizer, MODELS[model_name][1],
         f"{moment2_method or 'muon'} {model_name} {strategy} W={world_size} {package}"
         f"{' wrapped' * wrapped} offload={offload}",
-        MEGATRON_FSDP[package].fully_shard_optimizer if wrapped else None, moment2_method)
+        MEGATRON_FSDP[package].fully_shard_optimizer if wrapped else None, moment2_method, gram)
 
 
 @pytest.mark.parametrize("world_size, strategy, model_name, moment2_method, offload", [
@@ -276,6 +287,16 @@ def test_adaptive_muon_steps_are_single_device_adaptive_muon(distributed, world_
     muon_optimizer(..., offload=...): the state (all, or half) in host memory between steps."""
     distributed(_matches_single_device, world_size, strategy, model_name, "megatron-core", False,
                 moment2_method, offload)
+
+
+@pytest.mark.parametrize("world_size, strategy, moment2_method", [
+    (2, "optim_grads_params", None), (2, "optim", "normuon")])
+def test_gram_newton_schulz_steps_are_single_device_gram_muons(distributed, world_size, strategy,
+                                                               moment2_method):
+    """muon_optimizer(..., gram_newton_schulz=True) (Automodel's muon_kwargs too): each step
+    single-device Muon's with the same Gram route, bit for bit, adaptive Muon's too."""
+    distributed(_matches_single_device, world_size, strategy, "hf-llama", "megatron-core", False,
+                moment2_method, False, True)
 
 
 needs_standalone = pytest.mark.skipif(
