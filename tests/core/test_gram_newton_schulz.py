@@ -16,8 +16,8 @@ from gram_newton_schulz.gram_newton_schulz import _TORCH_BACKEND, _make_compiled
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, full_tensor, make_models,
-                         muon_param_groups, reference_optimizers, split_params,
+from fsdp_models import (ADAPTIVE_KWARGS, MUON_KWARGS, assert_offload_as_planned, full_tensor,
+                         make_models, muon_param_groups, reference_optimizers, split_params,
                          step_beside_reference, with_gram_newton_schulz)
 from megatron_muon import (ZeROTensorParallelAdaptiveMuon, ZeROTensorParallelMuon,
                            get_megatron_optimizer)
@@ -164,10 +164,12 @@ def test_a_restart_outside_the_iterations_is_refused_naming_the_flags():
                                gram_restarts=(5,), **MUON_KWARGS)
 
 
-def _steps_as_single_device_gram_muon(rank, world_size, strategy, moment2_method=None):
-    """Six steps of the test net (every matrix but a QKV split's square blocks under Gram) on
-    Megatron-FSDP: each weight bit-identical to megatron-core's single-device optimizer on the
-    unsharded net with Gram Newton-Schulz routed in the same way; the start-up line on rank 0."""
+def _steps_as_single_device_gram_muon(rank, world_size, strategy, moment2_method=None,
+                                      offload=0.0):
+    """Six steps of the test net (every Newton-Schulz matrix under Gram: the QKV split's blocks,
+    8 x 16 and 4 x 16, each too) on Megatron-FSDP: each weight bit-identical to megatron-core's
+    single-device optimizer on the unsharded net with Gram Newton-Schulz routed in the same way;
+    the start-up line on rank 0. `offload`: that share of the state in host memory."""
     ref, fsdp = make_models(strategy, world_size)
     ref_opts = reference_optimizers(ref, moment2_method)
     with_gram_newton_schulz(ref_opts[0], scaled=moment2_method is None)
@@ -177,10 +179,10 @@ def _steps_as_single_device_gram_muon(rank, world_size, strategy, moment2_method
     with mock.patch.object(builtins, "print", side_effect=lambda *a, **k: printed.append(a[0])):
         if moment2_method is None:
             muon = ZeROTensorParallelMuon(muon_param_groups(matrices), gram_newton_schulz=True,
-                                          **MUON_KWARGS)
+                                          offload_fraction=offload, **MUON_KWARGS)
         else:
             muon = ZeROTensorParallelAdaptiveMuon(
-                muon_param_groups(matrices), gram_newton_schulz=True,
+                muon_param_groups(matrices), gram_newton_schulz=True, offload_fraction=offload,
                 moment2_method=moment2_method, **MUON_KWARGS, **ADAPTIVE_KWARGS)
     lines = [line for line in printed if "--muon-gram-newton-schulz" in line]
     if rank == 0:  # qkv's q block (8 x 16 of 16 x 16: 1:2) runs it; nothing square in the net
@@ -196,14 +198,18 @@ def _steps_as_single_device_gram_muon(rank, world_size, strategy, moment2_method
         worst = max((full_tensor(p, p) - ref_params[names[id(p)]]).abs().max().item()
                     for p in matrices + vectors)
         assert worst == 0, (strategy, world_size, moment2_method, step, worst)
+        assert_offload_as_planned(muon, offload, f"gram W={world_size} step {step}")
 
 
-@pytest.mark.parametrize("world_size, strategy, moment2_method", [
-    (1, "optim_grads_params", None), (2, "optim_grads_params", None), (2, "optim", "normuon"),
-    (4, "optim_grads_params", None), (4, "optim_grads", "adamuon")])
+@pytest.mark.parametrize("world_size, strategy, moment2_method, offload", [
+    (1, "optim_grads_params", None, 0.0), (2, "optim_grads_params", None, 0.0),
+    (2, "optim", "normuon", 1.0), (4, "optim_grads_params", None, 0.5),
+    (4, "optim_grads", "adamuon", 0.0)])
 def test_on_megatron_fsdp_each_update_is_single_device_gram_muons(distributed, world_size,
-                                                                   strategy, moment2_method):
-    distributed(_steps_as_single_device_gram_muon, world_size, strategy, moment2_method)
+                                                                   strategy, moment2_method,
+                                                                   offload):
+    """(`offload`: --optimizer-cpu-offload's share: the state in host memory between steps.)"""
+    distributed(_steps_as_single_device_gram_muon, world_size, strategy, moment2_method, offload)
 
 
 def _a_gram_step_runs_the_flops_counted(rank, world_size):
