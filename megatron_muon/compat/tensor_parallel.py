@@ -22,6 +22,12 @@ def orthogonalized_partition_dim(tp_mode: str, attrs: Any) -> int | None:
     return None if partition_dim == -1 else partition_dim
 
 
+def newton_schulz_gets_it_whole(tp_group, partition_dim: int | None) -> bool:
+    """Whether the matrix TensorParallelMuon's scaled_orthogonalize_fn is handed (with this TP
+    group and partition dim) is whole on this rank: no partition, or a TP group of one."""
+    return partition_dim is None or tp_group is None or tp_group.size() == 1
+
+
 def orthogonalize_partition(tp_mode: str, pg_collection: Any, attrs: Any) -> tuple[int, Any] | None:
     """(partition dim, TP group) that TensorParallelMuon.orthogonalize hands Newton-Schulz for a
     param with these tags, or None where it hands none (orthogonalized_partition_dim), or where

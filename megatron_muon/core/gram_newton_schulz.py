@@ -20,6 +20,7 @@ import torch
 
 from ..compat import upstream
 from ..compat.newton_schulz_loop import EPS, coefficients, newton_schulz_gain
+from ..compat.tensor_parallel import newton_schulz_gets_it_whole
 from ..plan import GramSchedule
 
 # TensorParallelMuon's scaled_orthogonalize_fn: (grad, tp_group, partition_dim) -> update.
@@ -76,9 +77,9 @@ def scaled_orthogonalize_fn(upstream_fn: OrthogonalizeFn, schedule: GramSchedule
     cols)` where a matrix is whole on this rank (no TP partition handed to Newton-Schulz, or a TP
     group of one) and `schedule` runs on its shape; `upstream_fn` elsewhere."""
     def orthogonalize(grad: torch.Tensor, tp_group=None, partition_dim: int | None = None):
-        whole = partition_dim is None or tp_group is None or tp_group.size() == 1
         rows, cols = grad.shape[-2:]
-        if not (whole and schedule.runs_on(rows, cols)):
+        if not (newton_schulz_gets_it_whole(tp_group, partition_dim)
+                and schedule.runs_on(rows, cols)):
             return upstream_fn(grad, tp_group, partition_dim)
         return gram_newton_schulz(grad, schedule, coefficient_type) * scale(rows, cols)
 

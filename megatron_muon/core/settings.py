@@ -5,6 +5,7 @@ naming it."""
 
 import inspect
 import typing
+from collections.abc import Sequence
 from typing import Literal
 
 from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
@@ -32,7 +33,8 @@ def tensor_parallel_muon_settings(muon_kwargs: dict) -> dict:
     return {**defaults, **muon_kwargs}
 
 
-def gram_schedule(gram_newton_schulz: bool, restarts, muon_kwargs: dict) -> GramSchedule | None:
+def gram_schedule(gram_newton_schulz: bool, restarts: Sequence[int],
+                  muon_kwargs: dict) -> GramSchedule | None:
     """--muon-gram-newton-schulz's schedule (None without it), over TensorParallelMuon's
     num_ns_steps; a restart outside its iterations refused, naming the flags."""
     if not gram_newton_schulz:

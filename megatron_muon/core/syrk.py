@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..compat import upstream
+from ..compat import tensor_parallel, upstream
 from ..distribution.dtensor_rows import ParamAttributes
 
 FLAG = "--muon-use-syrk"
@@ -86,8 +86,8 @@ def scaled_orthogonalize_fn(upstream_fn: OrthogonalizeFn, num_ns_steps: int,
     matrix is whole on this rank: what its closure computes there (newton_schulz, then
     get_muon_scale_factor of the matrix's shape times extra_scale_factor), with use_syrk."""
     def orthogonalize(grad: torch.Tensor, tp_group=None, partition_dim: int | None = None):
-        whole = partition_dim is None or tp_group is None or tp_group.size() == 1
-        if not (whole and _kernel_takes(grad)):
+        if not (tensor_parallel.newton_schulz_gets_it_whole(tp_group, partition_dim)
+                and _kernel_takes(grad)):
             return upstream_fn(grad, tp_group, partition_dim)
         orthogonalized = upstream.newton_schulz(grad, num_ns_steps, coefficient_type, use_syrk=True)
         scale = upstream.get_muon_scale_factor(grad.size(-2), grad.size(-1), mode=scale_mode)

@@ -112,10 +112,11 @@ def _ideal(parts: Planned, ranks: int, steps: int) -> float:
 
 
 def planned_with_gram(planned: PlannedModel, args) -> PlannedModel:
-    """`planned` under --muon-gram-newton-schulz (five iterations' schedule at args.ns_steps,
-    gram-newton-schulz's restart): its matrices with the schedule where Newton-Schulz gets them
-    whole (model.with_gram), their parts planned again, the ideal by what runs. Without teams
-    (`team_parts` the same parts: not yet with Gram)."""
+    """`planned` under --muon-gram-newton-schulz (args.ns_steps iterations, gram-newton-schulz's
+    restart: GramSchedule's default): its matrices with the schedule where Newton-Schulz gets
+    them whole (model.with_gram), their parts planned again, the ideal by what runs. Without
+    teams (`team_parts` the same parts: the scale model's teams under Gram are not planned
+    yet)."""
     schedule = GramSchedule(args.ns_steps)
     dense, expert = with_gram(planned.dense, schedule), with_gram(planned.expert, schedule)
     parts = planned_parts(dense, expert, planned.ranks, planned.ep, planned.cost)

@@ -72,6 +72,7 @@ class _NewtonSchulzClock:
     (plan.matrix_ns_flops: Gram's where --muon-gram-newton-schulz runs it on a whole matrix)."""
 
     def __init__(self, muon, steps: int):
+        from ..compat.tensor_parallel import newton_schulz_gets_it_whole
         from ..plan import matrix_ns_flops
 
         self.seconds, self.flops = 0.0, 0
@@ -84,7 +85,7 @@ class _NewtonSchulzClock:
             _synchronize()
             self.seconds += time.perf_counter() - start
             batch = grad.shape[0] if grad.dim() == 3 else 1
-            whole = partition_dim is None or tp_group is None or tp_group.size() == 1
+            whole = newton_schulz_gets_it_whole(tp_group, partition_dim)
             self.flops += batch * matrix_ns_flops(*grad.shape[-2:], steps,
                                                   muon.gram if whole else None)
             return result
