@@ -1,8 +1,7 @@
 """Newton-Schulz's FLOPs, standard and Gram, and where Gram Newton-Schulz runs
 (--muon-gram-newton-schulz): per shape, only where it costs fewer FLOPs than standard
-Newton-Schulz. The optimizer's step (core/gram_newton_schulz.py)
-and every count of the plan, the scale model and the self-test ask `GramSchedule.runs_on`, so what
-is counted is what runs.
+Newton-Schulz. The optimizer's step (core/gram_newton_schulz.py) and every count of the plan,
+the scale model and the self-test ask `GramSchedule.runs_on`, so what is counted is what runs.
 
 Gram Newton-Schulz (gram-newton-schulz's `_make_compiled_gram`) iterates on the m x m Gram matrix
 R = X X^T of the normalized input (m the short side, n the long one) and touches the long side at
