@@ -306,7 +306,8 @@ def _with_gram(muon: PlannedMuon, matrix: Matrix, p: DTensor) -> Matrix:
     it, or a TP group of one (core.gram_newton_schulz.scaled_orthogonalize_fn)."""
     partition = tensor_parallel.orthogonalize_partition(
         muon.tp_mode, muon.pg_collection, ParamAttributes(p))
-    if muon.gram is None or (partition is not None and partition[1].size() > 1):
+    whole = partition is None or tensor_parallel.newton_schulz_gets_it_whole(*partition[::-1])
+    if muon.gram is None or not whole:
         return matrix
     return dataclasses.replace(matrix, gram=muon.gram)
 
